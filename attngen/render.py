@@ -1,0 +1,151 @@
+"""Spec + plan -> emitted TileLang source, through one Jinja2 template.
+
+The template is thin; the expressions it prints (masks, tile counts, guarded
+maxima) are built here, where they can be read and tested as Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from attngen import __version__
+from attngen.plan import Plan, Shape, make_plan
+from attngen.spec import Spec, SpecError, to_toml
+
+TEMPLATE = "fa3_fwd.py.j2"
+DIMS = ("batch", "q_len", "kv_len", "kv_heads")
+
+
+class TemplateError(RuntimeError):
+    """A template bug (not a user error): shown with the template's numbered lines."""
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    loader = jinja2.FunctionLoader(_load_template)
+    return jinja2.Environment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _load_template(name: str) -> str:
+    return importlib.resources.files("attngen.templates").joinpath(name).read_text()
+
+
+def mask_condition(spec: Spec, tile: str) -> str:
+    """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
+    key = "j" if tile == "0" else f"{tile} * BLOCK_N + j"
+    terms = []
+    if spec.causal:
+        terms.append(f"q0 + row0 + i + causal_offset >= {key}")
+    if not spec.aligned:
+        terms.append(f"{key} < kv_len")
+    return " and ".join(terms)
+
+
+def full_tiles_expr(spec: Spec) -> str:
+    """Leading K tiles that every row of the warpgroup sees whole (no mask needed)."""
+    terms = []
+    if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset
+        terms.append("T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)")
+    if not spec.aligned:  # the last tile is partial unless kv_len is a multiple of BLOCK_N
+        terms.append("T.floordiv(kv_len, BLOCK_N)")
+    return terms[0] if len(terms) == 1 else f"T.min({terms[0]}, {terms[1]})"
+
+
+def scaled_max_expr(plan: Plan, masked: bool) -> str:
+    """Row max times SCALE_LOG2; a fully masked row has max -inf and uses 0 so exp2 gives 0, not NaN."""
+    plain = "m_cur[i] * SCALE_LOG2"
+    if masked and plan.guard_empty_rows:
+        return f"T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, {plain})"
+    return plain
+
+
+def header_lines(spec: Spec, plan: Plan) -> list[str]:
+    shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else "dynamic: batch, q_len, kv_len, kv_heads are runtime values"
+    lines = [
+        "=" * 78,
+        "attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.",
+        f"kernel:    {spec.name}",
+        f"spec hash: {spec.hash}",
+        f"generator: attngen {__version__}, template {TEMPLATE}",
+        f"shape:     {shape}",
+        f"schedule:  1 TMA producer warpgroup + {spec.consumers} consumer warpgroup(s)"
+        + (", ping-pong" if spec.pingpong else "")
+        + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
+        f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
+        "spec:",
+    ]
+    lines += ["  " + line for line in to_toml(spec).splitlines()]
+    lines.append("=" * 78)
+    return lines
+
+
+def template_context(spec: Spec, plan: Plan) -> dict:
+    dims = {d: None for d in DIMS}
+    if plan.shape is not None:
+        dims = {"batch": plan.shape.batch, "q_len": plan.shape.q_len, "kv_len": plan.shape.kv_len, "kv_heads": plan.shape.kv_heads}
+    return {
+        "spec": spec,
+        "plan": plan,
+        "header": header_lines(spec, plan),
+        "dims": dims,
+        "mask_cond": lambda tile: mask_condition(spec, tile),
+        "full_tiles": full_tiles_expr(spec) if (spec.causal or not spec.aligned) else "",
+        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
+        "has_masked": spec.causal or not spec.aligned,
+        "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + WG_ROWS",
+    }
+
+
+def render(spec: Spec, shape: Shape | None = None) -> str:
+    """The emitted TileLang source for `spec` (dynamic shapes unless `shape` is given)."""
+    if not isinstance(spec, Spec):
+        raise SpecError("<spec>", type(spec).__name__, "expected an attngen.Spec")
+    plan = make_plan(spec, shape)
+    template = environment().get_template(TEMPLATE)
+    try:
+        return template.render(**template_context(spec, plan))
+    except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
+        raise TemplateError(_numbered(TEMPLATE, e)) from e
+
+
+def _numbered(name: str, err: jinja2.TemplateError) -> str:
+    lineno = getattr(err, "lineno", None)
+    text = _load_template(name).splitlines()
+    lo, hi = (max(0, lineno - 4), min(len(text), lineno + 3)) if lineno else (0, 0)
+    shown = "\n".join(f"{'>' if i + 1 == lineno else ' '}{i + 1:5d} | {text[i]}" for i in range(lo, hi))
+    return f"{name}:{lineno}: {err}\n{shown}"
+
+
+def output_path(spec: Spec, out_dir: str | Path) -> Path:
+    return Path(out_dir) / f"{spec.name}.py"
+
+
+def write_if_different(path: Path, text: str) -> bool:
+    """Atomic write that leaves the file (and its mtime) alone when the content is unchanged."""
+    path = Path(path)
+    if path.exists() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return True
+
+
+def generate(spec: Spec, out_dir: str | Path = "generated", shape: Shape | None = None) -> Path:
+    """Write the emitted kernel for `spec` under `out_dir`; return its path."""
+    path = output_path(spec, out_dir)
+    write_if_different(path, render(spec, shape))
+    return path

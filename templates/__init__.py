@@ -1,0 +1,1 @@
+"""Jinja2 templates shipped inside the wheel as attngen.templates."""
