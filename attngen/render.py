@@ -19,6 +19,20 @@ from attngen.plan import Plan, Shape, make_plan
 from attngen.spec import Spec, SpecError, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
+# nvcc flags carried in the emitted file: fast math (exp2 -> ex2.approx) and the
+# half/bfloat16 operators TileLang's headers need.
+COMPILE_FLAGS = (
+    "-O3",
+    "--use_fast_math",
+    "-Wno-deprecated-declarations",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-DNDEBUG",
+)
 DIMS = ("batch", "q_len", "kv_len", "kv_heads")
 
 
@@ -103,6 +117,7 @@ def template_context(spec: Spec, plan: Plan) -> dict:
         "full_tiles": full_tiles_expr(spec) if (spec.causal or not spec.aligned) else "",
         "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "has_masked": spec.causal or not spec.aligned,
+        "compile_flags": COMPILE_FLAGS,
         "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + WG_ROWS",
     }
 
