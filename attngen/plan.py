@@ -134,6 +134,13 @@ def make_plan(spec: Spec, shape: Shape | None = None) -> Plan:
     needed = consumer_regs_needed(spec.head_dim, spec.block_n)
     if needed > consumer_regs:
         fits = [bn for bn in BLOCK_N_CANDIDATES if consumer_regs_needed(spec.head_dim, bn) <= consumer_regs]
+        if not fits:
+            ok = [c for c, (_, regs) in REG_SPLIT.items() if consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1]) <= regs]
+            raise SpecError(
+                "consumers", n,
+                f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
+                f"head_dim {spec.head_dim} needs at any block_n; use consumers in {ok}",
+            )
         raise SpecError(
             "block_n", spec.block_n,
             f"a consumer thread would need about {needed} registers (O {spec.head_dim // 2}, S {spec.block_n // 2}, "

@@ -1,0 +1,51 @@
+"""generated/ holds each preset's emitted kernel; regenerating must be byte-identical."""
+
+from pathlib import Path
+
+import pytest
+
+import attngen
+from attngen.render import generate, write_if_different
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def test_there_are_enough_presets():
+    specs = [attngen.load_spec(p) for p in PRESETS]
+    assert len(specs) >= 6
+    assert {64, 128, 256} <= {s.head_dim for s in specs}
+    assert {"float16", "bfloat16"} == {s.dtype for s in specs}
+    assert {True, False} == {s.causal for s in specs}
+    assert {1, 2, 3} == {s.consumers for s in specs}
+    assert {1, 2, 3} <= {s.k_stages for s in specs} | {s.v_stages for s in specs}
+    assert any(s.gqa_group == 1 for s in specs) and any(s.gqa_group > 1 for s in specs)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_generated_file_is_byte_identical(preset, tmp_path):
+    spec = attngen.load_spec(preset)
+    fresh = generate(spec, tmp_path)
+    golden = ROOT / "generated" / fresh.name
+    assert golden.exists(), f"generated/{fresh.name} is missing: run `attngen generate {preset.relative_to(ROOT)}`"
+    assert golden.read_bytes() == fresh.read_bytes(), f"generated/{fresh.name} drifted from the generator: regenerate it"
+
+
+def test_no_stale_generated_files():
+    expected = {attngen.load_spec(p).name + ".py" for p in PRESETS}
+    present = {p.name for p in (ROOT / "generated").glob("*.py")}
+    assert present == expected
+
+
+def test_rendering_is_deterministic():
+    spec = attngen.Spec(causal=True, gqa_group=2)
+    assert attngen.render(spec) == attngen.render(attngen.Spec(causal=True, gqa_group=2))
+
+
+def test_write_if_different_keeps_mtime(tmp_path):
+    path = tmp_path / "k.py"
+    assert write_if_different(path, "x = 1\n") is True
+    before = path.stat().st_mtime_ns
+    assert write_if_different(path, "x = 1\n") is False
+    assert path.stat().st_mtime_ns == before
+    assert write_if_different(path, "x = 2\n") is True and path.read_text() == "x = 2\n"

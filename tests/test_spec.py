@@ -1,0 +1,148 @@
+"""Spec validation: every field, every budget, unknown keys, TOML, names and hashes."""
+
+import ast
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import attngen
+from attngen.plan import SMEM_LIMIT, Shape, make_plan
+from attngen.spec import FIELDS, Spec, SpecError, from_dict, load, to_toml
+from strategies import spec_fields, valid_specs
+
+
+def error_for(**fields) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        Spec(**fields)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "fields, field, hint",
+    [
+        ({"head_dim": 100}, "head_dim", "64, 96, 128, 192, 256"),
+        ({"head_dim": 128.0}, "head_dim", "one of"),
+        ({"head_dim": True}, "head_dim", "one of"),
+        ({"dtype": "float32"}, "dtype", "bfloat16"),
+        ({"dtype": ["float16"]}, "dtype", "bfloat16"),
+        ({"causal": "yes"}, "causal", "true or false"),
+        ({"gqa_group": 0}, "gqa_group", "from 1"),
+        ({"consumers": 4}, "consumers", "from 1 to 3"),
+        ({"k_stages": 0}, "k_stages", "from 1 to 4"),
+        ({"v_stages": 5}, "v_stages", "from 1 to 4"),
+        ({"block_m": 64}, "block_m", "64 * consumers"),
+        ({"block_n": 100}, "block_n", "multiple of 16"),
+        ({"pingpong": True, "consumers": 1}, "pingpong", "consumers >= 2"),
+        ({"aligned": 1}, "aligned", "true or false"),
+    ],
+)
+def test_bad_field_names_field_value_and_valid_range(fields, field, hint):
+    err = error_for(**fields)
+    assert err.field == field
+    assert hint in str(err)
+    assert repr(list(fields.values())[0]) in str(err)
+
+
+def test_register_budget_names_block_n_and_the_figures():
+    err = error_for(head_dim=256, block_n=128, k_stages=1, v_stages=1)
+    assert err.field == "block_n"
+    assert "registers" in str(err) and "240" in str(err) and "block_n <= 96" in str(err)
+
+
+def test_head_dim_256_cannot_have_three_consumers():
+    err = error_for(head_dim=256, consumers=3)
+    assert err.field == "consumers" and "[1, 2]" in str(err)
+
+
+def test_three_consumers_get_fewer_registers():
+    err = error_for(consumers=3, head_dim=128, block_n=128)
+    assert err.field == "block_n" and "160" in str(err)
+
+
+def test_shared_memory_budget_reports_the_plan_bytes():
+    err = error_for(head_dim=256, block_n=96, k_stages=4, v_stages=4)
+    assert err.field == "k_stages/v_stages"
+    assert str(SMEM_LIMIT) in str(err)
+    plan_bytes = 2 * (128 * 256 * 2) + 8 * 96 * 256 * 2  # Q + O, 4 + 4 stages of 96 x 256
+    assert str(plan_bytes) in str(err)
+
+
+def test_unknown_key_suggests_the_nearest():
+    with pytest.raises(SpecError) as info:
+        from_dict({"head_dims": 128})
+    assert info.value.field == "head_dims"
+    assert "did you mean `head_dim`" in str(info.value)
+
+
+def test_toml_round_trip(tmp_path):
+    spec = Spec(head_dim=64, dtype="bfloat16", causal=True, gqa_group=4, consumers=3)
+    path = tmp_path / "s.toml"
+    path.write_text(to_toml(spec))
+    assert load(path) == spec
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("head_dim = = 3")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load(bad)
+    with pytest.raises(SpecError, match="no such spec file"):
+        load(tmp_path / "nope.toml")
+
+
+def test_defaults_are_derived_and_frozen_into_name_and_hash():
+    implicit = Spec(causal=True)
+    explicit = Spec(causal=True, block_m=128, block_n=128, pingpong=True)
+    assert implicit == explicit and implicit.hash == explicit.hash
+    assert implicit.name == "fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128"
+    assert Spec(consumers=1).pingpong is False
+    assert Spec(causal=True, gqa_group=4).hash != implicit.hash
+
+
+def test_name_encodes_every_axis():
+    a = Spec(consumers=2, pingpong=False, aligned=True, dtype="bfloat16", gqa_group=4, k_stages=3, v_stages=1)
+    assert a.name == "fa3_fwd_hd128_bf16_full_g4_c2_k3v1_m128n128_nopp_aligned"
+
+
+def test_shape_checks():
+    spec = Spec(gqa_group=2, aligned=True)
+    make_plan(spec, Shape(1, 4, 2, 256, 256))
+    with pytest.raises(SpecError, match="kv_heads \\* gqa_group"):
+        make_plan(spec, Shape(1, 3, 2, 256, 256))
+    with pytest.raises(SpecError, match="multiple of block_m"):
+        make_plan(spec, Shape(1, 4, 2, 200, 256))
+    with pytest.raises(SpecError, match="B,H,HKV,SQ,SKV"):
+        Shape.parse("1,2,3")
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(valid_specs())
+def test_every_valid_spec_renders_to_python_that_parses(spec):
+    source = attngen.render(spec)
+    tree = ast.parse(source)
+    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert {"build_kernel", "consumer", spec.name} <= names
+    assert f"spec hash: {spec.hash}" in source
+    # the consumer body is emitted once, whatever the number of consumers
+    assert source.count("def consumer(") == 1
+    assert source.count("with T.ws(") == spec.consumers
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(FIELDS + ("stages", "headdim")), st.one_of(st.integers(-5, 300), st.text(max_size=8), st.booleans(), st.none(), st.floats(allow_nan=False)), max_size=5))
+def test_arbitrary_input_raises_spec_error_and_nothing_else(data):
+    try:
+        spec = from_dict(data)
+    except SpecError as e:
+        assert e.field and str(e)
+    else:
+        assert isinstance(spec, Spec)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(spec_fields())
+def test_in_range_fields_either_build_or_name_a_budget(fields):
+    try:
+        Spec(**fields)
+    except SpecError as e:
+        assert e.field in ("block_n", "k_stages/v_stages", "consumers")
