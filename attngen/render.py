@@ -118,7 +118,7 @@ def template_context(spec: Spec, plan: Plan) -> dict:
         "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "has_masked": spec.causal or not spec.aligned,
         "compile_flags": COMPILE_FLAGS,
-        "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + WG_ROWS",
+        "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + 64",
     }
 
 

@@ -211,7 +211,7 @@ def build_kernel():
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
             if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:
-                T.tma_copy(Q[batch_idx, q0:q0 + WG_ROWS, head, :], Q_shared[0, :, :], barrier=q_full)
+                T.tma_copy(Q[batch_idx, q0:q0 + 64, head, :], Q_shared[0, :, :], barrier=q_full)
                 T.tma_copy(Q[batch_idx, q0 + 64:q0 + 128, head, :], Q_shared[1, :, :], barrier=q_full)
                 T.mbarrier_arrive(q_full)
                 for k in T.serial(n_tiles):
