@@ -49,3 +49,19 @@ def test_write_if_different_keeps_mtime(tmp_path):
     assert write_if_different(path, "x = 1\n") is False
     assert path.stat().st_mtime_ns == before
     assert write_if_different(path, "x = 2\n") is True and path.read_text() == "x = 2\n"
+
+
+def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
+    from attngen import render as render_mod
+
+    broken = "line one\n{{ spec.name }}\n{{ no_such_parameter }}\nline four\n"
+    monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
+    render_mod.environment.cache_clear()
+    try:
+        with pytest.raises(render_mod.TemplateError) as info:
+            attngen.render(attngen.Spec())
+    finally:
+        render_mod.environment.cache_clear()
+    message = str(info.value)
+    assert "fa3_fwd.py.j2:3" in message and "no_such_parameter" in message
+    assert ">    3 | {{ no_such_parameter }}" in message

@@ -1,0 +1,33 @@
+"""The README opens with exactly two commands, and CI runs the second one verbatim."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_opens_with_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert text.startswith("# attngen\n\n```bash\n")
+    main_job, tests = readme_commands()
+    assert "attngen check examples/default.toml" in main_job
+    assert tests.endswith("python -m pytest")
+
+
+def test_ci_runs_the_readme_test_command():
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert readme_commands()[1] in ci_lines
+
+
+def test_every_package_ships_in_the_wheel():
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "attngen").rglob("__init__.py")}
+    on_disk.add("attngen.templates")  # templates/ ships as attngen.templates (package-dir mapping)
+    assert on_disk == declared
