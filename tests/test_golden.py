@@ -1,5 +1,6 @@
 """generated/ holds each preset's emitted kernel; regenerating must be byte-identical."""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_write_if_different_keeps_mtime(tmp_path):
 
 
 def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
-    from attngen import render as render_mod
+    render_mod = importlib.import_module("attngen.render")  # attngen.render the function shadows the module
 
     broken = "line one\n{{ spec.name }}\n{{ no_such_parameter }}\nline four\n"
     monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
