@@ -10,6 +10,7 @@ import functools
 import importlib.resources
 import os
 import tempfile
+import traceback
 from pathlib import Path
 
 import jinja2
@@ -42,7 +43,7 @@ class TemplateError(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    loader = jinja2.FunctionLoader(_load_template)
+    loader = jinja2.FunctionLoader(_template_source)
     return jinja2.Environment(
         loader=loader,
         undefined=jinja2.StrictUndefined,
@@ -53,6 +54,11 @@ def environment() -> jinja2.Environment:
 
 def _load_template(name: str) -> str:
     return importlib.resources.files("attngen.templates").joinpath(name).read_text()
+
+
+def _template_source(name: str):
+    # (source, filename, uptodate): the filename makes Jinja put template line numbers in tracebacks
+    return _load_template(name), name, lambda: True
 
 
 def mask_condition(spec: Spec, tile: str) -> str:
@@ -136,6 +142,9 @@ def render(spec: Spec, shape: Shape | None = None) -> str:
 
 def _numbered(name: str, err: jinja2.TemplateError) -> str:
     lineno = getattr(err, "lineno", None)
+    if lineno is None:  # errors raised while rendering carry the line in the traceback
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == name]
+        lineno = frames[-1].lineno if frames else None
     text = _load_template(name).splitlines()
     lo, hi = (max(0, lineno - 4), min(len(text), lineno + 3)) if lineno else (0, 0)
     shown = "\n".join(f"{'>' if i + 1 == lineno else ' '}{i + 1:5d} | {text[i]}" for i in range(lo, hi))
