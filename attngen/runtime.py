@@ -1,0 +1,328 @@
+"""Generated kernels, callable from PyTorch on a Hopper GPU.
+
+    kernel = attngen.runtime.compile(spec)          # JIT: render -> TileLang -> nvcc (sm_90a)
+    out = kernel(q, k, v)                           # q [B, Sq, H, D], k/v [B, Skv, HKV, D]
+    out = attngen.runtime.attention(q, k, v, causal=True)   # spec picked from the tensors
+
+Compiling needs nvcc but no GPU; running needs a CUDA device of compute
+capability 9.0. Every input is checked before anything is launched, and a bad
+input raises `InputError` (a ValueError) that names the argument, the value and
+what was expected.
+
+Caching: `compile` memoizes per (spec, shape) in this process, and TileLang's own
+disk cache (content-keyed: the TIR script, target, flags, pass configs and the
+TileLang build) lets a second process load the built library instead of running
+nvcc again. The disk cache lives under $TILELANG_CACHE_DIR (default
+~/.tilelang/cache), in <version>/<platform>/kernels/<sha256>/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Callable
+
+from attngen.lower import TARGET, load_module
+from attngen.plan import Shape, make_plan
+from attngen.render import render
+from attngen.spec import Spec
+
+CAPABILITY = (9, 0)  # sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only
+TMA_ALIGN = 16  # bytes: TMA wants a 16-byte aligned base and 16-byte multiple strides
+INT32_MAX = 2**31 - 1  # the host stub reads shapes and strides as int32
+GRID_YZ_MAX = 65535  # heads and batch are grid dimensions y and z
+NAMES = ("q", "k", "v", "out")
+
+
+class InputError(ValueError):
+    """An input the kernel cannot take: names the argument, the value and what was expected."""
+
+    def __init__(self, argument: str, value, expected: str):
+        self.argument, self.value, self.expected = argument, value, expected
+        super().__init__(f"{argument} = {value}: expected {expected}")
+
+
+# -- input checks (no GPU needed) -------------------------------------------------
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a spec dtype name."""
+    torch = _torch()
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def spec_dtype(dtype) -> str | None:
+    """The spec dtype name of a torch dtype, or None if the kernels do not take it."""
+    torch = _torch()
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype)
+
+
+def packed_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def check_layout(name: str, t) -> None:
+    """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
+    shape, strides, elem = tuple(t.shape), tuple(t.stride()), t.element_size()
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise InputError(f"{name}.stride()", strides, "the last dimension (head_dim) contiguous, stride 1")
+    # TMA: every non-last stride a multiple of 16 bytes, the base address 16-byte aligned.
+    for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1])):
+        if size > 1 and (stride * elem) % TMA_ALIGN:
+            raise InputError(
+                f"{name}.stride({dim})", stride,
+                f"a multiple of {TMA_ALIGN // elem} elements ({TMA_ALIGN} bytes), which TMA requires",
+            )
+    if t.data_ptr() % TMA_ALIGN:
+        raise InputError(f"{name}.data_ptr()", hex(t.data_ptr()), f"a {TMA_ALIGN}-byte aligned address, which TMA requires")
+    # The emitted buffers declare no strides, so TileLang's host stub takes packed tensors
+    # only (size-1 dimensions excepted, as torch's is_contiguous does).
+    if not t.is_contiguous():
+        raise InputError(
+            f"{name}.stride()", strides,
+            f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)} (call .contiguous())",
+        )
+
+
+def check_tensors(spec: Spec, q, k, v, out=None, *, shape: Shape | None = None) -> tuple[int, int, int, int, int]:
+    """Check dtypes, shapes and layouts against `spec` (and a static `shape`); device not checked.
+
+    Returns (batch, heads, kv_heads, q_len, kv_len).
+    """
+    torch = _torch()
+    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+        if t.dim() != 4:
+            raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
+    want = torch_dtype(spec.dtype)
+    for name, t in given.items():
+        if t.dtype != want:
+            raise InputError(f"{name}.dtype", t.dtype, f"{want} (spec dtype {spec.dtype!r})")
+        if t.shape[3] != spec.head_dim:
+            raise InputError(f"{name}.shape[3] (head_dim)", t.shape[3], f"{spec.head_dim}, the spec's head_dim")
+
+    batch, q_len, heads, _ = q.shape
+    _, kv_len, kv_heads, _ = k.shape
+    if k.shape[0] != batch:
+        raise InputError("k.shape[0] (batch)", k.shape[0], f"{batch}, the batch of q")
+    if tuple(v.shape) != tuple(k.shape):
+        raise InputError("v.shape", list(v.shape), f"{list(k.shape)}, the shape of k")
+    if out is not None and tuple(out.shape) != tuple(q.shape):
+        raise InputError("out.shape", list(out.shape), f"{list(q.shape)}, the shape of q")
+    for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len),
+                        ("k.shape[1] (kv_len)", kv_len), ("k.shape[2] (kv_heads)", kv_heads)):
+        if size < 1:  # an empty grid is a launch error; kv_len 0 would leave consumers waiting forever
+            raise InputError(label, size, "at least 1")
+    if heads % kv_heads:
+        raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
+    if heads // kv_heads != spec.gqa_group:
+        raise InputError(
+            "q.shape[2] / k.shape[2] (gqa group)", f"{heads}/{kv_heads} = {heads // kv_heads}",
+            f"{spec.gqa_group}, the spec's gqa_group (query heads per KV head)",
+        )
+    if heads > GRID_YZ_MAX or batch > GRID_YZ_MAX:
+        bad = ("q.shape[2] (heads)", heads) if heads > GRID_YZ_MAX else ("q.shape[0] (batch)", batch)
+        raise InputError(bad[0], bad[1], f"at most {GRID_YZ_MAX} (a CUDA grid dimension)")
+    for name, t in given.items():
+        if t.numel() > INT32_MAX:
+            raise InputError(f"{name}.numel()", t.numel(), f"at most {INT32_MAX}: the kernel indexes with int32")
+    if spec.aligned:  # aligned kernels skip the bounds masks: lengths must be whole tiles
+        if q_len % spec.block_m:
+            raise InputError("q.shape[1] (q_len)", q_len, f"a multiple of block_m = {spec.block_m} (the spec is aligned)")
+        if kv_len % spec.block_n:
+            raise InputError("k.shape[1] (kv_len)", kv_len, f"a multiple of block_n = {spec.block_n} (the spec is aligned)")
+    if shape is not None:
+        got = Shape(batch, heads, kv_heads, q_len, kv_len)
+        if got != shape:
+            raise InputError("shape (B,H,HKV,SQ,SKV)", str(got), f"{shape}, the static shape this kernel was built for")
+    for name, t in given.items():
+        check_layout(name, t)
+    if out is not None:
+        for name in ("q", "k", "v"):
+            if _overlap(out, given[name]):  # other blocks still read what out would overwrite
+                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
+    return batch, heads, kv_heads, q_len, kv_len
+
+
+def _overlap(a, b) -> bool:
+    if a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def check_device(tensors: dict, *, device_type: str = "cuda", capability_of: Callable | None = None) -> None:
+    """All tensors on one CUDA device of compute capability 9.0.
+
+    `device_type` and `capability_of` exist so the messages can be tested without a GPU.
+    """
+    first_name, first = next(iter(tensors.items()))
+    for name, t in tensors.items():
+        if t.device.type != device_type:
+            raise InputError(
+                f"{name}.device", str(t.device),
+                f"a {device_type.upper()} tensor on a compute capability {CAPABILITY[0]}.{CAPABILITY[1]} (Hopper) GPU",
+            )
+        if t.device != first.device:
+            raise InputError(f"{name}.device", str(t.device), f"{first.device}, the device of {first_name}")
+    if capability_of is None:
+        capability_of = _torch().cuda.get_device_capability
+    cap = tuple(capability_of(first.device))
+    if cap != CAPABILITY:
+        raise InputError(
+            f"{first_name}.device capability", f"{cap[0]}.{cap[1]}",
+            f"{CAPABILITY[0]}.{CAPABILITY[1]}: the kernels are built for sm_90a (H100/H200), whose wgmma and setmaxnreg run nowhere else",
+        )
+
+
+def check_written(out) -> None:
+    """Raise if `out` still holds NaN: with a NaN-poisoned buffer, an element the kernel never wrote."""
+    torch = _torch()
+    bad = torch.isnan(out)
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0].tolist()]
+        raise AssertionError(f"{int(bad.sum())} output element(s) are NaN (unwritten or non-finite), first at index {idx}")
+
+
+# -- compile and run ------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Kernel:
+    """A compiled FA3 forward kernel: call it with CUDA tensors q, k, v (and optionally out)."""
+
+    spec: Spec
+    shape: Shape | None
+    jit: object  # tilelang JITKernel
+    cache_path: str | None  # TileLang disk-cache entry of this kernel
+    source: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
+    compile_seconds: float
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.shape is None else f"{self.spec.name}_static"
+
+    def check(self, q, k, v, out=None) -> None:
+        """Every check of a call, without launching."""
+        check_tensors(self.spec, q, k, v, out, shape=self.shape)
+        check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
+
+    def __call__(self, q, k, v, *, out=None, check: bool = True):
+        """out[b, i, h] = softmax(q[b, i, h] . k[b, :, h // g] / sqrt(D)) v[b, :, h // g].
+
+        `out`, if given, is written in place (a NaN-poisoned buffer shows unwritten
+        elements). `check=False` skips the input checks (for timing loops only).
+        """
+        if check:
+            self.check(q, k, v, out)
+        torch = _torch()
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        with torch.cuda.device(q.device):
+            self.jit(q, k, v, out)
+        return out
+
+
+_memo: dict[tuple[Spec, Shape | None], Kernel] = {}
+_memo_lock = threading.Lock()
+_key_locks: dict[tuple[Spec, Shape | None], threading.Lock] = {}
+
+
+def compile(spec: Spec, shape: Shape | None = None) -> Kernel:  # noqa: A001 - the issue's API name
+    """JIT-compile the kernel of `spec` (static `shape` optional) for sm_90a; memoized per process."""
+    if not isinstance(spec, Spec):
+        raise InputError("spec", type(spec).__name__, "an attngen.Spec")
+    key = (spec, shape)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:  # one build per key even when threads race
+        if key in _memo:
+            return _memo[key]
+        kernel = _build(spec, shape)
+        with _memo_lock:
+            _memo[key] = kernel
+        return kernel
+
+
+def _build(spec: Spec, shape: Shape | None) -> Kernel:
+    import tilelang
+    from tvm.target import Target
+
+    make_plan(spec, shape)  # a bad static shape fails here, as a SpecError, before TileLang
+    name = spec.name if shape is None else f"{spec.name}_static"
+    module = load_module(render(spec, shape), name)
+    target = Target(TARGET)
+    start = time.time()
+    with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
+        prim_func = module.build_kernel()
+    # out_idx=None (not [3]): the caller's `out` buffer is passed in, so tests can poison it;
+    # with out_idx=[3] TileLang would allocate O itself and ignore any buffer given.
+    jit = tilelang.compile(
+        prim_func,
+        out_idx=None,
+        target=target,
+        pass_configs=module.PASS_CONFIGS,
+        compile_flags=list(module.COMPILE_FLAGS),
+    )
+    seconds = time.time() - start
+    path = getattr(jit, "_tilelang_cache_path", None)
+    # The cache entry appears by an atomic rename of a directory made during the build,
+    # so an entry older than this call was loaded, not built.
+    source = "disk" if path and os.path.isdir(path) and os.stat(path).st_mtime < start else "compiled"
+    return Kernel(spec=spec, shape=shape, jit=jit, cache_path=path, source=source, compile_seconds=seconds)
+
+
+def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
+    """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides."""
+    torch = _torch()
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+        if t.dim() != 4:
+            raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
+    dtype = spec_dtype(q.dtype)
+    if dtype is None:
+        raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
+    fields = {"head_dim": int(q.shape[3]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
+    fields.update(overrides)
+    return Spec(**fields)
+
+
+def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
+    """FlashAttention-3 forward on Hopper: q [B, Sq, H, D], k/v [B, Skv, HKV, D] -> [B, Sq, H, D].
+
+    Causal masks align bottom-right (query i sees keys j <= i + Skv - Sq). Other spec
+    fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords.
+    The kernel is compiled once per spec and memoized.
+    """
+    spec = spec_for(q, k, causal=causal, **spec_overrides)
+    # Check before compiling: a bad input should not cost an nvcc run first.
+    check_tensors(spec, q, k, v, out)
+    check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
+    return compile(spec)(q, k, v, out=out, check=False)
+
+
+__all__ = [
+    "CAPABILITY", "InputError", "Kernel", "attention", "check_device", "check_layout", "check_tensors",
+    "check_written", "compile", "spec_for", "torch_dtype", "spec_dtype",
+]

@@ -1,0 +1,369 @@
+"""Input validation of attngen.runtime, on the CPU: every check a call makes before a launch.
+
+Layout, dtype and shape checks run on CPU (or meta) tensors; the device check is
+exercised through its injectable device type and capability. One test builds a
+real kernel with nvcc (no GPU needed) to show the disk cache spares a second
+process the build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from attngen import runtime
+from attngen.plan import Shape
+from attngen.runtime import InputError, check_device, check_tensors, check_written, spec_for
+from attngen.spec import Spec
+
+SPEC = Spec()  # head_dim 128, float16, gqa_group 1, block 128 x 128
+GQA = Spec(head_dim=64, dtype="bfloat16", gqa_group=4)
+ALIGNED = Spec(aligned=True)
+
+
+def tensors(b=2, sq=5, skv=7, h=4, hkv=4, d=128, dtype=torch.float16, device="cpu"):
+    q = torch.randn(b, sq, h, d, device=device).to(dtype)
+    k = torch.randn(b, skv, hkv, d, device=device).to(dtype)
+    v = torch.randn(b, skv, hkv, d, device=device).to(dtype)
+    return q, k, v
+
+
+def raises(match_arg, *fragments):
+    """pytest.raises for InputError whose message names `match_arg` and contains `fragments`."""
+
+    class _Ctx:
+        def __enter__(self):
+            self.ctx = pytest.raises(InputError)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            err = self.info.value
+            assert err.argument == match_arg, str(err)
+            for f in fragments:
+                assert f in str(err), f"{f!r} not in {str(err)!r}"
+            return handled
+
+    return _Ctx()
+
+
+# -- what passes -----------------------------------------------------------------
+
+
+def test_valid_inputs_pass_and_report_dims():
+    q, k, v = tensors(b=2, sq=5, skv=7, h=4, hkv=4)
+    assert check_tensors(SPEC, q, k, v) == (2, 4, 4, 5, 7)
+    q, k, v = tensors(b=1, sq=3, skv=9, h=8, hkv=2, d=64, dtype=torch.bfloat16)
+    assert check_tensors(GQA, q, k, v, torch.empty_like(q)) == (1, 8, 2, 3, 9)
+
+
+# -- dtype, rank, head_dim -------------------------------------------------------
+
+
+def test_dtype_mismatch_names_argument_and_expected_dtype():
+    q, k, v = tensors()
+    with raises("k.dtype", "torch.float32", "torch.float16", "float16"):
+        check_tensors(SPEC, q, k.float(), v)
+    with raises("q.dtype", "torch.bfloat16", "torch.float16"):
+        check_tensors(SPEC, q.bfloat16(), k, v)
+
+
+def test_out_dtype_and_shape_checked():
+    q, k, v = tensors()
+    with raises("out.dtype", "torch.float32"):
+        check_tensors(SPEC, q, k, v, torch.empty(q.shape))
+    with raises("out.shape", "[2, 4, 4, 128]", "[2, 5, 4, 128]"):
+        check_tensors(SPEC, q, k, v, torch.empty(2, 4, 4, 128, dtype=torch.float16))
+
+
+def test_rank_and_type():
+    q, k, v = tensors()
+    with raises("q.shape", "4 dimensions"):
+        check_tensors(SPEC, q[0], k, v)
+    with raises("v", "ndarray", "torch.Tensor"):
+        check_tensors(SPEC, q, k, v.numpy())
+
+
+def test_head_dim_must_match_spec():
+    q, k, v = tensors(d=64)
+    with raises("q.shape[3] (head_dim)", "= 64", "128"):
+        check_tensors(SPEC, q, k, v)
+
+
+# -- heads, batch, lengths ----------------------------------------------------------
+
+
+def test_gqa_group_must_match_spec():
+    q, k, v = tensors(h=8, hkv=2)
+    with raises("q.shape[2] / k.shape[2] (gqa group)", "8/2 = 4", "1, the spec's gqa_group"):
+        check_tensors(SPEC, q, k, v)
+
+
+def test_heads_must_be_a_multiple_of_kv_heads():
+    q, k, v = tensors(h=6, hkv=4, d=64, dtype=torch.bfloat16)
+    with raises("q.shape[2] (heads)", "= 6", "multiple of k.shape[2] (kv_heads) = 4"):
+        check_tensors(GQA, q, k, v)
+
+
+def test_batch_and_kv_shapes_must_agree():
+    q, k, v = tensors(b=2)
+    with raises("k.shape[0] (batch)", "= 1", "2, the batch of q"):
+        check_tensors(SPEC, q, k[:1], v[:1])
+    with raises("v.shape", "[2, 6, 4, 128]", "[2, 7, 4, 128], the shape of k"):
+        check_tensors(SPEC, q, k, v[:, :6].contiguous())
+
+
+@pytest.mark.parametrize("which, label", [("q", "q.shape[1] (q_len)"), ("k", "k.shape[1] (kv_len)"), ("b", "q.shape[0] (batch)")])
+def test_empty_dimensions_rejected(which, label):
+    q, k, v = tensors()
+    if which == "q":
+        q = q[:, :0]
+    elif which == "k":
+        k, v = k[:, :0], v[:, :0]
+    else:
+        q, k, v = q[:0], k[:0], v[:0]
+    with raises(label, "= 0", "at least 1"):
+        check_tensors(SPEC, q, k, v)
+
+
+def test_aligned_spec_needs_whole_tiles():
+    q, k, v = tensors(sq=256, skv=384)
+    assert check_tensors(ALIGNED, q, k, v)[3:] == (256, 384)
+    q2, k2, v2 = tensors(sq=200, skv=384)
+    with raises("q.shape[1] (q_len)", "= 200", f"multiple of block_m = {ALIGNED.block_m}"):
+        check_tensors(ALIGNED, q2, k2, v2)
+    q3, k3, v3 = tensors(sq=256, skv=100)
+    with raises("k.shape[1] (kv_len)", "= 100", f"multiple of block_n = {ALIGNED.block_n}"):
+        check_tensors(ALIGNED, q3, k3, v3)
+    # the same lengths are fine for an unaligned spec (the kernel masks them)
+    check_tensors(SPEC, q3, k3, v3)
+
+
+def test_static_shape_must_match():
+    q, k, v = tensors(b=1, sq=256, skv=256, h=8, hkv=8)
+    check_tensors(ALIGNED, q, k, v, shape=Shape(1, 8, 8, 256, 256))
+    with raises("shape (B,H,HKV,SQ,SKV)", "1,8,8,256,256", "1,8,8,1024,1024"):
+        check_tensors(ALIGNED, q, k, v, shape=Shape(1, 8, 8, 1024, 1024))
+
+
+def test_size_limits_on_meta_tensors():
+    # meta tensors carry shapes and strides without memory: the int32 and grid limits
+    big = torch.empty(1, 2**17, 128, 128, dtype=torch.float16, device="meta")  # 2**31 elements
+    kv = torch.empty(1, 8, 128, 128, dtype=torch.float16, device="meta")
+    with raises("q.numel()", str(2**31), "int32"):
+        check_tensors(SPEC, big, kv, kv)
+    q = torch.empty(65536, 1, 1, 128, dtype=torch.float16, device="meta")
+    k = torch.empty(65536, 1, 1, 128, dtype=torch.float16, device="meta")
+    with raises("q.shape[0] (batch)", "65536", "at most 65535"):
+        check_tensors(SPEC, q, k, k)
+
+
+# -- layout -----------------------------------------------------------------------
+
+
+def test_last_dimension_must_be_contiguous():
+    q, k, v = tensors()
+    bad = torch.empty(2, 7, 4, 128, dtype=torch.float16).as_strided((2, 7, 4, 128), (7 * 4 * 128, 4 * 128, 1, 4))
+    with raises("k.stride()", "(3584, 512, 1, 4)", "last dimension (head_dim) contiguous"):
+        check_tensors(SPEC, q, bad, v)
+
+
+def test_stride_not_a_multiple_of_16_bytes():
+    q, k, v = tensors()
+    storage = torch.zeros(2 * 3640, dtype=torch.float16)
+    odd = storage.as_strided((2, 7, 4, 128), (3640, 520, 129, 1))  # heads 258 bytes apart
+    with raises("v.stride(2)", "129", "multiple of 8 elements (16 bytes)", "TMA"):
+        check_tensors(SPEC, q, k, odd)
+
+
+def test_misaligned_base_pointer():
+    q, k, v = tensors()
+    flat = torch.zeros(q.numel() + 8, dtype=torch.float16)
+    shifted = flat[1:1 + q.numel()].view(q.shape)  # contiguous, but 2 bytes past an aligned address
+    assert shifted.is_contiguous()
+    with raises("q.data_ptr()", "16-byte aligned", "TMA"):
+        check_tensors(SPEC, shifted, k, v)
+
+
+def test_strided_view_of_packed_qkv_needs_contiguous():
+    # q, k, v sliced out of one [B, S, 3, H, D] projection: TMA could take it, the packed ABI cannot
+    qkv = torch.randn(2, 7, 3, 4, 128).half()
+    q, k, v = qkv.unbind(2)
+    with raises("q.stride()", "(10752, 1536, 128, 1)", "contiguous", "(3584, 512, 128, 1)", ".contiguous()"):
+        check_tensors(SPEC, q, k, v)
+    check_tensors(SPEC, q.contiguous(), k.contiguous(), v.contiguous())
+
+
+def test_out_must_not_overlap_inputs():
+    q, k, v = tensors(skv=5)
+    with raises("out", "overlapping q"):
+        check_tensors(SPEC, q, k, v, q)
+    with raises("out", "overlapping v"):
+        check_tensors(SPEC, q, k, v, v)
+
+
+# -- device ------------------------------------------------------------------------
+
+
+def test_cpu_tensors_rejected_with_device_message():
+    q, k, v = tensors()
+    with raises("q.device", "cpu", "CUDA tensor", "compute capability 9.0"):
+        check_device({"q": q, "k": k, "v": v})
+
+
+def test_capability_must_be_9_0():
+    q, k, v = tensors()
+    ts = {"q": q, "k": k, "v": v}
+    for cap in [(8, 0), (8, 9), (10, 0), (12, 0)]:
+        with raises("q.device capability", f"{cap[0]}.{cap[1]}", "9.0", "sm_90a"):
+            check_device(ts, device_type="cpu", capability_of=lambda d, cap=cap: cap)
+    check_device(ts, device_type="cpu", capability_of=lambda d: (9, 0))  # the check can pass
+
+
+def test_mixed_devices_rejected():
+    q, k, v = tensors()
+    with raises("k.device", "meta", "CPU tensor"):
+        check_device({"q": q, "k": k.to("meta"), "v": v}, device_type="cpu", capability_of=lambda d: (9, 0))
+
+
+def test_kernel_call_validates_before_launch():
+    launched = []
+    kernel = runtime.Kernel(spec=SPEC, shape=None, jit=lambda *a: launched.append(a), cache_path=None, source="compiled", compile_seconds=0.0)
+    q, k, v = tensors()
+    with raises("q.device", "cpu"):
+        kernel(q, k, v)
+    with raises("k.dtype"):
+        kernel(q, k.float(), v)
+    assert launched == []
+
+
+def test_attention_checks_before_compiling(monkeypatch):
+    monkeypatch.setattr(runtime, "compile", lambda *a, **k: pytest.fail("compiled before checking inputs"))
+    q, k, v = tensors(h=8, hkv=2)
+    with raises("q.device", "cpu"):
+        runtime.attention(q, k, v, causal=True)
+    q, k, v = tensors(sq=256, skv=7, h=8, hkv=2)
+    with raises("k.shape[1] (kv_len)", "multiple of block_n"):
+        runtime.attention(q, k, v, aligned=True)
+
+
+# -- spec picked from tensors --------------------------------------------------------
+
+
+def test_spec_for_reads_tensors_and_overrides():
+    q, k, _ = tensors(h=8, hkv=2, d=64, dtype=torch.bfloat16)
+    spec = spec_for(q, k, causal=True, consumers=3, k_stages=3)
+    assert (spec.head_dim, spec.dtype, spec.gqa_group, spec.causal, spec.consumers, spec.k_stages) == (64, "bfloat16", 4, True, 3, 3)
+    assert spec_for(*tensors()[:2]) == Spec()
+
+
+def test_spec_for_rejects_unsupported_dtype_and_heads():
+    q, k, _ = tensors()
+    with raises("q.dtype", "torch.float32", "float16 or torch.bfloat16"):
+        spec_for(q.float(), k)
+    q, k, _ = tensors(h=6, hkv=4)
+    with raises("q.shape[2] (heads)", "= 6", "multiple"):
+        spec_for(q, k)
+
+
+def test_check_written_finds_nan():
+    out = torch.zeros(1, 3, 2, 4)
+    check_written(out)
+    out[0, 2, 1, 3] = float("nan")
+    with pytest.raises(AssertionError, match=r"1 output element\(s\).*\[0, 2, 1, 3\]"):
+        check_written(out)
+
+
+# -- property: valid meta inputs pass; one corrupted field is named ----------------------
+
+
+@st.composite
+def problems(draw):
+    g = draw(st.sampled_from([1, 2, 4]))
+    return dict(
+        b=draw(st.integers(1, 4)), sq=draw(st.integers(1, 5000)), skv=draw(st.integers(1, 5000)),
+        hkv=draw(st.integers(1, 4)), g=g, d=draw(st.sampled_from([64, 128, 256])),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+    )
+
+
+def meta(shape, dtype):
+    return torch.empty(*shape, dtype=runtime.torch_dtype(dtype), device="meta")
+
+
+@settings(max_examples=60, derandomize=True, database=None, deadline=None)
+@given(p=problems(), mutation=st.sampled_from(["none", "dtype", "head_dim", "group", "batch", "v_len"]))
+def test_property_one_mutation_one_named_error(p, mutation):
+    spec = Spec(head_dim=p["d"], dtype=p["dtype"], gqa_group=p["g"])
+    h = p["hkv"] * p["g"]
+    q = meta((p["b"], p["sq"], h, p["d"]), p["dtype"])
+    k = meta((p["b"], p["skv"], p["hkv"], p["d"]), p["dtype"])
+    v = meta((p["b"], p["skv"], p["hkv"], p["d"]), p["dtype"])
+    other = "bfloat16" if p["dtype"] == "float16" else "float16"
+    expect = {
+        "dtype": ("k", lambda: (q, meta(k.shape, other), v), "k.dtype"),
+        "head_dim": ("q", lambda: (meta((*q.shape[:3], 96), p["dtype"]), k, v), "q.shape[3] (head_dim)"),
+        "group": ("q", lambda: (meta((p["b"], p["sq"], h + p["hkv"], p["d"]), p["dtype"]), k, v), "q.shape[2] / k.shape[2] (gqa group)"),
+        "batch": ("k", lambda: (q, meta((p["b"] + 1, *k.shape[1:]), p["dtype"]), meta((p["b"] + 1, *k.shape[1:]), p["dtype"])), "k.shape[0] (batch)"),
+        "v_len": ("v", lambda: (q, k, meta((p["b"], p["skv"] + 1, *v.shape[2:]), p["dtype"])), "v.shape"),
+    }
+    if mutation == "none":
+        assert check_tensors(spec, q, k, v) == (p["b"], h, p["hkv"], p["sq"], p["skv"])
+        return
+    _, make, argument = expect[mutation]
+    with pytest.raises(InputError) as info:
+        check_tensors(spec, *make())
+    assert info.value.argument == argument
+
+
+# -- a real build: nvcc once, then a second process loads TileLang's disk cache ---------------
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    t0 = time.time()
+    import torch
+    from attngen.runtime import compile, InputError
+    from attngen.spec import Spec
+    kernel = compile(Spec(head_dim=64, causal=True))
+    again = compile(Spec(head_dim=64, causal=True))
+    q = torch.zeros(1, 3, 2, 64, dtype=torch.float16)
+    try:
+        kernel(q, q, q)
+        error = None
+    except InputError as e:
+        error = str(e)
+    print(json.dumps({"source": kernel.source, "seconds": kernel.compile_seconds, "path": kernel.cache_path,
+                      "memo": again is kernel, "error": error, "total": time.time() - t0}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"), reason="nvcc is needed to build a kernel")
+def test_second_process_loads_from_disk_cache(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tlcache"))
+
+    def child():
+        run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    cold, warm = child(), child()
+    assert cold["source"] == "compiled" and warm["source"] == "disk", (cold, warm)
+    assert cold["path"] == warm["path"] and cold["path"].startswith(str(tmp_path / "tlcache"))
+    assert os.path.isfile(os.path.join(warm["path"], "params.json"))
+    assert warm["seconds"] < cold["seconds"] / 4, (cold["seconds"], warm["seconds"])
+    assert cold["memo"] and warm["memo"]
+    # a built kernel still checks its inputs before TileLang's stub sees them
+    assert warm["error"] is not None and "q.device = cpu" in warm["error"]
+    print(f"compile cold {cold['seconds']:.1f} s, warm (second process) {warm['seconds']:.2f} s")
