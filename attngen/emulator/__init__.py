@@ -1,0 +1,19 @@
+"""A CPU emulator that executes emitted TileLang FA3 kernels under Hopper's asynchronous rules.
+
+It runs the same text the GPU build compiles (see docs/emulator.md): warpgroups as agents
+under a seeded scheduler, mbarriers with phases and parity waits, named barriers, TMA loads
+that land when their phase completes, asynchronous wgmma retired by wait_wgmma, and hazard
+and deadlock reports instead of silent wrong answers or hangs.
+
+Modules: rewrite (ast pass), tlang (the T.* subset), memory (buffers, regions, TMA bounds),
+hazards (in-flight operations), agents (scheduler and barriers), driver (emulate, command).
+"""
+
+from attngen.emulator.agents import POLICIES
+from attngen.emulator.driver import Stats, command, emulate, emulate_stats
+from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
+
+__all__ = [
+    "emulate", "emulate_stats", "command", "Stats", "POLICIES",
+    "EmulationError", "HazardError", "DeadlockError", "UnsupportedConstruct", "KernelError",
+]

@@ -1,0 +1,242 @@
+"""Agents (warpgroups), their scheduler, and the two kinds of barrier they meet at.
+
+Each warpgroup of a CTA is an agent: a Python thread running the kernel body. Exactly one
+holds the baton at a time; it hands it over only at synchronization points (barrier
+arrive/wait, named barriers, wgmma issue/wait, TMA issue), where the scheduler picks the
+next runnable agent with a seeded RNG under a policy:
+
+- "random":          any runnable agent, uniformly;
+- "producer-first":  the producer whenever it can move, so it runs as far ahead as the
+                     barriers allow (stresses stage reuse);
+- "consumers-first": consumers whenever one can move; the producer only when all are stuck
+                     (stresses consumers racing ahead of loads).
+
+When no agent can move and some have not finished, that is a deadlock; the report lists
+every agent's line and what it waits for.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+
+from attngen.emulator.errors import Abort, DeadlockError, KernelError
+
+WARPGROUP = 128
+POLICIES = ("random", "producer-first", "consumers-first")
+
+
+class MBarrier:
+    """An mbarrier: an expected arrival count and a phase number (starts at 0).
+
+    A phase completes when its arrivals reach the count; arrivals beyond that count toward
+    the next phase (each thread arrives on its own). `wait_parity(p)` returns once the phase
+    with parity p has completed, i.e. it blocks while the *current* phase has parity p: on a
+    fresh barrier (phase 0) a wait on parity 1 returns at once, a wait on parity 0 blocks
+    until phase 0 completes.
+    """
+
+    __slots__ = ("name", "count", "phase", "pending", "loads")
+
+    def __init__(self, name: str, count: int):
+        if count < 1:
+            raise KernelError(f"barrier {name} expects {count} arrivals: must be positive")
+        self.name, self.count, self.phase, self.pending = name, count, 0, count
+        self.loads = []  # (phase, op, land) of TMA loads completing on this barrier
+
+    def arrive(self, n: int) -> int:
+        """Add n arrivals; return how many phases completed."""
+        done = 0
+        while n > 0:
+            take = min(n, self.pending)
+            self.pending -= take
+            n -= take
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+                done += 1
+        return done
+
+    def blocks(self, parity: int) -> bool:
+        return self.phase % 2 == parity
+
+    def state(self) -> str:
+        return (f"now in phase {self.phase} (parity {self.phase % 2}), "
+                f"{self.count - self.pending} of {self.count} arrivals")
+
+
+class NamedBarrier:
+    """bar.sync / bar.arrive: arrivals count across agents; at n it releases its waiters and resets."""
+
+    __slots__ = ("id", "arrived", "expected", "generation")
+
+    def __init__(self, bar_id: int):
+        self.id, self.arrived, self.expected, self.generation = bar_id, 0, None, 0
+
+    def arrive(self, n: int, expected: int):
+        if expected < 1:
+            raise KernelError(f"named barrier {self.id} used with thread count {expected}")
+        if self.arrived and self.expected != expected:
+            raise KernelError(f"named barrier {self.id} used with thread counts {self.expected} and {expected} at once")
+        self.expected = expected
+        self.arrived += n
+        while self.arrived >= expected:
+            self.arrived -= expected
+            self.generation += 1
+
+    def state(self) -> str:
+        return f"named barrier {self.id} to release ({self.arrived} of {self.expected} threads arrived)"
+
+
+class Agent:
+    """One warpgroup of the CTA being emulated."""
+
+    def __init__(self, index: int, name: str, is_producer: bool):
+        self.index, self.name, self.is_producer = index, name, is_producer
+        self.lanes = np.arange(WARPGROUP * index, WARPGROUP * (index + 1))
+        self.active = [np.ones(WARPGROUP, bool)]  # stack of "which threads run this statement"
+        self.nthreads = WARPGROUP
+        self.gate = threading.Semaphore(0)
+        self.done = False
+        self.waiting = None  # (ready(), describe(), line) while blocked
+        self.wgmma = []  # this warpgroup's in-flight wgmma ops, oldest first
+        self.alloc_seen = {}  # alloc site -> times executed: the n-th execution names the n-th buffer
+        self.line = None
+
+    def push_active(self, mask):
+        self.active.append(mask)
+        self.nthreads = int(mask.sum())
+
+    def pop_active(self):
+        self.active.pop()
+        self.nthreads = int(self.active[-1].sum())
+
+
+class Scheduler:
+    """Runs a CTA's agents one at a time, switching only at synchronization points."""
+
+    def __init__(self, agents, policy: str, rng: random.Random, describe_line):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.agents, self.policy, self.rng, self.describe_line = agents, policy, rng, describe_line
+        self.tls = threading.local()
+        self.error = None
+        self.aborted = False
+        self.main_gate = threading.Semaphore(0)
+        self.trace = []  # (agent index, line) at every hand-over: the schedule, for determinism checks
+        self.context = ""
+        self.on_finish = None  # agent -> None; may raise EmulationError (end-of-warpgroup checks)
+
+    # -- the running agent ---------------------------------------------------
+    @property
+    def agent(self) -> Agent:
+        return self.tls.agent
+
+    def run(self, body, wrap_error):
+        """Run body(agent) on every agent until all finish; re-raise the first failure."""
+        threads = [threading.Thread(target=self._main, args=(a, body, wrap_error), daemon=True,
+                                    name=f"attngen-{a.name}") for a in self.agents]
+        for t in threads:
+            t.start()
+        first = self._choose()
+        self._hand(first, None)
+        self.main_gate.acquire()
+        for t in threads:
+            t.join(timeout=10)
+        if self.error is not None:
+            raise self.error
+
+    def _main(self, agent, body, wrap_error):
+        self.tls.agent = agent
+        agent.gate.acquire()
+        if self.aborted:
+            return
+        try:
+            with np.errstate(all="ignore"):  # inf/NaN arithmetic is the kernel's business; checks catch it
+                body(agent)
+            if self.on_finish is not None:
+                self.on_finish(agent)
+            agent.done = True
+            nxt = self._choose()
+            if nxt is None:
+                if all(a.done for a in self.agents):
+                    self.main_gate.release()
+                else:
+                    self._fail(DeadlockError(self.deadlock_report()))
+            else:
+                self._hand(nxt, agent)
+        except Abort:
+            return
+        except Exception as e:  # EmulationError, or an ordinary Python error in the emitted code
+            self._fail(wrap_error(e))
+
+    def _fail(self, err):
+        if self.error is None:
+            self.error = err
+        self.aborted = True
+        for a in self.agents:
+            a.gate.release()
+        self.main_gate.release()
+
+    def _runnable(self, a: Agent) -> bool:
+        return not a.done and (a.waiting is None or a.waiting[0]())
+
+    def _choose(self):
+        cands = [a for a in self.agents if self._runnable(a)]
+        if not cands:
+            return None
+        if self.policy == "producer-first":
+            pick = [a for a in cands if a.is_producer] or cands
+        elif self.policy == "consumers-first":
+            pick = [a for a in cands if not a.is_producer] or cands
+        else:
+            pick = cands
+        return pick[0] if len(pick) == 1 else self.rng.choice(pick)
+
+    def _hand(self, nxt: Agent, me):
+        self.trace.append((nxt.index, nxt.line))
+        if nxt is not me:
+            nxt.gate.release()
+
+    # -- called by the running agent -----------------------------------------
+    def pause(self, line=None):
+        """A synchronization point: let the scheduler pick who runs next (maybe us)."""
+        me = self.agent
+        me.line = line if line is not None else me.line
+        nxt = self._choose()
+        if nxt is None:
+            self._fail(DeadlockError(self.deadlock_report()))
+            raise Abort()
+        if nxt is me:
+            return
+        self._hand(nxt, me)
+        me.gate.acquire()
+        if self.aborted:
+            raise Abort()
+
+    def block(self, ready, describe, line):
+        """Wait until ready() holds; describe() says what for (deadlock reports)."""
+        if ready():
+            return
+        me = self.agent
+        me.waiting = (ready, describe, line)
+        try:
+            while not ready():
+                self.pause(line)
+        finally:
+            me.waiting = None
+
+    def deadlock_report(self) -> str:
+        lines = [f"DEADLOCK: every agent still running is blocked ({self.context})"]
+        for a in self.agents:
+            if a.done:
+                lines.append(f"  {a.name}: finished")
+            elif a.waiting is not None:
+                _, describe, line = a.waiting
+                lines.append(f"  {a.name}: blocked at {self.describe_line(line)}")
+                lines.append(f"      waits for {describe()}")
+            else:
+                lines.append(f"  {a.name}: runnable at {self.describe_line(a.line)}")
+        return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""emulate() and the `attngen emulate` command: run an emitted kernel's text on the CPU model.
+
+The driver executes the rewritten module, calls its `build_kernel()`, asks the prim_func
+for its launch grid (T.Kernel raises a probe), then runs the CTAs one after another; within
+a CTA every warpgroup is an agent and the scheduler interleaves them (agents.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import functools
+import hashlib
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from attngen.emulator import blas
+from attngen.emulator.agents import POLICIES, WARPGROUP, Agent, Scheduler
+from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
+from attngen.emulator.hazards import Tracker
+from attngen.emulator.memory import Buffer
+from attngen.emulator.rewrite import RT, TL, rewrite
+from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TLang
+from attngen.reference import check_close, round_to, to_numpy
+
+
+@dataclasses.dataclass
+class Stats:
+    """What one emulation did (the benchmark and the CLI print these)."""
+
+    ctas: int = 0
+    handovers: int = 0  # scheduler decisions: one per synchronization point reached
+    wgmma: int = 0
+    tma: int = 0
+    seconds: float = 0.0
+    schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
+
+
+class CTA:
+    """The state one thread block shares: shared buffers, barriers, in-flight operations."""
+
+    def __init__(self, index, grid, threads, tracker, stats):
+        self.index, self.grid, self.threads, self.tracker, self.stats = index, grid, threads, tracker, stats
+        self.shared, self.barriers, self.named = {}, {}, {}
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(source: str, filename: str):
+    return rewrite(source, filename)
+
+
+class Runtime:
+    """One emulation of one emitted source for one problem shape."""
+
+    def __init__(self, source: str, filename: str, dims: dict):
+        self.rw = _compiled(source, filename)
+        self.filename = filename
+        self.dims = dims
+        self.T = TLang(self)
+        self.probe = False
+        self.cta = None
+        self.sched = None
+        self.context = "module load"
+
+    @property
+    def agent(self) -> Agent:
+        return self.sched.agent
+
+    def alloc_name(self, line) -> str:
+        return self.rw.alloc_names.get(line, f"buffer@{line}")
+
+    def describe_line(self, line) -> str:
+        if line is None:
+            return "(no line)"
+        return f"line {line}: {self.rw.line_text(line)}"
+
+    def current_line(self):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename != self.filename:
+            f = f.f_back
+        return f.f_lineno if f is not None else None
+
+    def wrap_error(self, e: BaseException) -> EmulationError:
+        """Locate an error at the emitted line that raised it; reports of hazards and deadlocks are complete."""
+        if isinstance(e, (HazardError, DeadlockError)):
+            return e
+        line = None
+        for frame, lineno in traceback.walk_tb(e.__traceback__):
+            if frame.f_code.co_filename == self.filename:
+                line = lineno
+        if isinstance(e, EmulationError):
+            cls, msg = type(e), e.report
+        else:
+            cls, msg = KernelError, f"{type(e).__name__}: {e}"
+        head = "UNSUPPORTED" if cls is UnsupportedConstruct else "KERNEL ERROR"
+        where = f"\n  at {self.describe_line(line)}" if line is not None else ""
+        return cls(f"{head}: {msg}{where}\n  where: {self.context}")
+
+    # -- running ---------------------------------------------------------------------
+    def load(self):
+        ns = {"__name__": "attngen_emulated", "__builtins__": builtins, RT: Helpers(self), TL: FakeTileLang(self.T)}
+        try:
+            exec(self.rw.code, ns)
+            build = ns.get("build_kernel")
+            if build is None:
+                raise KernelError("the emitted module defines no build_kernel()")
+            prim = build()
+        except GridProbe:
+            raise
+        except Exception as e:
+            raise self.wrap_error(e) from None
+        if not isinstance(prim, PrimFunc):
+            raise KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func")
+        return ns, prim
+
+    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats) -> np.ndarray:
+        ns, prim = self.load()
+        if len(prim.params) != len(inputs) + 1:
+            raise KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected the inputs "
+                              f"({len(inputs)}) and one output")
+        bufs = []
+        for (name, ann), x in zip(prim.params, inputs + [None]):
+            if x is not None and tuple(x.shape) != ann.shape:
+                raise KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} but the input is {list(x.shape)}")
+            data = np.full(ann.shape, np.nan, np.float32) if x is None else round_to(x, ann.dtype).copy()
+            bufs.append(Buffer(name, ann.shape, ann.dtype, "global", data=data))  # output starts NaN: unwritten rows show
+
+        self.probe = True
+        try:
+            prim.func(*bufs)
+        except GridProbe as g:
+            grid, threads = g.grid, g.threads
+        except Exception as e:
+            raise self.wrap_error(e) from None
+        else:
+            raise KernelError(f"{prim.name} never entered T.Kernel")
+        finally:
+            self.probe = False
+        if threads % WARPGROUP:
+            raise UnsupportedConstruct(f"T.Kernel(threads={threads}): only whole warpgroups (multiples of 128) are modeled")
+
+        nwg = threads // WARPGROUP
+        consumer_threads = ns.get("CONSUMER_THREADS")
+        roles = [(i * WARPGROUP >= consumer_threads) if isinstance(consumer_threads, int) else (nwg > 1 and i == nwg - 1)
+                 for i in range(nwg)]
+        n_prod = sum(roles)
+        names, c, p = [], 0, 0
+        for is_prod in roles:
+            if is_prod:
+                names.append("producer" if n_prod == 1 else f"producer {p}")
+                p += 1
+            else:
+                names.append(f"consumer {c}")
+                c += 1
+
+        digest = hashlib.sha1()
+        counters = {"wgmma": 0, "tma": 0}
+        gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
+        for bz in range(gz):
+            for by in range(gy):
+                for bx in range(gx):
+                    index = (bx, by, bz)
+                    self.context = (f"block (x={bx}, y={by}, z={bz}) of grid {tuple(grid)}; "
+                                    f"schedule seed={seed}, policy={policy}")
+                    agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
+                    sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
+                    tracker = Tracker(where=lambda: (self.agent, self.current_line()))
+                    tracker.describe_line = self.describe_line
+                    tracker.context = sched.context = self.context
+                    sched.on_finish = self._finish_agent
+                    self.cta = CTA(index, tuple(grid), threads, tracker, counters)
+                    self.sched = sched
+                    sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
+                    if tracker.ops:
+                        raise HazardError("HAZARD: TMA loads still in flight when the block exited "
+                                          "(their mbarrier phase never completed)\n"
+                                          f"{tracker.pending_report()}\n  where: {self.context}")
+                    digest.update(repr(sched.trace).encode())
+                    stats.ctas += 1
+                    stats.handovers += len(sched.trace)
+        stats.wgmma += counters["wgmma"]
+        stats.tma += counters["tma"]
+        stats.schedule = digest.hexdigest()[:16]
+        return bufs[-1].data
+
+    def _finish_agent(self, agent):
+        if agent.wgmma:
+            ops = "\n".join(f"  wgmma issued at {self.describe_line(op.line)}" for op in agent.wgmma)
+            raise HazardError(f"HAZARD: {agent.name} finished with {len(agent.wgmma)} wgmma(s) in flight "
+                              f"(no T.wait_wgmma retired them, so their accumulators are never valid)\n{ops}\n"
+                              f"  where: {self.context}")
+
+
+# -- public API ----------------------------------------------------------------------------
+def _prepare(spec, q, k, v):
+    from attngen.plan import Shape, check_shape
+    from attngen.spec import Spec
+
+    if not isinstance(spec, Spec):
+        raise TypeError(f"emulate: expected an attngen.Spec, got {type(spec).__name__}")
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
+        raise ValueError(f"emulate: expected BSHD tensors q [B, Sq, H, D], k and v [B, Skv, HKV, D]; got {qn.shape}, {kn.shape}, {vn.shape}")
+    b, sq, h, d = qn.shape
+    _, skv, hkv, _ = kn.shape
+    if kn.shape != vn.shape or kn.shape[0] != b or kn.shape[3] != d:
+        raise ValueError(f"emulate: k {kn.shape} and v {vn.shape} must be [B, Skv, HKV, D] with q {qn.shape}")
+    if d != spec.head_dim:
+        raise ValueError(f"emulate: head dim {d} but the spec has head_dim = {spec.head_dim}")
+    check_shape(spec, Shape(b, h, hkv, sq, skv))  # SpecError: H = HKV * gqa_group, aligned multiples
+    dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
+    return [np.asarray(x, np.float32) for x in (qn, kn, vn)], dims
+
+
+def emulate_stats(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
+                  filename: str | None = None):
+    """Like `emulate`, returning (out as float32 numpy, Stats)."""
+    from attngen.render import render
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown schedule policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    inputs, dims = _prepare(spec, q, k, v)
+    text = render(spec) if source is None else source
+    filename = filename or f"<emitted {spec.name}>"
+    stats = Stats()
+    t0 = time.perf_counter()
+    with blas.single_threaded():
+        out = Runtime(text, filename, dims).run(inputs, seed=seed, policy=policy, stats=stats)
+    stats.seconds = time.perf_counter() - t0
+    return out, stats
+
+
+def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None):
+    """Run the kernel emitted for `spec` on the CPU model of Hopper and return its output.
+
+    q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
+    spec's dtype on the way in, as the kernel reads them). Returns O [B, Sq, H, D]: a torch
+    tensor of the spec's dtype for torch input, else a float32 numpy array holding values of
+    the spec's dtype. `source` replaces the rendered text (a hand-edited emitted file).
+    `seed` and `policy` ("random", "producer-first", "consumers-first") pick the schedule.
+    Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
+    """
+    out, _ = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)
+    if hasattr(q, "detach"):
+        import torch
+
+        return torch.from_numpy(out.copy()).to(getattr(torch, spec.dtype))
+    return out
+
+
+def command(args) -> int:
+    """`attngen emulate`: random inputs, one emulation, the error against the reference."""
+    from attngen.spec import load
+
+    spec = load(args.spec)
+    heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
+    source, filename = None, None
+    if args.source:
+        try:
+            source = Path(args.source).read_text()
+        except OSError as e:
+            print(f"attngen: error: --source {args.source}: {e.strerror}", file=sys.stderr)
+            return 2
+        filename = str(args.source)
+    rng = np.random.default_rng(args.seed)
+    q = round_to(rng.standard_normal((args.batch, args.q_len, heads, spec.head_dim)), spec.dtype)
+    k, v = (round_to(rng.standard_normal((args.batch, args.kv_len, args.kv_heads, spec.head_dim)), spec.dtype)
+            for _ in range(2))
+    shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
+    print(f"attngen emulate: {spec.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
+          f"seed {args.seed}, policy {args.policy}")
+    try:
+        out, stats = emulate_stats(spec, q, k, v, seed=args.seed, policy=args.policy, source=source, filename=filename)
+    except EmulationError as e:
+        print(e.report)
+        return 1
+    except ValueError as e:
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return 2
+    print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
+          f"{stats.tma} TMA loads, {stats.seconds:.2f} s")
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+    print(f"  {res} (bound = 2 x max|lowprec - ref| + eps)")
+    return 0 if res.ok else 1

@@ -1,0 +1,546 @@
+"""CPU implementations of the `T.*` subset the templates emit, under Hopper's asynchronous rules.
+
+`TLang` is what the name `T` (and `tilelang.language`) means while an emitted module runs.
+Anything else under `T.` raises UnsupportedConstruct naming it (the driver adds the line).
+
+What each construct means here:
+- T.Kernel yields the block indices of the CTA being run; T.get_thread_binding the thread
+  indices of the running warpgroup (a per-thread array; see rewrite.py for `if` on it).
+- Allocation: shared buffers and barriers belong to the CTA (every warpgroup executing the
+  same allocation gets the same object); fragments belong to the warpgroup that allocates.
+- T.tma_copy global->shared records a load that lands when its mbarrier's current phase
+  completes (zeros beyond the tensor); shared->global stores drop what lies beyond it.
+- T.wgmma_gemm records its operands; a later T.wait_wgmma(n) retires all but the n newest
+  of the warpgroup's outstanding wgmmas, and only then are operands read and the
+  accumulator written.
+- T.Parallel yields broadcast index arrays once, so each element-wise statement runs as one
+  numpy expression in float32.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+
+import numpy as np
+
+from attngen.emulator.agents import WARPGROUP, MBarrier, NamedBarrier
+from attngen.emulator.errors import KernelError, UnsupportedConstruct
+from attngen.emulator.hazards import Op
+from attngen.emulator.memory import Buffer, Lanes, Region, as_region, parallel_indices, same_shape
+
+
+class GridProbe(BaseException):
+    """Raised by T.Kernel while the driver only asks for the launch grid."""
+
+    def __init__(self, grid, threads):
+        super().__init__()
+        self.grid, self.threads = grid, threads
+
+
+class TensorType:
+    """`T.Tensor(shape, dtype)` as a parameter annotation."""
+
+    def __init__(self, shape, dtype="float32"):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+
+
+class PrimFunc:
+    """`@T.prim_func`: the function plus its tensor parameters (name, shape, dtype)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.name = func.__name__
+        self.params = []
+        for name, ann in func.__annotations__.items():
+            if name == "return":
+                continue
+            if not isinstance(ann, TensorType):
+                raise UnsupportedConstruct(f"prim_func parameter {name}: only T.Tensor parameters are modeled")
+            self.params.append((name, ann))
+
+
+class _KernelFrame:
+    def __init__(self, index):
+        self.index = index
+
+    def __enter__(self):
+        return self.index[0] if len(self.index) == 1 else self.index
+
+    def __exit__(self, *exc):
+        return False
+
+
+class GemmWarpPolicy:
+    Square, FullRow, FullCol = "Square", "FullRow", "FullCol"
+
+
+class _Names:
+    """tilelang.PassConfigKey and friends: any attribute is just its name."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return name
+
+
+class _Layout:
+    @staticmethod
+    def make_swizzled_layout(buffer, *args, **kwargs):
+        return None  # swizzling changes addresses, not values: nothing to model
+
+
+class FakeTileLang:
+    """What `import tilelang` binds in the emitted module."""
+
+    def __init__(self, language):
+        self.language = language
+        self.layout = _Layout()
+        self.PassConfigKey = _Names()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedConstruct(f"tilelang.{name} is not modeled by the emulator")
+
+
+class _Branch:
+    """A branch whose test depends on the thread index: which threads take it."""
+
+    def __init__(self, agent, then_mask, other_mask):
+        self.agent, self.then_mask, self.other_mask = agent, then_mask, other_mask
+        self.then, self.other = bool(then_mask.any()), bool(other_mask.any())
+
+    def taken(self):
+        return _Active(self.agent, self.then_mask)
+
+    def not_taken(self):
+        return _Active(self.agent, self.other_mask)
+
+
+class _Active:
+    def __init__(self, agent, mask):
+        self.agent, self.mask = agent, mask
+
+    def __enter__(self):
+        self.agent.push_active(self.mask)
+
+    def __exit__(self, *exc):
+        self.agent.pop_active()
+        return False
+
+
+class _Uniform:
+    """A branch every thread takes the same way (a plain Python condition)."""
+
+    __slots__ = ("then", "other")
+
+    def __init__(self, then):
+        self.then, self.other = then, not then
+
+    def taken(self):
+        return _NULL
+
+    not_taken = taken
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+_TAKEN, _SKIPPED = _Uniform(True), _Uniform(False)
+
+
+class Helpers:
+    """`__rt__` in the rewritten module: branch splitting and element-wise logic."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def cond(self, test):
+        if isinstance(test, Lanes):
+            agent = self.rt.agent
+            mask = np.asarray(test).astype(bool)
+            if mask.shape != (WARPGROUP,):
+                raise UnsupportedConstruct("a thread-index condition that is not one value per thread")
+            active = agent.active[-1]
+            return _Branch(agent, active & mask, active & ~mask)
+        if isinstance(test, np.ndarray) and test.size != 1:
+            raise UnsupportedConstruct("`if` on a per-element condition inside T.Parallel (use T.if_then_else)")
+        return _TAKEN if test else _SKIPPED
+
+    @staticmethod
+    def and_(a, b):
+        if isinstance(a, np.ndarray):
+            return np.logical_and(a, b())
+        return b() if a else a
+
+    @staticmethod
+    def or_(a, b):
+        if isinstance(a, np.ndarray):
+            return np.logical_or(a, b())
+        return a if a else b()
+
+    @staticmethod
+    def not_(a):
+        if isinstance(a, np.ndarray):
+            return np.logical_not(a)
+        return not a
+
+
+def _f32(x):
+    return np.asarray(x, np.float32)
+
+
+class TLang:
+    """The `T` namespace, bound to one emulation (`rt`: the driver's Runtime)."""
+
+    GemmWarpPolicy = GemmWarpPolicy
+
+    def __init__(self, rt):
+        self._rt = rt
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedConstruct(f"T.{name} is not modeled by the emulator")
+
+    # -- helpers ---------------------------------------------------------------
+    def _site(self):
+        """Line of the emitted source that called into T (frames above ours)."""
+        fn = self._rt.filename
+        f = sys._getframe(2)
+        while f is not None and f.f_code.co_filename != fn:
+            f = f.f_back
+        return f.f_lineno if f is not None else None
+
+    def _barrier(self, b) -> MBarrier:
+        if isinstance(b, MBarrier):
+            return b
+        if isinstance(b, list) and b and isinstance(b[0], MBarrier):
+            if len(b) != 1:
+                raise KernelError(f"barrier array {b[0].name.split('[')[0]} has {len(b)} barriers: index it")
+            return b[0]
+        raise KernelError(f"expected an mbarrier (from T.alloc_barrier), got {type(b).__name__}")
+
+    def _per_cta(self, table, make):
+        """The object of this allocation site for the CTA (the n-th execution by a warpgroup -> n-th object)."""
+        agent = self._rt.agent
+        line = self._site()
+        n = agent.alloc_seen.get(line, 0)
+        agent.alloc_seen[line] = n + 1
+        key = (line, n)
+        obj = table.get(key)
+        if obj is None:
+            obj = table[key] = make(self._rt.alloc_name(line))
+        return obj, line
+
+    # -- launch, shapes, threads -------------------------------------------------
+    def dynamic(self, name, dtype="int32"):
+        dims = self._rt.dims
+        if name not in dims:
+            raise KernelError(f"T.dynamic({name!r}): the driver knows {', '.join(sorted(dims))}")
+        return dims[name]
+
+    def Tensor(self, shape, dtype="float32", data=None, scope=None):
+        if data is not None or scope is not None:
+            raise UnsupportedConstruct("T.Tensor with data= or scope=")
+        return TensorType(shape if isinstance(shape, (list, tuple)) else (shape,), dtype)
+
+    def macro(self, func=None, **kwargs):
+        return func if func is not None else (lambda f: f)
+
+    def prim_func(self, func=None, **kwargs):
+        return PrimFunc(func) if func is not None else PrimFunc
+
+    def Kernel(self, *blocks, threads=None, prelude=None, cluster_dims=None):
+        if prelude is not None or cluster_dims is not None:
+            raise UnsupportedConstruct("T.Kernel with prelude= or cluster_dims=")
+        if not isinstance(threads, (int, np.integer)):
+            raise UnsupportedConstruct(f"T.Kernel(threads={threads!r}): only a 1-d thread block is modeled")
+        grid = tuple(int(b) for b in blocks)
+        rt = self._rt
+        if rt.probe:
+            raise GridProbe(grid, int(threads))
+        cta = rt.cta
+        if grid != cta.grid or int(threads) != cta.threads:
+            raise KernelError(f"T.Kernel grid {grid} x {threads} threads differs from the probed {cta.grid} x {cta.threads}")
+        return _KernelFrame(cta.index[:len(grid)])
+
+    def get_thread_binding(self, dim=0):
+        if dim != 0:
+            raise UnsupportedConstruct(f"T.get_thread_binding({dim}): only threadIdx.x is modeled")
+        return self._rt.agent.lanes.view(Lanes)
+
+    def ws(self, *warp_group_idx):
+        agent = self._rt.agent
+        ids = [int(i) for i in warp_group_idx]
+        return np.isin(agent.lanes // WARPGROUP, ids).view(Lanes)
+
+    def set_max_nreg(self, reg_count, is_inc):
+        return None  # register budgets are the build's concern, not the values'
+
+    def annotate_layout(self, layout_map):
+        return None
+
+    # -- allocation ------------------------------------------------------------------
+    def alloc_shared(self, shape, dtype, scope="shared.dyn"):
+        cta = self._rt.cta
+        buf, line = self._per_cta(cta.shared, lambda name: Buffer(name, shape, dtype, "shared", tracker=cta.tracker))
+        if buf.shape != tuple(int(s) for s in shape):
+            raise KernelError(f"shared buffer {buf.name} allocated with shapes {buf.shape} and {tuple(shape)}")
+        return buf
+
+    def alloc_fragment(self, shape, dtype, scope="local.fragment"):
+        rt = self._rt
+        name = rt.alloc_name(self._site())
+        return Buffer(name, shape, dtype, "fragment", owner=rt.agent, tracker=rt.cta.tracker)
+
+    def alloc_barrier(self, arrive_count):
+        counts = list(arrive_count) if isinstance(arrive_count, (list, tuple)) else [arrive_count]
+        cta = self._rt.cta
+
+        def make(name):
+            if len(counts) == 1:
+                return [MBarrier(name, int(counts[0]))]
+            return [MBarrier(f"{name}[{i}]", int(c)) for i, c in enumerate(counts)]
+
+        bars, _ = self._per_cta(cta.barriers, make)
+        return bars
+
+    # -- loops -------------------------------------------------------------------------
+    def serial(self, start, stop=None, *, annotations=None):
+        return range(int(start)) if stop is None else range(int(start), int(stop))
+
+    def Parallel(self, *extents, coalesced_width=None, loop_layout=None, annotations=None):
+        idx = parallel_indices(tuple(int(e) for e in extents))
+        return iter([idx[0] if len(idx) == 1 else idx])
+
+    # -- arithmetic ------------------------------------------------------------------------
+    def exp2(self, x):
+        return np.exp2(_f32(x))
+
+    def exp(self, x):
+        return np.exp(_f32(x))
+
+    def log2(self, x):
+        return np.log2(_f32(x))
+
+    def log(self, x):
+        return np.log(_f32(x))
+
+    def sqrt(self, x):
+        return np.sqrt(_f32(x))
+
+    def abs(self, x):
+        return np.abs(x)
+
+    def infinity(self, dtype):
+        return float("inf")
+
+    def if_then_else(self, cond, t, f):
+        r = np.where(cond, t, f)
+        return r.astype(np.float32) if r.dtype == np.float64 else r
+
+    def min(self, a, b):
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return np.minimum(a, b)
+        return builtins.min(a, b)
+
+    def max(self, a, b):
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return np.maximum(a, b)
+        return builtins.max(a, b)
+
+    def ceildiv(self, a, b):
+        return -(-a // b)
+
+    def floordiv(self, a, b):
+        return a // b
+
+    def floormod(self, a, b):
+        return a % b
+
+    # -- tile operations -------------------------------------------------------------------
+    def fill(self, buffer, value, annotations=None):
+        r = as_region(buffer)
+        r.write(np.full(r.shape, value, np.float32))
+
+    def copy(self, src, dst, **kwargs):
+        src, dst = as_region(src), as_region(dst)
+        if not same_shape(src.shape, dst.shape):
+            raise KernelError(f"T.copy: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
+        if src.buf.scope == "global":  # a synchronous TMA load: zeros beyond the tensor
+            dst.write(src.load_zero_filled().reshape(dst.shape))
+        elif dst.buf.scope == "global":  # a TMA store: elements beyond the tensor are dropped
+            dst.store_clipped(src.read().reshape(dst.shape))
+        else:
+            dst.write(src.read().reshape(dst.shape))
+
+    def _reduce(self, kind, buffer, out, dim, clear):
+        src = as_region(buffer).read()
+        dst = as_region(out)
+        dim = dim if dim >= 0 else src.ndim + dim
+        red = {"max": np.max, "min": np.min, "sum": np.sum}[kind](src, axis=dim)
+        if not clear:
+            prev = dst.read()
+            red = {"max": np.maximum, "min": np.minimum, "sum": np.add}[kind](prev, red.reshape(prev.shape))
+        dst.write(red.reshape(dst.shape))
+
+    def reduce_max(self, buffer, out, dim=-1, clear=True, batch=1, annotations=None):
+        self._reduce("max", buffer, out, dim, clear)
+
+    def reduce_min(self, buffer, out, dim=-1, clear=True, batch=1, annotations=None):
+        self._reduce("min", buffer, out, dim, clear)
+
+    def reduce_sum(self, buffer, out, dim=-1, clear=True, batch=1, annotations=None):
+        self._reduce("sum", buffer, out, dim, clear)
+
+    # -- TMA -------------------------------------------------------------------------------
+    def tma_copy(self, src, dst, *, barrier=None, cluster_mask=None, leader_scope_threads=None, eviction_policy=None, annotations=None):
+        if cluster_mask is not None:
+            raise UnsupportedConstruct("T.tma_copy(cluster_mask=...): multicast is not modeled")
+        rt = self._rt
+        src, dst = as_region(src), as_region(dst)
+        if not same_shape(src.shape, dst.shape):
+            raise KernelError(f"T.tma_copy: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
+        if src.buf.scope == "global" and dst.buf.scope == "shared":
+            if barrier is None:
+                raise KernelError("T.tma_copy global -> shared needs barrier=")
+            bar = self._barrier(barrier)
+            line = self._site()
+            agent = rt.agent
+            tracker = rt.cta.tracker
+            tracker.check(dst.buf, dst.box, write=True, by="TMA load")
+            data = src.load_zero_filled().reshape(dst.shape)  # global inputs are read-only: read at issue
+            op = Op("TMA load", agent, line, [], [dst], lambda: dst.write(data, check=False))
+            tracker.add(op)
+            bar.loads.append((bar.phase, op))
+            rt.cta.stats["tma"] += 1
+            rt.sched.pause(line)
+        elif src.buf.scope in ("shared", "fragment") and dst.buf.scope == "global":
+            dst.store_clipped(src.read().reshape(dst.shape))
+        else:
+            raise KernelError(f"T.tma_copy from {src.buf.scope} {src} to {dst.buf.scope} {dst}: expected global <-> shared")
+
+    # -- mbarriers -----------------------------------------------------------------------
+    def _land(self, bar: MBarrier):
+        """The barrier completed a phase: TMA loads issued in earlier phases become visible."""
+        keep = []
+        for phase, op in bar.loads:
+            if phase < bar.phase:
+                self._rt.cta.tracker.remove(op)
+                op.action()
+            else:
+                keep.append((phase, op))
+        bar.loads[:] = keep
+
+    def mbarrier_arrive(self, mbarrier, cta_id=None):
+        if cta_id is not None:
+            raise UnsupportedConstruct("T.mbarrier_arrive(cta_id=...): cluster barriers are not modeled")
+        rt = self._rt
+        bar = self._barrier(mbarrier)
+        line = self._site()
+        if bar.arrive(rt.agent.nthreads):
+            self._land(bar)
+        rt.sched.pause(line)
+
+    barrier_arrive = mbarrier_arrive
+
+    def mbarrier_wait_parity(self, mbarrier, parity):
+        rt = self._rt
+        bar = self._barrier(mbarrier)
+        parity = int(parity)
+        if parity not in (0, 1):
+            raise KernelError(f"T.mbarrier_wait_parity({bar.name}, {parity}): parity must be 0 or 1")
+        line = self._site()
+        rt.sched.block(lambda: not bar.blocks(parity),
+                       lambda: f"{bar.name} to complete its phase of parity {parity} ({bar.state()})", line)
+
+    barrier_wait = mbarrier_wait_parity
+
+    # -- named barriers -------------------------------------------------------------------
+    def _named(self, barrier_id, count):
+        rt = self._rt
+        if barrier_id is None:
+            barrier_id = 0
+        count = rt.cta.threads if count is None else int(count)
+        nb = rt.cta.named.get(int(barrier_id))
+        if nb is None:
+            nb = rt.cta.named[int(barrier_id)] = NamedBarrier(int(barrier_id))
+        return nb, count
+
+    def sync_threads(self, barrier_id=None, arrive_count=None):
+        rt = self._rt
+        nb, count = self._named(barrier_id, arrive_count)
+        line = self._site()
+        gen = nb.generation
+        nb.arrive(rt.agent.nthreads, count)
+        if nb.generation == gen:
+            rt.sched.block(lambda: nb.generation != gen, nb.state, line)
+        else:
+            rt.sched.pause(line)
+
+    def named_barrier_arrive(self, barrier_id, thread_count):
+        rt = self._rt
+        nb, count = self._named(barrier_id, thread_count)
+        line = self._site()
+        nb.arrive(rt.agent.nthreads, count)
+        rt.sched.pause(line)
+
+    # -- wgmma -------------------------------------------------------------------------------
+    def wgmma_gemm(self, A, B, C, transpose_A=False, transpose_B=False, policy=None, clear_accum=False, annotations=None):
+        rt = self._rt
+        A, B, C = as_region(A), as_region(B), as_region(C)
+        a, b, c = A.shape, B.shape, C.shape
+        if len(a) != 2 or len(b) != 2 or len(c) != 2:
+            raise KernelError(f"T.wgmma_gemm needs 2-d operands: A {a}, B {b}, C {c}")
+        m, ka = a[::-1] if transpose_A else a
+        kb, n = b[::-1] if transpose_B else b
+        if ka != kb or c != (m, n):
+            raise KernelError(f"T.wgmma_gemm shapes do not agree: A {a}{' (transposed)' if transpose_A else ''}, "
+                              f"B {b}{' (transposed)' if transpose_B else ''}, C {c}")
+        if C.buf.scope != "fragment" or C.buf.dtype != "float32":
+            raise KernelError(f"T.wgmma_gemm accumulator {C} must be a float32 fragment")
+        agent = rt.agent
+        line = self._site()
+        tracker = rt.cta.tracker
+        reads = [A, B] + ([] if clear_accum else [C])
+
+        def chained(op, region, op_writes):  # a warpgroup's wgmmas into one accumulator are ordered
+            return op.kind == "wgmma" and op.agent is agent and any(region is w for w in op.writes)
+
+        for r in (A, B):
+            tracker.check(r.buf, r.box, write=False, by="wgmma issue")
+        tracker.check(C.buf, C.box, write=True, by="wgmma issue", exempt=chained)
+
+        def action():
+            x = A.read(check=False)
+            y = B.read(check=False)
+            prod = (x.T if transpose_A else x) @ (y.T if transpose_B else y)
+            C.write(prod if clear_accum else C.read(check=False) + prod, check=False)
+
+        op = Op("wgmma", agent, line, reads, [C], action)
+        tracker.add(op)
+        agent.wgmma.append(op)
+        rt.cta.stats["wgmma"] += 1
+        rt.sched.pause(line)
+
+    def wait_wgmma(self, id):
+        rt = self._rt
+        agent = rt.agent
+        keep = int(id)
+        if keep < 0:
+            raise KernelError(f"T.wait_wgmma({keep}): expected a count >= 0")
+        line = self._site()
+        while len(agent.wgmma) > keep:
+            op = agent.wgmma.pop(0)
+            rt.cta.tracker.remove(op)
+            op.action()
+        rt.sched.pause(line)
