@@ -36,7 +36,8 @@ def round_to(x, dtype: str) -> np.ndarray:
     """
     x = np.asarray(x, dtype=np.float32)
     if dtype == "float16":
-        return x.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore"):  # beyond 65504 rounds to inf, as on the GPU
+            return x.astype(np.float16).astype(np.float32)
     if dtype == "bfloat16":
         bits = np.ascontiguousarray(x).view(np.uint32)
         lsb = (bits >> np.uint32(16)) & np.uint32(1)
@@ -60,11 +61,8 @@ def to_numpy(x) -> np.ndarray:
 
 def dtype_of(x) -> str | None:
     """float16/bfloat16 when the tensor itself says so, else None."""
-    name = str(getattr(x, "dtype", ""))
-    for d in DTYPES:
-        if name.endswith(d):
-            return d
-    return None
+    name = str(getattr(x, "dtype", "")).split(".")[-1]  # "torch.bfloat16" or numpy's "float16"
+    return name if name in DTYPES else None
 
 
 def _check_shapes(q, k, v):

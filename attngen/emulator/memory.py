@@ -204,6 +204,10 @@ class Region:
                 raise KernelError(f"region {self} is out of bounds of {self.buf.name}{list(self.buf.shape)}")
         return tuple(slice(a, c) for a, c in zip(self.lo, self.hi))
 
+    def check_bounds(self):
+        if self.buf.scope != "global":
+            self._slices()
+
     def read(self, check=True) -> np.ndarray:
         sl = self._slices()
         if check and self.buf.tracker is not None:

@@ -24,14 +24,23 @@ RT = "__rt__"  # helper object injected into the module namespace
 TL = "__tilelang__"  # the CPU stand-in for the `tilelang` package
 
 
+def _at(new, node):
+    """Place a synthesized node on `node`'s first line (so errors in it report that line)."""
+    for n in ast.walk(new):
+        if "lineno" in n._attributes and getattr(n, "lineno", None) is None:
+            n.lineno, n.col_offset = node.lineno, node.col_offset
+            n.end_lineno, n.end_col_offset = node.lineno, node.col_offset
+    return new
+
+
 def _call(name: str, args, node) -> ast.Call:
     call = ast.Call(func=ast.Attribute(value=ast.Name(id=RT, ctx=ast.Load()), attr=name, ctx=ast.Load()), args=args, keywords=[])
-    return ast.copy_location(call, node)
+    return _at(call, node)
 
 
 def _thunk(expr) -> ast.Lambda:
     lam = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]), body=expr)
-    return ast.copy_location(lam, expr)
+    return _at(lam, expr)
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -48,7 +57,7 @@ class _Rewriter(ast.NodeTransformer):
             expr = ast.Attribute(value=expr, attr=part, ctx=ast.Load())
         if dotted == "tilelang.language":
             self.t_aliases.add(name)
-        return ast.copy_location(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=expr), node)
+        return _at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=expr), node)
 
     def visit_Import(self, node):
         keep, out = [], []
@@ -61,7 +70,7 @@ class _Rewriter(ast.NodeTransformer):
             else:
                 keep.append(alias)
         if keep:
-            out.insert(0, ast.copy_location(ast.Import(names=keep), node))
+            out.insert(0, _at(ast.Import(names=keep), node))
         return out
 
     def visit_ImportFrom(self, node):
@@ -96,7 +105,7 @@ class _Rewriter(ast.NodeTransformer):
         if any(self._is_ws(item.context_expr) for item in node.items):
             if len(node.items) != 1 or node.items[0].optional_vars is not None:
                 raise UnsupportedConstruct(f"`with T.ws(...)` combined with other context managers at {self.filename}:{node.lineno}")
-            return self.visit(ast.copy_location(ast.If(test=node.items[0].context_expr, body=node.body, orelse=[]), node))
+            return self.visit(_at(ast.If(test=node.items[0].context_expr, body=node.body, orelse=[]), node))
         self.generic_visit(node)
         return node
 
@@ -114,11 +123,11 @@ class _Rewriter(ast.NodeTransformer):
             test = ast.Attribute(value=name(ast.Load()), attr=attr, ctx=ast.Load())
             return ast.If(test=test, body=[inner], orelse=[])
 
-        out = [ast.Assign(targets=[name(ast.Store())], value=_call("cond", [node.test], node)),
+        out = [ast.Assign(targets=[name(ast.Store())], value=_call("cond", [node.test], node.test)),
                guarded("then", "taken", node.body)]
         if node.orelse:
             out.append(guarded("other", "not_taken", node.orelse))
-        return [ast.fix_missing_locations(ast.copy_location(n, node)) for n in out]
+        return [_at(n, node.test) for n in out]
 
     # -- element-wise logic ----------------------------------------------------
     def visit_BoolOp(self, node):
@@ -142,7 +151,7 @@ class _Rewriter(ast.NodeTransformer):
         parts = []
         left = node.left
         for op, right in zip(node.ops, node.comparators):
-            parts.append(ast.copy_location(ast.Compare(left=left, ops=[op], comparators=[right]), node))
+            parts.append(_at(ast.Compare(left=left, ops=[op], comparators=[right]), node))
             left = right
         expr = parts[0]
         for p in parts[1:]:

@@ -414,6 +414,7 @@ class TLang:
             if barrier is None:
                 raise KernelError("T.tma_copy global -> shared needs barrier=")
             bar = self._barrier(barrier)
+            dst.check_bounds()
             line = self._site()
             agent = rt.agent
             tracker = rt.cta.tracker
@@ -508,6 +509,8 @@ class TLang:
                               f"B {b}{' (transposed)' if transpose_B else ''}, C {c}")
         if C.buf.scope != "fragment" or C.buf.dtype != "float32":
             raise KernelError(f"T.wgmma_gemm accumulator {C} must be a float32 fragment")
+        for r in (A, B, C):
+            r.check_bounds()  # at issue, where the bad index is written
         agent = rt.agent
         line = self._site()
         tracker = rt.cta.tracker

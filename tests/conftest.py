@@ -1,0 +1,20 @@
+"""Shared test configuration: hypothesis profiles.
+
+ATTNGEN_HYPOTHESIS_PROFILE=ci (default): derandomized, no example database, no deadline and
+few examples, so the CPU suite is reproducible and bounded. =dev: many more examples.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", derandomize=True, database=None, deadline=None, max_examples=20,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("ATTNGEN_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "expensive: bounded CPU-emulator sweeps (seconds to a minute); deselect with -m 'not expensive'")

@@ -1,0 +1,324 @@
+"""The CPU emulator: correct kernels pass under every schedule policy; the model's rules hold.
+
+Every end-to-end check compares with the fp64 reference through attngen.reference.check_close.
+"""
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attngen
+from attngen.emulator import (
+    POLICIES, DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct, command, emulate,
+    emulate_stats,
+)
+from attngen.emulator.agents import MBarrier, NamedBarrier
+from attngen.emulator.memory import Buffer, Region
+from attngen.reference import check_close, round_to
+
+
+def inputs(spec, b, hkv, sq, skv, seed=0):
+    rng = np.random.default_rng(seed)
+    h = hkv * spec.gqa_group
+    shapes = [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)]
+    return [round_to(rng.standard_normal(s), spec.dtype) for s in shapes]
+
+
+def line_of(source, text, start=1):
+    """1-based line number of the first line at or after `start` containing `text`."""
+    for n, line in enumerate(source.splitlines()[start - 1:], start):
+        if text in line:
+            return n
+    raise AssertionError(f"{text!r} not in source")
+
+
+# -- correct kernels pass ---------------------------------------------------------------------
+CASES = [
+    # spec fields, (batch, kv heads, q_len, kv_len), policy
+    ({}, (1, 2, 200, 300), "random"),
+    ({"causal": True}, (2, 1, 300, 200), "producer-first"),  # Sq > Skv: leading rows see no key
+    ({"causal": True, "gqa_group": 3, "head_dim": 64}, (1, 2, 150, 257), "consumers-first"),
+    ({"consumers": 1, "causal": True}, (1, 1, 100, 130), "random"),
+    ({"consumers": 3, "head_dim": 64, "causal": True}, (1, 1, 400, 390), "random"),
+    ({"consumers": 3}, (1, 1, 200, 200), "producer-first"),
+    ({"pingpong": False, "causal": True}, (1, 1, 256, 256), "producer-first"),
+    ({"aligned": True, "causal": True}, (1, 1, 256, 384), "random"),
+    ({"dtype": "bfloat16", "causal": True, "k_stages": 1, "v_stages": 3}, (1, 2, 129, 511), "consumers-first"),
+    ({"block_n": 64, "k_stages": 3, "v_stages": 1}, (1, 1, 128, 333), "random"),
+    ({"head_dim": 256, "causal": True}, (1, 1, 70, 100), "producer-first"),
+    ({"head_dim": 192, "causal": True, "gqa_group": 2}, (1, 1, 1, 1), "random"),
+]
+
+
+@pytest.mark.parametrize("fields, shape, policy", CASES, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(CASES)])
+def test_emitted_kernels_match_reference(fields, shape, policy):
+    spec = attngen.Spec(**fields)
+    q, k, v = inputs(spec, *shape)
+    out = emulate(spec, q, k, v, seed=3, policy=policy)
+    assert out.shape == q.shape and np.isfinite(out).all()
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+    assert res.ok, res
+
+
+def test_torch_in_torch_out_numpy_in_numpy_out():
+    spec = attngen.Spec(causal=True, dtype="bfloat16", head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 70, 90)
+    out_np = emulate(spec, q, k, v, seed=1)
+    out_t = emulate(spec, *(torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)), seed=1)
+    assert isinstance(out_np, np.ndarray) and out_np.dtype == np.float32
+    assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.bfloat16
+    np.testing.assert_array_equal(out_t.float().numpy(), out_np)
+    np.testing.assert_array_equal(round_to(out_np, "bfloat16"), out_np)  # values are bfloat16 values
+    assert check_close(out_t, *(torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)), True).ok
+
+
+def test_inputs_are_rounded_to_the_kernel_dtype():
+    spec = attngen.Spec(head_dim=64)
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in [(1, 64, 1, 64), (1, 64, 1, 64), (1, 64, 1, 64)])  # float64
+    rounded = [round_to(x, "float16") for x in (q, k, v)]
+    np.testing.assert_array_equal(emulate(spec, q, k, v), emulate(spec, *rounded))
+
+
+def test_schedule_is_deterministic_per_seed_and_varies_with_seed_and_policy():
+    spec = attngen.Spec(causal=True, consumers=3, head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 300, 300)
+    a_out, a = emulate_stats(spec, q, k, v, seed=7, policy="random")
+    b_out, b = emulate_stats(spec, q, k, v, seed=7, policy="random")
+    assert a.schedule == b.schedule and a.handovers == b.handovers
+    np.testing.assert_array_equal(a_out, b_out)
+    others = {emulate_stats(spec, q, k, v, seed=s, policy="random")[1].schedule for s in range(4)}
+    assert len(others) > 1
+    by_policy = {emulate_stats(spec, q, k, v, seed=7, policy=p)[1].schedule for p in POLICIES}
+    assert len(by_policy) == len(POLICIES)
+
+
+def test_bad_arguments_are_rejected_before_running():
+    spec = attngen.Spec(head_dim=64, gqa_group=2, aligned=True)
+    q, k, v = inputs(spec, 1, 1, 128, 128)
+    with pytest.raises(ValueError, match="policy"):
+        emulate(spec, q, k, v, policy="fastest")
+    with pytest.raises(ValueError, match="head_dim"):
+        emulate(attngen.Spec(head_dim=128), q, k, v)
+    with pytest.raises(attngen.SpecError, match="heads"):
+        emulate(spec, q[:, :, :1], k, v)
+    with pytest.raises(attngen.SpecError, match="multiple of block_n"):
+        emulate(spec, q, k[:, :100], v[:, :100])
+
+
+# -- barrier semantics --------------------------------------------------------------------------
+def test_mbarrier_phases_and_parity_waits():
+    bar = MBarrier("b", 32)
+    assert not bar.blocks(1), "a fresh barrier has completed no phase of parity 1... yet waiting on parity 1 returns"
+    assert bar.blocks(0), "waiting on parity 0 of a fresh barrier blocks until phase 0 completes"
+    assert bar.arrive(31) == 0 and bar.blocks(0)
+    assert bar.arrive(1) == 1 and bar.phase == 1
+    assert not bar.blocks(0) and bar.blocks(1)
+    assert bar.arrive(128) == 4 and bar.phase == 5  # arrivals beyond the count start the next phases
+    assert bar.arrive(20) == 0 and "20 of 32" in bar.state()
+
+
+def test_named_barrier_counts_across_agents_and_resets():
+    nb = NamedBarrier(1)
+    nb.arrive(128, 256)
+    assert nb.generation == 0 and "128 of 256" in nb.state()
+    nb.arrive(128, 256)
+    assert nb.generation == 1 and nb.arrived == 0
+    nb.arrive(128, 256)  # a dangling arrive (the ping-pong ring leaves one) is allowed
+    with pytest.raises(KernelError, match="thread counts"):
+        nb.arrive(128, 384)
+
+
+MINI = '''\
+import tilelang
+import tilelang.language as T
+
+ARRIVALS = {arrivals}
+
+
+def build_kernel():
+    @T.prim_func
+    def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+        with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
+            S = T.alloc_shared([64, 64], "float16")
+            bar = T.alloc_barrier([ARRIVALS])
+            tx = T.get_thread_binding()
+            if tx >= 128 and tx < 160:  # one warp of the producer
+                T.tma_copy(K[0, 0:64, 0, :], S, barrier=bar)
+                T.mbarrier_arrive(bar)
+            if tx >= 200:  # 56 producer threads
+                T.mbarrier_arrive(bar)
+            with T.ws(0):
+                if not tx < 8:  # 120 consumer threads
+                    T.mbarrier_arrive(bar)
+                T.mbarrier_wait_parity(bar, {parity})
+                T.copy(S, O[0, 0:64, 0, :])
+
+    return mini
+'''
+
+
+def run_mini(arrivals, parity=0, policy="producer-first"):
+    spec = attngen.Spec(head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    return emulate(spec, q, k, v, source=MINI.format(arrivals=arrivals, parity=parity), policy=policy), k
+
+
+def test_arrivals_count_the_threads_that_take_each_branch():
+    out, k = run_mini(32 + 56 + 120)
+    np.testing.assert_array_equal(out, k)  # the TMA landed when the phase completed
+    with pytest.raises(DeadlockError) as e:
+        run_mini(32 + 56 + 120 + 1)
+    assert "208 of 209 arrivals" in e.value.report
+
+
+def test_tma_data_is_not_visible_before_its_phase_completes():
+    # Wrong parity: a wait on parity 1 of a fresh barrier returns at once, before the load lands.
+    with pytest.raises(HazardError) as e:
+        run_mini(32 + 56 + 120 + 1, parity=1)
+    report = e.value.report
+    assert "in-flight TMA load of producer" in report and "not yet landed" in report
+    assert f"line {line_of(MINI, 'T.copy(S, O')}" in report and f"line {line_of(MINI, 'T.tma_copy')}" in report
+
+
+def test_tma_bounds_zero_fill_loads_and_drop_stores():
+    g = Buffer("G", (5, 4), "float16", "global", data=np.arange(20, dtype=np.float32).reshape(5, 4))
+    r = Region.of(g, (slice(3, 7), slice(None)))
+    got = r.load_zero_filled()
+    np.testing.assert_array_equal(got[:2], g.data[3:5])
+    assert got.shape == (4, 4) and np.all(got[2:] == 0)
+    r.store_clipped(np.full((4, 4), -1.0))
+    assert np.all(g.data[3:] == -1) and np.all(g.data[:3] >= 0)
+
+
+# -- errors name the construct and the line -----------------------------------------------------
+def mutate(spec, old, new):
+    src = attngen.render(spec)
+    assert old in src
+    out = src.replace(old, new, 1)
+    assert out != src
+    return out
+
+
+def test_unsupported_construct_names_it_and_its_line():
+    spec = attngen.Spec(causal=True)
+    src = mutate(spec, "T.reduce_sum(acc_s, row_sum_tile, dim=1)", "T.reduce_absmax(acc_s, row_sum_tile, dim=1)")
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    with pytest.raises(UnsupportedConstruct) as e:
+        emulate(spec, q, k, v, source=src)
+    assert "T.reduce_absmax" in e.value.report
+    assert f"line {line_of(src, 'T.reduce_absmax')}:" in e.value.report
+
+
+def test_if_on_element_values_is_unsupported():
+    spec = attngen.Spec()
+    src = mutate(spec, "            row_sum[i] = row_sum_tile[i]\n",
+                 "            if row_sum_tile[i] > 0:\n                row_sum[i] = row_sum_tile[i]\n")
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    with pytest.raises(UnsupportedConstruct, match="T.if_then_else") as e:
+        emulate(spec, q, k, v, source=src)
+    assert f"line {line_of(src, 'if row_sum_tile[i] > 0')}" in e.value.report
+
+
+def test_out_of_bounds_shared_index_is_a_located_kernel_error():
+    spec = attngen.Spec()
+    src = mutate(spec, "K_shared[0, :, :], acc_s", "K_shared[K_STAGES, :, :], acc_s")
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    with pytest.raises(KernelError, match="out of bounds") as e:
+        emulate(spec, q, k, v, source=src)
+    assert f"line {line_of(src, 'K_shared[K_STAGES')}" in e.value.report
+
+
+def test_static_shape_source_checks_its_tensor_shapes():
+    spec = attngen.Spec(causal=True)
+    src = attngen.render(spec, attngen.Shape(1, 1, 1, 100, 100))
+    q, k, v = inputs(spec, 1, 1, 100, 100)
+    assert check_close(emulate(spec, q, k, v, source=src), q, k, v, True, dtype="float16").ok
+    q, k, v = inputs(spec, 1, 1, 100, 120)
+    with pytest.raises(KernelError, match="declared"):
+        emulate(spec, q, k, v, source=src)
+
+
+def test_wgmma_never_waited_is_reported():
+    spec = attngen.Spec(consumers=1)
+    src = attngen.render(spec)
+    epilogue = src[src.index("# Epilogue"):]
+    old = "T.wait_wgmma(0)\n        T.mbarrier_arrive(v_empty[v_stage_last])"
+    assert old in epilogue
+    src = src.replace(old, "T.mbarrier_arrive(v_empty[v_stage_last])")
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    with pytest.raises(HazardError, match="acc_o|in flight"):
+        emulate(spec, q, k, v, source=src)
+
+
+# -- reports ---------------------------------------------------------------------------------------
+def test_deadlock_report_lists_every_agent_with_line_and_wait():
+    spec = attngen.Spec(causal=True)
+    src = mutate(spec, "T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring", "pass  # (primer removed)")
+    q, k, v = inputs(spec, 1, 1, 128, 256)
+    with pytest.raises(DeadlockError) as e:
+        emulate(spec, q, k, v, source=src, policy="consumers-first")
+    report = e.value.report
+    sync_line = line_of(src, "T.sync_threads(wait_bar, PINGPONG_THREADS)")
+    for agent in ("consumer 0", "consumer 1", "producer"):
+        assert re.search(rf"^  {agent}: (blocked at line \d+|finished)", report, re.M), report
+    assert f"consumer 0: blocked at line {sync_line}" in report
+    assert "named barrier 1 to release (128 of 256 threads arrived)" in report
+
+
+def test_hazard_report_names_buffer_lines_and_both_agents():
+    spec = attngen.Spec(causal=True)
+    early = "            T.mbarrier_arrive(v_empty[v_stage_prev])\n"
+    src = attngen.render(spec)
+    wait = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
+    assert wait + early in src
+    src = src.replace(wait + early, early + wait)
+    q, k, v = inputs(spec, 1, 1, 256, 700)
+    with pytest.raises(HazardError) as e:
+        emulate(spec, q, k, v, source=src, policy="producer-first")
+    report = e.value.report
+    assert "producer (TMA load) writes V_shared[" in report
+    assert re.search(r"in-flight wgmma of consumer \d reads it", report)
+    assert f"line {line_of(src, 'T.tma_copy(V[')}" in report
+    assert f"line {line_of(src, 'T.wgmma_gemm(p_reg, V_shared')}" in report
+
+
+# -- the command line ---------------------------------------------------------------------------
+def namespace(spec_path, **kw):
+    args = dict(spec=str(spec_path), batch=1, heads=None, kv_heads=2, q_len=100, kv_len=150, seed=0, policy="random", source=None)
+    args.update(kw)
+    return argparse.Namespace(**args)
+
+
+def test_command_reports_error_and_bound(tmp_path, capsys):
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text("head_dim = 64\ncausal = true\ngqa_group = 2\n")
+    assert command(namespace(spec_path)) == 0
+    out = capsys.readouterr().out
+    assert "H=4 HKV=2 Sq=100 Skv=150" in out and "PASS" in out and "bound" in out
+
+    spec = attngen.load_spec(spec_path)
+    mutant = tmp_path / "mutant.py"
+    mutant.write_text(mutate(spec, "T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime", "pass  #"))
+    assert command(namespace(spec_path, source=str(mutant))) == 1
+    assert "DEADLOCK" in capsys.readouterr().out
+
+    assert command(namespace(spec_path, policy="nope")) == 2
+
+
+def test_cli_entry_point(tmp_path, capsys):
+    from attngen.cli import main
+
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text("head_dim = 64\nconsumers = 1\n")
+    assert main(["emulate", str(spec_path), "--q-len", "70", "--kv-len", "33", "--policy", "producer-first"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["emulate", str(spec_path), "--heads", "3", "--kv-heads", "2"]) == 2  # SpecError: H != HKV * group
+
+
+def test_emulation_error_is_the_common_base():
+    assert all(issubclass(c, EmulationError) for c in (HazardError, DeadlockError, UnsupportedConstruct, KernelError))

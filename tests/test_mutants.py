@@ -1,0 +1,158 @@
+"""Deliberately broken kernels: the emulator must catch every one.
+
+Each mutant is a textual edit of the *rendered* source, so it follows template changes; the
+test first asserts the edit applied, then that the unmodified kernel passes for the same
+spec, shape and schedule, then that the mutant is caught the way it should be: a hazard
+report, a deadlock report, or a numeric mismatch against the fp64 reference.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import attngen
+from attngen.emulator import DeadlockError, HazardError, emulate
+from attngen.reference import check_close, round_to
+
+WAIT_PV = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
+WAIT_QK = "            T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below\n"
+RELEASE_K = "            T.mbarrier_arrive(k_empty[k_stage])\n"
+RELEASE_V = "            T.mbarrier_arrive(v_empty[v_stage_prev])\n"
+ROW_SUM = "            for i in T.Parallel(WG_ROWS):\n                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]\n"
+COPY_P = "            T.copy(acc_s, p_reg)\n"
+
+
+@dataclasses.dataclass
+class Mutant:
+    name: str
+    why: str
+    edits: list  # (old, new): every occurrence of old is replaced
+    expect: str  # "hazard", "deadlock" or "numeric"
+    spec: dict = dataclasses.field(default_factory=lambda: {"causal": True})
+    shape: tuple = (1, 1, 256, 700)  # batch, kv heads, q_len, kv_len
+    policy: str = "producer-first"
+    report: tuple = ()  # strings the hazard/deadlock report must contain
+
+
+MUTANTS = [
+    Mutant("p_overwritten_before_pv_waited",
+           "P of tile k is written into p_reg while PV(k-1), which reads p_reg, is still in flight",
+           [(WAIT_PV + RELEASE_V + ROW_SUM + COPY_P, COPY_P + WAIT_PV + RELEASE_V + ROW_SUM)],
+           "hazard", report=("writes p_reg", "in-flight wgmma", "T.copy(acc_s, p_reg)")),
+    Mutant("k_stage_released_before_qk_waited",
+           "k_empty is arrived on before the QK wgmma reading that K stage retires; with one K stage "
+           "(and two V stages) the producer reloads it under the running wgmma",
+           [(WAIT_QK + RELEASE_K, RELEASE_K + WAIT_QK)],
+           "hazard", spec={"causal": True, "k_stages": 1, "v_stages": 2},
+           report=("producer (TMA load) writes K_shared", "in-flight wgmma")),
+    Mutant("v_stage_released_before_pv_waited",
+           "v_empty is arrived on before PV(k-1) retires; the producer reloads the V stage under it",
+           [(WAIT_PV + RELEASE_V, RELEASE_V + WAIT_PV)],
+           "hazard", report=("producer (TMA load) writes V_shared[", "in-flight wgmma")),
+    Mutant("qk_not_waited",
+           "wait_wgmma(2) instead of (1): the softmax reads acc_s while QK(k) is still writing it",
+           [("T.wait_wgmma(1)  # QK(k) done", "T.wait_wgmma(2)  # QK(k) done")],
+           "hazard", report=("reads acc_s", "in-flight wgmma")),
+    Mutant("producer_empty_wait_parity",
+           "the producer's first 'empty' waits lose their ^ 1: a fresh barrier's parity-0 phase never completes",
+           [("T.mbarrier_wait_parity(k_empty[k_stage], ((k // K_STAGES) % 2) ^ 1)",
+             "T.mbarrier_wait_parity(k_empty[k_stage], (k // K_STAGES) % 2)")],
+           "deadlock", report=("producer: blocked at line", "k_empty[0] to complete its phase of parity 0")),
+    Mutant("consumer_full_wait_parity",
+           "consumers wait on the wrong parity of k_full: they run ahead of the loads or wait for a phase that never comes",
+           [("T.mbarrier_wait_parity(k_full[k_stage], (k // K_STAGES) % 2)",
+             "T.mbarrier_wait_parity(k_full[k_stage], ((k // K_STAGES) % 2) ^ 1)")],
+           "deadlock", report=("k_full[1] to complete its phase of parity 1",)),
+    Mutant("pingpong_arrive_missing",
+           "a consumer never signals the next warpgroup in the steady state: the ping-pong ring stops",
+           [("            T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue\n", "")],
+           "deadlock", report=("T.sync_threads(wait_bar, PINGPONG_THREADS)", "threads arrived")),
+    Mutant("pingpong_primer_missing",
+           "the last consumer does not prime the ring, so warpgroup 0 never gets its first turn",
+           [("T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring", "pass  # primer removed")],
+           "deadlock", policy="random", report=("named barrier 1 to release (128 of 256",)),
+    Mutant("tma_branch_whole_warpgroup",
+           "all 128 producer threads arrive on the 'full' barriers that expect the 32 of one warp: "
+           "each arrival completes four phases and the parity waits never see their phase",
+           [("if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:", "if tx >= CONSUMER_THREADS:")],
+           "deadlock", report=("q_full to complete its phase of parity 0",)),
+    Mutant("causal_split_off_by_one",
+           "the first diagonal tile is counted as a full tile and runs unmasked",
+           [("split = T.max(1, T.min(n_tiles, full_tiles))", "split = T.max(1, T.min(n_tiles, full_tiles + 1))")],
+           "numeric", shape=(1, 1, 256, 256)),
+    Mutant("partial_last_tile_unmasked",
+           "the last K tile is treated as full although kv_len is not a multiple of BLOCK_N: TMA's zero rows score 0",
+           [("full_tiles = T.floordiv(kv_len, BLOCK_N)", "full_tiles = T.ceildiv(kv_len, BLOCK_N)")],
+           "numeric", spec={}, shape=(1, 1, 128, 203)),
+    Mutant("prologue_mask_removed",
+           "the seed kernel's bug: block 0's first tile is a diagonal tile but was never masked",
+           [("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n",
+             "        if False:  # (prologue mask removed)\n")],
+           "numeric", shape=(1, 1, 256, 256)),
+    Mutant("empty_rows_divide_by_zero",
+           "without the guard, rows that see no key (Sq > Skv, causal) divide 0 by 0",
+           [("T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])", "acc_o[i, j] / row_sum[i]")],
+           "numeric", shape=(1, 1, 300, 100)),
+]
+
+
+def mutate(source: str, edits) -> str:
+    out = source
+    for old, new in edits:
+        assert old in out, f"edit no longer applies to the rendered source: {old!r}"
+        out = out.replace(old, new)
+    assert out != source
+    return out
+
+
+def inputs(spec, b, hkv, sq, skv):
+    rng = np.random.default_rng(11)
+    h = hkv * spec.gqa_group
+    return [round_to(rng.standard_normal(s), spec.dtype)
+            for s in [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)]]
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_mutant_is_caught(m: Mutant):
+    spec = attngen.Spec(**m.spec)
+    source = attngen.render(spec)
+    broken = mutate(source, m.edits)
+    q, k, v = inputs(spec, *m.shape)
+
+    # The unmodified kernel passes for this spec, shape and schedule ...
+    good = emulate(spec, q, k, v, source=source, policy=m.policy)
+    assert check_close(good, q, k, v, spec.causal, dtype=spec.dtype).ok
+
+    # ... and the mutant is caught the way it should be.
+    if m.expect == "numeric":
+        out = emulate(spec, q, k, v, source=broken, policy=m.policy)
+        res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+        assert not res.ok, f"{m.name} passed: {res}"
+        return
+    error = {"hazard": HazardError, "deadlock": DeadlockError}[m.expect]
+    with pytest.raises(error) as info:
+        emulate(spec, q, k, v, source=broken, policy=m.policy)
+    for text in m.report:
+        assert text in info.value.report, info.value.report
+
+
+def test_there_are_enough_mutants_of_each_kind():
+    kinds = [m.expect for m in MUTANTS]
+    assert len(MUTANTS) >= 8 and all(kinds.count(k) >= 2 for k in ("hazard", "deadlock", "numeric"))
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+
+
+@pytest.mark.parametrize("m", [m for m in MUTANTS if m.expect == "hazard"], ids=lambda m: m.name)
+def test_hazard_mutants_also_corrupt_the_output(m: Mutant, monkeypatch):
+    """A second, independent line of defence: wgmma operands are read when a wait retires the
+    wgmma and TMA data lands when its phase completes, so with the hazard checks switched off
+    these races still show up as wrong numbers."""
+    from attngen.emulator.hazards import Tracker
+
+    monkeypatch.setattr(Tracker, "check", lambda *args, **kwargs: None)
+    spec = attngen.Spec(**m.spec)
+    broken = mutate(attngen.render(spec), m.edits)
+    q, k, v = inputs(spec, *m.shape)
+    out = emulate(spec, q, k, v, source=broken, policy=m.policy)
+    assert not check_close(out, q, k, v, spec.causal, dtype=spec.dtype).ok
