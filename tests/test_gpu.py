@@ -1,0 +1,204 @@
+"""Generated kernels on a Hopper GPU, against the fp64 reference. Skipped without a CUDA 9.0 device.
+
+Every run writes into an output buffer poisoned with NaN, so an element the kernel
+never wrote fails; the tolerance is FlashAttention's rule (attngen.reference.check_close):
+max|out - ref| <= 2 * max|lowprec - ref| + eps. Kernels are the presets in
+examples/*.toml (globbed here) and the seed-parity static shape, so that
+`python3 bench/bench_gpu.py --prebuild-only` builds every kernel these tests use.
+
+    ATTNGEN_GPU_EXAMPLES=200 pytest -m gpu tests/test_gpu.py   # more hypothesis examples
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+from attngen import runtime
+from attngen.plan import Shape
+from attngen.reference import check_close
+from attngen.runtime import InputError, check_written, torch_dtype
+from attngen.spec import load
+
+
+def _has_sm90() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+    except Exception:  # a CPU-only torch build raises instead of answering
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _has_sm90(), reason="needs a CUDA device of compute capability 9.0 (H100/H200)"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))}
+SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the seed kernel's static shape (docs/seed-parity.md)
+ODD_LENGTHS = [1, 2, 3, 63, 64, 65, 113, 127, 128, 129, 191, 192, 193, 203, 217, 239, 255, 256, 257, 799, 1023, 1024]
+EXAMPLES = int(os.environ.get("ATTNGEN_GPU_EXAMPLES", "40"))
+
+
+def spec_of(preset: str):
+    return load(PRESETS[preset])
+
+
+def inputs(spec, b, h, hkv, sq, skv, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = torch_dtype(spec.dtype)
+
+    def rnd(*shape):  # fresh random data per check: zeros would hide unwritten or misindexed tiles
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+    return rnd(b, sq, h, spec.head_dim), rnd(b, skv, hkv, spec.head_dim), rnd(b, skv, hkv, spec.head_dim)
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+def run_and_check(kernel, q, k, v):
+    out = poisoned(q)
+    got = kernel(q, k, v, out=out)
+    torch.cuda.synchronize()
+    assert got is out  # written in place: the poisoned buffer is what we inspect
+    check_written(out)
+    result = check_close(out, q, k, v, kernel.spec.causal, dtype=kernel.spec.dtype)
+    shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
+    assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape}: {result}"
+    return out
+
+
+# -- every preset, a few shapes each ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_matches_reference(preset):
+    spec = spec_of(preset)
+    kernel = runtime.compile(spec)
+    hkv = 1 if spec.gqa_group >= 4 else 2  # at most 8 query heads: the fp64 reference runs on the CPU
+    h = hkv * spec.gqa_group
+    if spec.aligned:
+        shapes = [(spec.block_m * 4, spec.block_n * 8), (spec.block_m * 8, spec.block_n * 2)]
+    else:
+        shapes = [(1024, 1024), (777, 1100), (1100, 777)]
+    for i, (sq, skv) in enumerate(shapes):
+        run_and_check(kernel, *inputs(spec, 2, h, hkv, sq, skv, seed=i))
+
+
+def test_seed_parity_static_shape():
+    spec = spec_of("seed_parity")
+    kernel = runtime.compile(spec, SEED_SHAPE)
+    s = SEED_SHAPE
+    run_and_check(kernel, *inputs(spec, s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, seed=7))
+    q, k, v = inputs(spec, 1, 8, 8, 512, 1024, seed=8)
+    with pytest.raises(InputError, match="static shape"):  # a static kernel takes its shape only
+        kernel(q, k, v)
+
+
+# -- hypothesis over shapes --------------------------------------------------------------------
+
+
+@st.composite
+def problems(draw):
+    preset = draw(st.sampled_from(sorted(PRESETS)))
+    spec = spec_of(preset)
+    if spec.aligned:
+        sq = spec.block_m * draw(st.integers(1, 8))
+        skv = spec.block_n * draw(st.integers(1, 8))
+    else:
+        length = st.one_of(st.sampled_from(ODD_LENGTHS), st.integers(1, 1100))
+        sq, skv = draw(length), draw(length)
+    return {"preset": preset, "b": draw(st.integers(1, 2)), "hkv": draw(st.integers(1, 3)), "sq": sq, "skv": skv,
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def canonical(preset, sq, skv, b=1, hkv=2):
+    return example(p={"preset": preset, "b": b, "hkv": hkv, "sq": sq, "skv": skv, "seed": sq * 7919 + skv})
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@canonical("default", 1, 1)
+@canonical("default", 113, 203)
+@canonical("default", 128, 217)
+@canonical("default", 239, 1)  # Sq > Skv, causal: the first 238 rows see no key and must be 0
+@canonical("default", 799, 3)
+@canonical("default", 1023, 1024)
+@canonical("default", 1024, 1023)
+@canonical("hd128_bf16_mqa8_c1", 113, 203, hkv=1)  # MQA
+@canonical("hd64_bf16_gqa4_c3", 1024, 1023)  # GQA, 3 consumers
+@canonical("hd96_bf16_gqa2", 239, 1)
+@canonical("hd64_f16_full_nopp", 1, 1100)
+@given(p=problems())
+def test_shapes_match_reference(p):
+    if p["preset"] not in PRESETS:  # an @example naming a preset that has since been renamed
+        pytest.skip(f"no preset {p['preset']}")
+    spec = spec_of(p["preset"])
+    kernel = runtime.compile(spec)
+    h = p["hkv"] * spec.gqa_group
+    run_and_check(kernel, *inputs(spec, p["b"], h, p["hkv"], p["sq"], p["skv"], p["seed"]))
+
+
+# -- the same inputs give the same bits: a race shows as a moving result -------------------------
+
+
+@pytest.mark.parametrize("preset", ["default", "hd64_f16_full_nopp", "hd128_bf16_mqa8_c1", "hd64_bf16_gqa4_c3", "hd256_f16_causal_c2"])
+def test_repeated_runs_bit_identical(preset):
+    if preset not in PRESETS:
+        pytest.skip(f"no preset {preset}")
+    spec = spec_of(preset)
+    kernel = runtime.compile(spec)
+    h = 16 if spec.gqa_group <= 16 else spec.gqa_group
+    q, k, v = inputs(spec, 2, h, h // spec.gqa_group, 2047 if not spec.aligned else 2048, 2049 if not spec.aligned else 2048, seed=11)
+    first = run_and_check(kernel, q, k, v)
+    bits = first.view(torch.int16)
+    for run in range(8):
+        again = kernel(q, k, v, out=poisoned(q))
+        torch.cuda.synchronize()
+        differ = int((again.view(torch.int16) != bits).sum())
+        assert differ == 0, f"{kernel.name}: run {run + 1} differs from run 0 in {differ} elements (a race?)"
+
+
+# -- the PyTorch entry point ---------------------------------------------------------------------
+
+
+def test_attention_picks_the_preset_spec_and_memoizes():
+    spec = spec_of("default")  # hd128, float16, causal, MHA, 2 consumers, 2+2 stages: the defaults
+    q, k, v = inputs(spec, 2, 4, 4, 300, 500, seed=3)
+    out = runtime.attention(q, k, v, causal=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert runtime.compile(runtime.spec_for(q, k, causal=True)) is runtime.compile(spec)
+    assert check_close(out, q, k, v, True, dtype=spec.dtype).ok
+
+    gqa = spec_of("hd64_bf16_gqa4_c3")
+    q, k, v = inputs(gqa, 1, 8, 2, 333, 444, seed=4)
+    buf = poisoned(q)
+    out = runtime.attention(q, k, v, causal=gqa.causal, consumers=3, k_stages=3, v_stages=3, out=buf)
+    torch.cuda.synchronize()
+    assert out is buf
+    check_written(out)
+    assert check_close(out, q, k, v, gqa.causal, dtype=gqa.dtype).ok
+
+
+def test_bad_inputs_rejected_on_the_gpu_before_launch():
+    spec = spec_of("default")
+    kernel = runtime.compile(spec)
+    q, k, v = inputs(spec, 1, 4, 4, 256, 256, seed=5)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    with pytest.raises(InputError, match=r"q.data_ptr\(\).*16-byte aligned"):
+        kernel(flat[1:1 + q.numel()].view(q.shape), k, v)
+    qkv = torch.stack([q, k, v], dim=2)  # [B, S, 3, H, D]: q, k, v as strided views
+    with pytest.raises(InputError, match=r"q.stride\(\).*contiguous"):
+        kernel(*qkv.unbind(2))
+    with pytest.raises(InputError, match=r"q.dtype"):
+        kernel(q.bfloat16(), k, v)
+    with pytest.raises(InputError, match=r"k.device"):
+        kernel(q, k.cpu(), v)
+    with pytest.raises(InputError, match="overlapping q"):
+        kernel(q, k, v, out=q)
