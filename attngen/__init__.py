@@ -9,5 +9,10 @@ __version__ = "0.1.0"
 from attngen.spec import Spec, SpecError, load as load_spec  # noqa: E402
 from attngen.plan import Plan, Shape, make_plan  # noqa: E402
 from attngen.render import render, generate  # noqa: E402
+from attngen.emulator import emulate  # noqa: E402
+from attngen.runtime import compile, attention  # noqa: E402
 
-__all__ = ["Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render", "generate", "__version__"]
+__all__ = [
+    "Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render", "generate",
+    "emulate", "compile", "attention", "__version__",
+]

@@ -50,6 +50,60 @@ def cmd_build(args) -> int:
     return 0
 
 
+def build_verdicts(report: dict) -> list:
+    """(ok, what) pairs: the resource promises every generated kernel must keep."""
+    sass = report["sass"]
+    return [
+        (report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, "no register spills"),
+        (report["stack_frame_bytes"] == 0 and sass["LDL"] == 0 and sass["STL"] == 0, "no local memory"),
+        (sass["HGMMA"] > 0 and sass["HGMMA_A_FROM_REGISTERS"] > 0, "wgmma (HGMMA) with P from registers"),
+        (report["setmaxnreg_applied"], "setmaxnreg applied"),
+        (report["dynamic_smem_bytes"] == report["plan_smem_bytes"], "shared memory as planned"),
+    ]
+
+
+def cmd_check(args) -> int:
+    """The main job: generate, build, and run the kernel on the CPU model against the fp64 reference."""
+    from attngen.build import build, format_report
+
+    spec = load(args.spec)
+    print(f"generated  {generate(spec, args.output)}")
+    result = build(spec, cache_dir=args.cache_dir)
+    print(format_report(result.report))
+    verdicts = build_verdicts(result.report)
+    verdicts.append(emulate_verdict(spec, args))
+    for ok, what in verdicts:
+        print(f"{'PASS' if ok else 'FAIL'}  {what}")
+    failed = sum(not ok for ok, _ in verdicts)
+    print(f"{spec.name}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+    return 1 if failed else 0
+
+
+def emulate_verdict(spec, args) -> tuple:
+    """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
+    import numpy as np
+
+    from attngen.emulator import EmulationError, emulate_stats
+    from attngen.reference import check_close, round_to
+
+    q_len, kv_len = args.q_len, args.kv_len
+    if spec.aligned:  # an aligned kernel is only defined on tile multiples
+        q_len = -(-q_len // spec.block_m) * spec.block_m
+        kv_len = -(-kv_len // spec.block_n) * spec.block_n
+    heads, kv_heads = 2 * spec.gqa_group, 2
+    rng = np.random.default_rng(args.seed)
+    q = round_to(rng.standard_normal((1, q_len, heads, spec.head_dim)), spec.dtype)
+    k, v = (round_to(rng.standard_normal((1, kv_len, kv_heads, spec.head_dim)), spec.dtype) for _ in range(2))
+    what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    try:
+        out, stats = emulate_stats(spec, q, k, v, seed=args.seed)
+    except EmulationError as e:
+        print(e.report)
+        return False, what
+    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+    return result.ok, f"{what}: {result}, {stats.seconds:.1f} s"
+
+
 def cmd_emulate(args) -> int:
     from attngen.emulator import command
 
@@ -82,6 +136,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-dir", default=None, help="build cache (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     b.set_defaults(func=cmd_build)
 
+    c = sub.add_parser("check", help="generate, build and emulate a kernel; one verdict (the main job)")
+    c.add_argument("spec")
+    c.add_argument("-o", "--output", default="generated", help="where the emitted kernel is written")
+    c.add_argument("--cache-dir", default=None)
+    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (default 200: not a tile multiple)")
+    c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_check)
+
     e = sub.add_parser("emulate", help="run the emitted kernel on the CPU model and compare with the fp64 reference")
     e.add_argument("spec")
     e.add_argument("--batch", type=int, default=1)
@@ -97,12 +160,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from attngen.build import BuildError
+    from attngen.lower import LowerError
+
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as e:
+    except SpecError as e:  # the user's input: fix the spec or the shape
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
+    except (BuildError, LowerError, OSError) as e:  # the toolchain or the file system said no
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

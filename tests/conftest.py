@@ -6,6 +6,8 @@ few examples, so the CPU suite is reproducible and bounded. =dev: many more exam
 
 import os
 
+import pytest
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -18,3 +20,9 @@ settings.load_profile(os.environ.get("ATTNGEN_HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "expensive: bounded CPU-emulator sweeps (seconds to a minute); deselect with -m 'not expensive'")
+
+
+@pytest.fixture(scope="session")
+def build_cache(tmp_path_factory):
+    """One build cache per test session: each kernel is lowered and compiled once, then reused."""
+    return tmp_path_factory.mktemp("attngen-build-cache")

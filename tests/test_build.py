@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "examples").glob("*.toml"))
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("attngen-cache")
+@pytest.fixture
+def cache_dir(build_cache):
+    return build_cache
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
