@@ -322,3 +322,39 @@ def test_cli_entry_point(tmp_path, capsys):
 
 def test_emulation_error_is_the_common_base():
     assert all(issubclass(c, EmulationError) for c in (HazardError, DeadlockError, UnsupportedConstruct, KernelError))
+
+
+# -- proxy fences (opt-in) --------------------------------------------------------------------------
+def epilogue_variants(source, between):
+    """The source with exactly `between` (lines) between the O_shared write and its TMA store."""
+    lines = source.splitlines(keepends=True)
+    w = next(i for i, t in enumerate(lines) if "T.copy(acc_o, O_shared[g, :, :])" in t)
+    s = next(i for i, t in enumerate(lines) if "T.copy(O_shared[g, :, :], O[" in t)
+    indent = lines[w][: len(lines[w]) - len(lines[w].lstrip())]
+    return "".join(lines[: w + 1] + [indent + b + "\n" for b in between] + lines[s:])
+
+
+FENCE = "T.fence_proxy_async()  # every writer's generic stores -> async proxy"
+WG_BARRIER = "T.sync_threads(8 + g, 128)  # all 128 writers before the elected thread's TMA store"
+
+
+@pytest.mark.parametrize("between, ok", [
+    ([FENCE, WG_BARRIER], True),
+    ([], False),  # what the template emits today: no fence, no barrier
+    ([FENCE], False),  # the elected thread's fence does not order the other 127 threads' writes
+    ([WG_BARRIER], False),  # ordered, but the generic-proxy writes are not fenced for the async proxy
+])
+def test_tma_store_needs_fence_and_barrier_after_ordinary_smem_writes(between, ok):
+    spec = attngen.Spec(causal=True)
+    src = epilogue_variants(attngen.render(spec), between)
+    q, k, v = inputs(spec, 1, 1, 200, 300)
+    if ok:
+        out = emulate(spec, q, k, v, source=src, proxy_fences=True)
+        assert check_close(out, q, k, v, True, dtype="float16").ok
+        return
+    with pytest.raises(HazardError) as e:
+        emulate(spec, q, k, v, source=src, proxy_fences=True)
+    report = e.value.report
+    assert "(TMA store) reads O_shared[" in report and "async proxy" in report
+    assert f"line {line_of(src, 'T.copy(acc_o, O_shared')}" in report
+    assert emulate(spec, q, k, v, source=src, proxy_fences=False).shape == q.shape  # the default does not check

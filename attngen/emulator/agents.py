@@ -70,21 +70,27 @@ class MBarrier:
 class NamedBarrier:
     """bar.sync / bar.arrive: arrivals count across agents; at n it releases its waiters and resets."""
 
-    __slots__ = ("id", "arrived", "expected", "generation")
+    __slots__ = ("id", "arrived", "expected", "generation", "arrivers")
 
     def __init__(self, bar_id: int):
         self.id, self.arrived, self.expected, self.generation = bar_id, 0, None, 0
+        self.arrivers = []  # who arrived in the current generation
 
-    def arrive(self, n: int, expected: int):
+    def arrive(self, n: int, expected: int, who=None) -> list:
+        """Add n arrivals; return the participants of a release (empty if none happened)."""
         if expected < 1:
             raise KernelError(f"named barrier {self.id} used with thread count {expected}")
         if self.arrived and self.expected != expected:
             raise KernelError(f"named barrier {self.id} used with thread counts {self.expected} and {expected} at once")
         self.expected = expected
         self.arrived += n
+        self.arrivers.append(who)
+        released = []
         while self.arrived >= expected:
             self.arrived -= expected
             self.generation += 1
+            released, self.arrivers = self.arrivers, []
+        return released
 
     def state(self) -> str:
         return f"named barrier {self.id} to release ({self.arrived} of {self.expected} threads arrived)"

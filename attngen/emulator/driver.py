@@ -29,6 +29,11 @@ from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, T
 from attngen.reference import check_close, round_to, to_numpy
 
 
+# Off by default until the template's epilogue fences its O_shared writes before the TMA store
+# (see docs/emulator.md, "Proxy fences"); then this becomes True.
+PROXY_FENCES = False
+
+
 @dataclasses.dataclass
 class Stats:
     """What one emulation did (the benchmark and the CLI print these)."""
@@ -118,7 +123,7 @@ class Runtime:
             raise KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func")
         return ns, prim
 
-    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats) -> np.ndarray:
+    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False) -> np.ndarray:
         ns, prim = self.load()
         if len(prim.params) != len(inputs) + 1:
             raise KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected the inputs "
@@ -171,6 +176,7 @@ class Runtime:
                     sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
                     tracker = Tracker(where=lambda: (self.agent, self.current_line()))
                     tracker.describe_line = self.describe_line
+                    tracker.proxy_fences = proxy_fences
                     tracker.context = sched.context = self.context
                     sched.on_finish = self._finish_agent
                     self.cta = CTA(index, tuple(grid), threads, tracker, counters)
@@ -218,7 +224,7 @@ def _prepare(spec, q, k, v):
 
 
 def emulate_stats(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
-                  filename: str | None = None):
+                  filename: str | None = None, proxy_fences: bool = PROXY_FENCES):
     """Like `emulate`, returning (out as float32 numpy, Stats)."""
     from attngen.render import render
 
@@ -230,12 +236,13 @@ def emulate_stats(spec, q, k, v, *, seed: int = 0, policy: str = "random", sourc
     stats = Stats()
     t0 = time.perf_counter()
     with blas.single_threaded():
-        out = Runtime(text, filename, dims).run(inputs, seed=seed, policy=policy, stats=stats)
+        out = Runtime(text, filename, dims).run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences)
     stats.seconds = time.perf_counter() - t0
     return out, stats
 
 
-def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None):
+def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
+            proxy_fences: bool = PROXY_FENCES):
     """Run the kernel emitted for `spec` on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
@@ -243,9 +250,11 @@ def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str
     tensor of the spec's dtype for torch input, else a float32 numpy array holding values of
     the spec's dtype. `source` replaces the rendered text (a hand-edited emitted file).
     `seed` and `policy` ("random", "producer-first", "consumers-first") pick the schedule.
+    `proxy_fences` also requires fence.proxy.async + a named barrier between ordinary
+    shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
     """
-    out, _ = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)
+    out, _ = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences)
     if hasattr(q, "detach"):
         import torch
 

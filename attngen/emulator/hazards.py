@@ -14,6 +14,11 @@ and an in-flight operation where at least one side writes:
 Reading a wgmma's A/B operand from ordinary code is a read-read pair: not a race, not
 reported. Chained wgmmas of one warpgroup on the same accumulator are ordered by the
 hardware and allowed.
+
+Proxy fences (opt-in, `proxy_fences=True`): shared memory written by ordinary code (the
+generic proxy, many threads) may be read by the async proxy (a TMA store, a wgmma operand)
+only after the writers executed `T.fence_proxy_async()` and then a named barrier ordered
+them before the reading thread (one elected thread issues a TMA store).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Tracker:
         self.context = ""  # CTA and schedule, appended to reports
         self.ops: list[Op] = []
         self.watch: dict = {}  # Buffer -> [(op, region, is_write)]
+        self.proxy_fences = False
+        self.generic: dict = {}  # shared Buffer -> [[agent, box, line, threads, fenced]] not yet ordered for the async proxy
 
     def add(self, op: Op):
         self.ops.append(op)
@@ -70,6 +77,9 @@ class Tracker:
 
     def check(self, buf, box, write: bool, *, by: str = "", exempt=None):
         """Raise HazardError if this access conflicts with an in-flight operation."""
+        if write and not by and self.proxy_fences and buf.scope == "shared":
+            agent, line = self.where()
+            self.generic.setdefault(buf, []).append([agent, box, line, agent.nthreads, False])
         entries = self.watch.get(buf)
         if not entries:
             return
@@ -79,6 +89,37 @@ class Tracker:
             if exempt is not None and exempt(op, region, op_writes):
                 continue
             raise HazardError(self.report(buf, box, write, op, region, op_writes, by))
+
+    # -- generic proxy -> async proxy ---------------------------------------------------
+    def fence(self, agent):
+        """T.fence_proxy_async(): this warpgroup's earlier shared writes are fenced."""
+        for entries in self.generic.values():
+            for e in entries:
+                if e[0] is agent:
+                    e[4] = True
+
+    def barrier_passed(self, agents):
+        """A named barrier released with these warpgroups: their fenced writes are now ordered."""
+        for buf in list(self.generic):
+            self.generic[buf] = [e for e in self.generic[buf] if not (e[4] and e[0] in agents)]
+            if not self.generic[buf]:
+                del self.generic[buf]
+
+    def check_async_read(self, region, by: str):
+        """A TMA store or wgmma reads shared memory: ordinary writes to it must be fenced and ordered."""
+        for agent, box, line, threads, fenced in self.generic.get(region.buf, ()):
+            if overlap(box, region.box):
+                reader, rline = self.where()
+                missing = "a named barrier after its fence" if fenced else "T.fence_proxy_async() followed by a named barrier"
+                raise HazardError("\n".join([
+                    f"HAZARD: {reader.name} ({by}) reads {region} through the async proxy, but ordinary code wrote it "
+                    f"without {missing}",
+                    f"  buffer:    {region.buf.label}; written {region.buf.name}{box_text(box)}",
+                    f"  access:    {reader.name}, {self.describe_line(rline)}",
+                    f"  written:   by {threads} threads of {agent.name}, {self.describe_line(line)}",
+                    f"             (one elected thread issues the async read; the other writers are not ordered before it)",
+                    f"  where:     {self.context}",
+                ]))
 
     def report(self, buf, box, write, op, region, op_writes, by):
         agent, line = self.where()

@@ -379,7 +379,7 @@ class TLang:
         if src.buf.scope == "global":  # a synchronous TMA load: zeros beyond the tensor
             dst.write(src.load_zero_filled().reshape(dst.shape))
         elif dst.buf.scope == "global":  # a TMA store: elements beyond the tensor are dropped
-            dst.store_clipped(src.read().reshape(dst.shape))
+            self._tma_store(src, dst)
         else:
             dst.write(src.read().reshape(dst.shape))
 
@@ -425,10 +425,17 @@ class TLang:
             bar.loads.append((bar.phase, op))
             rt.cta.stats["tma"] += 1
             rt.sched.pause(line)
-        elif src.buf.scope in ("shared", "fragment") and dst.buf.scope == "global":
-            dst.store_clipped(src.read().reshape(dst.shape))
+        elif src.buf.scope == "shared" and dst.buf.scope == "global":
+            self._tma_store(src, dst)
         else:
             raise KernelError(f"T.tma_copy from {src.buf.scope} {src} to {dst.buf.scope} {dst}: expected global <-> shared")
+
+    def _tma_store(self, src, dst):
+        """Shared -> global, issued by one elected thread through the async proxy; completes at once."""
+        tracker = self._rt.cta.tracker
+        if tracker.generic and src.buf.scope == "shared":
+            tracker.check_async_read(src, "TMA store")
+        dst.store_clipped(src.read().reshape(dst.shape))
 
     # -- mbarriers -----------------------------------------------------------------------
     def _land(self, bar: MBarrier):
@@ -482,7 +489,9 @@ class TLang:
         nb, count = self._named(barrier_id, arrive_count)
         line = self._site()
         gen = nb.generation
-        nb.arrive(rt.agent.nthreads, count)
+        released = nb.arrive(rt.agent.nthreads, count, rt.agent)
+        if released:
+            rt.cta.tracker.barrier_passed(released)
         if nb.generation == gen:
             rt.sched.block(lambda: nb.generation != gen, nb.state, line)
         else:
@@ -492,8 +501,13 @@ class TLang:
         rt = self._rt
         nb, count = self._named(barrier_id, thread_count)
         line = self._site()
-        nb.arrive(rt.agent.nthreads, count)
+        released = nb.arrive(rt.agent.nthreads, count, rt.agent)
+        if released:
+            rt.cta.tracker.barrier_passed(released)
         rt.sched.pause(line)
+
+    def fence_proxy_async(self):
+        self._rt.cta.tracker.fence(self._rt.agent)
 
     # -- wgmma -------------------------------------------------------------------------------
     def wgmma_gemm(self, A, B, C, transpose_A=False, transpose_B=False, policy=None, clear_accum=False, annotations=None):
@@ -521,6 +535,8 @@ class TLang:
 
         for r in (A, B):
             tracker.check(r.buf, r.box, write=False, by="wgmma issue")
+            if tracker.generic and r.buf.scope == "shared":
+                tracker.check_async_read(r, "wgmma operand")
         tracker.check(C.buf, C.box, write=True, by="wgmma issue", exempt=chained)
 
         def action():
