@@ -156,16 +156,17 @@ def build_kernel():
                 if not tx < 8:  # 120 consumer threads
                     T.mbarrier_arrive(bar)
                 T.mbarrier_wait_parity(bar, {parity})
-                T.copy(S, O[0, 0:64, 0, :])
+                {after_wait}
 
     return mini
 '''
 
 
-def run_mini(arrivals, parity=0, policy="producer-first"):
+def run_mini(arrivals, parity=0, policy="producer-first", after_wait="T.copy(S, O[0, 0:64, 0, :])"):
     spec = attngen.Spec(head_dim=64)
     q, k, v = inputs(spec, 1, 1, 64, 64)
-    return emulate(spec, q, k, v, source=MINI.format(arrivals=arrivals, parity=parity), policy=policy), k
+    source = MINI.format(arrivals=arrivals, parity=parity, after_wait=after_wait)
+    return emulate(spec, q, k, v, source=source, policy=policy), k
 
 
 def test_arrivals_count_the_threads_that_take_each_branch():
@@ -182,7 +183,13 @@ def test_tma_data_is_not_visible_before_its_phase_completes():
         run_mini(32 + 56 + 120 + 1, parity=1)
     report = e.value.report
     assert "in-flight TMA load of producer" in report and "not yet landed" in report
-    assert f"line {line_of(MINI, 'T.copy(S, O')}" in report and f"line {line_of(MINI, 'T.tma_copy')}" in report
+    assert f"line {line_of(MINI, '{after_wait}')}" in report and f"line {line_of(MINI, 'T.tma_copy')}" in report
+
+
+def test_block_exit_with_a_tma_load_in_flight_is_reported():
+    with pytest.raises(HazardError, match="TMA loads still in flight") as e:
+        run_mini(32 + 56 + 120 + 1, parity=1, after_wait="pass")  # the phase never completes; nobody reads S
+    assert f"TMA load of producer on S, line {line_of(MINI, 'T.tma_copy')}" in e.value.report
 
 
 def test_tma_bounds_zero_fill_loads_and_drop_stores():

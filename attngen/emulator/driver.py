@@ -120,18 +120,19 @@ class Runtime:
         except Exception as e:
             raise self.wrap_error(e) from None
         if not isinstance(prim, PrimFunc):
-            raise KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func")
+            raise self.wrap_error(KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func"))
         return ns, prim
 
     def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False) -> np.ndarray:
         ns, prim = self.load()
         if len(prim.params) != len(inputs) + 1:
-            raise KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected the inputs "
-                              f"({len(inputs)}) and one output")
+            raise self.wrap_error(KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected the inputs "
+                                              f"({len(inputs)}) and one output"))
         bufs = []
         for (name, ann), x in zip(prim.params, inputs + [None]):
             if x is not None and tuple(x.shape) != ann.shape:
-                raise KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} but the input is {list(x.shape)}")
+                raise self.wrap_error(KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} "
+                                                  f"but the input is {list(x.shape)}"))
             data = np.full(ann.shape, np.nan, np.float32) if x is None else round_to(x, ann.dtype).copy()
             bufs.append(Buffer(name, ann.shape, ann.dtype, "global", data=data))  # output starts NaN: unwritten rows show
 
@@ -143,11 +144,12 @@ class Runtime:
         except Exception as e:
             raise self.wrap_error(e) from None
         else:
-            raise KernelError(f"{prim.name} never entered T.Kernel")
+            raise self.wrap_error(KernelError(f"{prim.name} never entered T.Kernel"))
         finally:
             self.probe = False
         if threads % WARPGROUP:
-            raise UnsupportedConstruct(f"T.Kernel(threads={threads}): only whole warpgroups (multiples of 128) are modeled")
+            raise self.wrap_error(UnsupportedConstruct(
+                f"T.Kernel(threads={threads}): only whole warpgroups (multiples of 128) are modeled"))
 
         nwg = threads // WARPGROUP
         consumer_threads = ns.get("CONSUMER_THREADS")
