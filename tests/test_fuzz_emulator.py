@@ -61,17 +61,20 @@ def shapes(draw, spec):
 @st.composite
 def cases(draw):
     spec = draw(specs())
-    return spec, draw(shapes(spec)), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES))
+    return (spec, draw(shapes(spec)), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES)),
+            draw(st.booleans()))
 
 
-def run_case(spec, shape, seed, policy):
+def run_case(spec, shape, seed, policy, static=False):
+    """static: emulate the source specialized to this shape (constants instead of T.dynamic)."""
     b, hkv, sq, skv = shape
-    note(f"{spec.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy}")
+    note(f"{spec.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static}")
     rng = np.random.default_rng(seed)
     h = hkv * spec.gqa_group
     q, k, v = (round_to(rng.standard_normal(s), spec.dtype)
                for s in [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)])
-    out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy)  # a hazard or deadlock raises
+    source = attngen.render(spec, attngen.Shape(b, h, hkv, sq, skv)) if static else None
+    out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)  # a hazard or deadlock raises
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
     assert res.ok, f"{spec.name} {shape} seed={seed} policy={policy}: {res}"
     return stats
@@ -83,8 +86,9 @@ CANONICAL = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024)]
 def _examples(fn):
     # The canonical odd shapes, causal (bottom-right, Sq > Skv rows with no key) and not, MHA and GQA.
     for i, (sq, skv) in enumerate(CANONICAL):
-        fn = example(case=(attngen.Spec(causal=True), (1, 1, sq, skv), i, POLICIES[i % 3]))(fn)
-        fn = example(case=(attngen.Spec(gqa_group=2, head_dim=64, consumers=3), (1, 2, sq, skv), 10 + i, POLICIES[(i + 1) % 3]))(fn)
+        fn = example(case=(attngen.Spec(causal=True), (1, 1, sq, skv), i, POLICIES[i % 3], i % 2 == 1))(fn)
+        fn = example(case=(attngen.Spec(gqa_group=2, head_dim=64, consumers=3), (1, 2, sq, skv), 10 + i,
+                           POLICIES[(i + 1) % 3], False))(fn)
     return fn
 
 
