@@ -159,7 +159,7 @@ def check_tensors(spec: Spec, q, k, v, out=None, *, shape: Shape | None = None) 
 
 
 def _overlap(a, b) -> bool:
-    if a.device != b.device:
+    if a.device != b.device or a.device.type == "meta":  # meta tensors have no memory (data_ptr 0)
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
@@ -234,7 +234,8 @@ class Kernel:
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         with torch.cuda.device(q.device):
-            self.jit(q, k, v, out)
+            # forward only: DLPack refuses tensors that require grad, and no graph is recorded
+            self.jit(q.detach(), k.detach(), v.detach(), out.detach())
         return out
 
 
