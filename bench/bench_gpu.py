@@ -1,0 +1,375 @@
+"""Forward TFLOP/s of the generated kernels beside PyTorch SDPA (flash and cuDNN backends).
+
+    python3 bench/bench_gpu.py                      # on an H200: build, check, time, print the table
+    python3 bench/bench_gpu.py --dry-run            # no GPU: build every kernel, check every planned input
+    python3 bench/bench_gpu.py --prebuild-only -j 16    # fill TileLang's disk cache in parallel, then stop
+
+Rows: every preset in examples/*.toml at sequence lengths 1k..16k (Sq == Skv, because
+SDPA's is_causal aligns top-left and ours bottom-right; they agree only then), with
+B = tokens / S (16k tokens) and H = 2048 / head_dim query heads (a multiple of the
+preset's gqa_group), plus the seed-parity kernel at its static shape B=1, H=8, HKV=8,
+Sq=Skv=1024. FLOPs are 4*B*H*Sq*Skv*D, halved for causal (attngen.plan.tflops).
+
+Method (docs/gpu.md): CUDA events around each launch, warm-up first, the median of
+the timed runs; a sleep kernel queued before each start event keeps the host's launch
+overhead out of the interval; inputs rotate over several sets that together exceed
+the L2 several times, so no run finds its inputs in the cache. Before timing, each
+configuration runs once into a NaN-poisoned output and is compared with SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+try:  # an installed attngen (pip install -e ., or gpu_check.sh's --target install) comes first
+    import attngen  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+
+from attngen.plan import Shape, tflops  # noqa: E402
+from attngen.spec import Spec, load  # noqa: E402
+
+SEQLENS = (1024, 2048, 4096, 8192, 16384)
+TOKENS = 16384  # B * S per row, as FlashAttention-3's benchmarks
+HIDDEN = 2048  # H * D per row
+H200_L2 = 60 * 1024**2  # used for the plan without a GPU; the device's own figure otherwise
+ROTATE_L2 = 3  # input sets together exceed the L2 this many times
+MAX_SETS = 64
+SEED_SPEC = Spec(head_dim=128, dtype="float16", causal=True, gqa_group=1, consumers=2, k_stages=2, v_stages=2,
+                 block_m=128, block_n=128, aligned=True)
+SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)
+DEVICE = "cuda"
+SLEEP_CYCLES = 400_000  # about 0.2 ms at 1.98 GHz: longer than the host needs to queue one launch
+
+
+@dataclasses.dataclass
+class Config:
+    label: str
+    spec: Spec
+    shape: Shape
+    static: bool = False  # the kernel was rendered for exactly this shape
+
+    @property
+    def kernel_key(self):
+        return (self.spec, self.shape if self.static else None)
+
+    @property
+    def set_bytes(self) -> int:
+        s, d = self.shape, self.spec.head_dim
+        return 2 * d * (2 * s.batch * s.q_len * s.heads + 2 * s.batch * s.kv_len * s.kv_heads)  # q, out, k, v
+
+    def n_sets(self, l2: int) -> int:
+        return max(2, min(MAX_SETS, math.ceil(ROTATE_L2 * l2 / self.set_bytes)))
+
+    def gflop(self) -> float:
+        s = self.shape
+        return 4 * s.batch * s.heads * s.q_len * s.kv_len * self.spec.head_dim / (2 if self.spec.causal else 1) / 1e9
+
+
+def heads_for(head_dim: int, group: int) -> int:
+    return max(group, HIDDEN // head_dim // group * group)
+
+
+def plan(preset_paths, seqlens, tokens) -> list[Config]:
+    configs = [Config("seed_parity (static)", SEED_SPEC, SEED_SHAPE, static=True)]
+    for path in preset_paths:
+        spec = load(path)
+        h = heads_for(spec.head_dim, spec.gqa_group)
+        for s in seqlens:
+            if spec.aligned and (s % spec.block_m or s % spec.block_n):
+                continue
+            configs.append(Config(Path(path).stem, spec, Shape(max(1, tokens // s), h, h // spec.gqa_group, s, s)))
+    return configs
+
+
+# -- building -----------------------------------------------------------------------------------
+
+
+def _build_one(spec: Spec, shape: Shape | None):
+    from attngen.runtime import compile
+
+    k = compile(spec, shape)
+    return k.name, k.source, k.compile_seconds
+
+
+def prebuild(configs, jobs: int) -> list[dict]:
+    """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
+    from attngen.runtime import compile
+
+    keys = list(dict.fromkeys(c.kernel_key for c in configs))
+    built = {}
+    t0 = time.time()
+    if jobs > 1 and len(keys) > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        try:
+            with cf.ProcessPoolExecutor(max_workers=min(jobs, len(keys)), mp_context=mp.get_context("spawn")) as pool:
+                futures = {pool.submit(_build_one, *key): key for key in keys}
+                for f in cf.as_completed(futures):
+                    name, source, seconds = f.result()
+                    built[futures[f]] = (source, seconds)
+                    print(f"  built {name}: {source} in {seconds:.1f} s", flush=True)
+        except Exception as e:  # a broken pool (or a build error) is retried serially below, where it is reported
+            print(f"  parallel build failed ({type(e).__name__}: {e}); building serially", flush=True)
+    rows = []
+    for key in keys:
+        k = compile(*key)
+        worker = built.get(key)
+        rows.append({"kernel": k.name, "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
+                     "here": k.source, "here_s": k.compile_seconds, "cache": k.cache_path})
+    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(rows[0]['cache'] or '.'))})", flush=True)
+    return rows
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+def time_launches(fn, n_sets: int, warmup: int, reps: int) -> tuple[float, float]:
+    """Median and spread (max - min over the middle half) of one launch, in seconds."""
+    import torch
+
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    sleep = getattr(torch.cuda, "_sleep", None)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for r, (start, end) in enumerate(events):
+        if sleep is not None:
+            sleep(SLEEP_CYCLES)  # the GPU is busy while the host queues start, launch, end
+        start.record()
+        fn((warmup + r) % n_sets)
+        end.record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in events)
+    mid = ms[len(ms) // 4: len(ms) - len(ms) // 4] or ms
+    return statistics.median(ms) / 1e3, (mid[-1] - mid[0]) / 1e3
+
+
+def make_sets(cfg: Config, n: int, seed: int = 0):
+    import torch
+
+    from attngen.runtime import torch_dtype
+
+    s, d = cfg.shape, cfg.spec.head_dim
+    dtype = torch_dtype(cfg.spec.dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    sets = []
+    for _ in range(n):  # random data: zeros run faster than real inputs and hide indexing bugs
+        q = torch.randn(s.batch, s.q_len, s.heads, d, device=DEVICE, dtype=dtype, generator=gen)
+        k = torch.randn(s.batch, s.kv_len, s.kv_heads, d, device=DEVICE, dtype=dtype, generator=gen)
+        v = torch.randn(s.batch, s.kv_len, s.kv_heads, d, device=DEVICE, dtype=dtype, generator=gen)
+        sets.append((q, k, v, torch.empty_like(q)))
+    return sets
+
+
+def sdpa_runner(cfg: Config, sets, backend):
+    """A launch function for SDPA on `backend` ([B, H, S, D] views of our BSHD tensors), and a note."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    g = cfg.spec.gqa_group
+
+    def views(q, k, v):
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attempt(tensors, gqa):
+        def fn(i):
+            q, k, v = tensors[i]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=cfg.spec.causal, enable_gqa=gqa)
+
+        with sdpa_kernel([backend]):
+            out = fn(0)
+        torch.cuda.synchronize()
+        return fn, out
+
+    plain = [views(q, k, v) for q, k, v, _ in sets]
+    try:
+        fn, out = attempt(plain, g > 1)
+        note = ""
+    except RuntimeError:
+        if g == 1:
+            raise
+        # the backend refuses grouped KV heads: repeat them (outside the timed region)
+        expanded = [views(q, k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)) for q, k, v, _ in sets]
+        fn, out = attempt(expanded, False)
+        note = "kv repeated"
+
+    def timed(i):
+        with sdpa_kernel([backend]):
+            return fn(i)
+
+    return timed, out.transpose(1, 2), note
+
+
+def run_config(cfg: Config, args, l2: int) -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from attngen.runtime import check_written, compile
+
+    row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
+           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.spec.name}
+    n = cfg.n_sets(l2)
+    row["sets"] = n
+    sets = make_sets(cfg, n)
+    kernel = compile(*cfg.kernel_key)
+    try:
+        q, k, v, out = sets[0]
+        out.fill_(float("nan"))
+        kernel(q, k, v, out=out)  # checked launch: the inputs pass every runtime check
+        torch.cuda.synchronize()
+        try:
+            check_written(out)
+            row["written"] = True
+        except AssertionError as e:
+            row["written"] = False
+            row["error"] = str(e)
+        secs, spread = time_launches(lambda i: kernel(*sets[i][:3], out=sets[i][3], check=False), n, args.warmup, args.reps)
+        row["attngen"] = {"s": secs, "spread_s": spread, "tflops": tflops(cfg.shape, cfg.spec.head_dim, cfg.spec.causal, secs)}
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                fn, ref, note = sdpa_runner(cfg, sets, backend)
+                diff = (out.float() - ref.float()).abs().max().item()
+                secs, spread = time_launches(fn, n, args.warmup, args.reps)
+                row[name] = {"s": secs, "spread_s": spread, "tflops": tflops(cfg.shape, cfg.spec.head_dim, cfg.spec.causal, secs),
+                             "max_abs_diff": diff, "note": note}
+            except Exception as e:  # a backend that cannot take this configuration: n/a, with the reason
+                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    finally:
+        del sets
+        torch.cuda.empty_cache()
+    return row
+
+
+# -- table --------------------------------------------------------------------------------------
+
+
+def cell(entry) -> str:
+    if not entry:
+        return "-"
+    if "error" in entry:
+        return "n/a"
+    if "tflops" in entry:
+        t = entry["tflops"]
+        return (f"{t:.0f}" if t >= 100 else f"{t:.1f}") + ("*" if entry.get("note") else "")
+    return entry.get("plan", "-")
+
+
+def table(rows, dry_run: bool) -> str:
+    head = ["kernel", "dtype", "D", "causal", "B,H,HKV,Sq,Skv", "GFLOP", "sets",
+            "attngen TFLOP/s", "SDPA flash", "SDPA cuDNN", "attngen/best", "max|diff| vs SDPA", "written"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        a, f, c = r.get("attngen"), r.get("flash"), r.get("cudnn")
+        best = max((e["tflops"] for e in (f, c) if e and "tflops" in e), default=None)
+        ratio = f"{a['tflops'] / best:.2f}" if a and "tflops" in a and best else "-"
+        diffs = [e["max_abs_diff"] for e in (f, c) if e and "max_abs_diff" in e]
+        written = "planned" if dry_run else {True: "yes", False: "NO"}.get(r.get("written"), "-")
+        lines.append("| " + " | ".join([
+            r["label"], r["dtype"], str(r["head_dim"]), "yes" if r["causal"] else "no", r["shape"], f"{r['gflop']:.0f}",
+            str(r.get("sets", "-")), cell(a), cell(f), cell(c), ratio, f"{min(diffs):.1e}" if diffs else "-", written,
+        ]) + " |")
+    notes = sorted({f"{r['label']} {n}: {e['error']}" for r in rows for n, e in (("flash", r.get("flash")), ("cudnn", r.get("cudnn")))
+                    if e and "error" in e})
+    if any((e or {}).get("note") for r in rows for e in (r.get("flash"), r.get("cudnn"))):
+        lines.append("\n\\* SDPA refused grouped KV heads; K and V were repeated to H heads before timing.")
+    if notes:
+        lines.append("\nn/a: " + "; ".join(notes[:12]))
+    failures = [r["label"] + " " + r["shape"] + ": " + r["error"] for r in rows if r.get("error")]
+    if failures:
+        lines.append("\nFAILED: " + "; ".join(failures))
+    return "\n".join(lines)
+
+
+def environment_lines(dry_run: bool) -> list[str]:
+    import torch
+
+    lines = [f"torch {torch.__version__}"]
+    try:
+        import tilelang
+
+        lines.append(f"tilelang {tilelang.__version__}")
+    except Exception as e:
+        lines.append(f"tilelang not importable: {e}")
+    if not dry_run:
+        p = torch.cuda.get_device_properties(0)
+        lines.append(f"device {p.name}, {p.multi_processor_count} SMs, L2 {p.L2_cache_size / 2**20:.0f} MiB, "
+                     f"capability {p.major}.{p.minor}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    else:
+        lines.append("dry run: no launches; the L2 is taken as the H200's 60 MiB")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="build and check everything, launch nothing (no GPU needed)")
+    ap.add_argument("--prebuild-only", action="store_true", help="build the kernels into TileLang's disk cache and stop")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel kernel builds (default: all cores)")
+    ap.add_argument("--presets", default=str(ROOT / "examples" / "*.toml"), help="glob of preset specs")
+    ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="B * S per row (default 16384)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no new row after this many seconds of timing")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/attngen-bench", help="folder for bench.md and bench.json")
+    args = ap.parse_args(argv)
+
+    import glob
+
+    presets = sorted(glob.glob(args.presets))
+    configs = plan(presets, [int(s) for s in args.seqlens.split(",")], args.tokens)
+    print(f"{len(presets)} presets, {len(configs)} rows, {len({c.kernel_key for c in configs})} kernels", flush=True)
+    build_rows = prebuild(configs, args.jobs)
+    if args.prebuild_only:
+        return 0
+
+    import torch
+
+    from attngen.runtime import check_tensors, torch_dtype
+
+    rows = []
+    if args.dry_run:
+        l2 = H200_L2
+        for cfg in configs:  # every planned input passes the runtime's checks (meta tensors: no memory)
+            s, d, dt = cfg.shape, cfg.spec.head_dim, torch_dtype(cfg.spec.dtype)
+            q = torch.empty(s.batch, s.q_len, s.heads, d, dtype=dt, device="meta")
+            kv = torch.empty(s.batch, s.kv_len, s.kv_heads, d, dtype=dt, device="meta")
+            check_tensors(cfg.spec, q, kv, kv.clone(), torch.empty_like(q), shape=s if cfg.static else None)
+            rows.append({"label": cfg.label, "shape": str(s), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
+                         "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2), "kernel": cfg.spec.name,
+                         "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
+    else:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        t0 = time.time()
+        for i, cfg in enumerate(configs):
+            if time.time() - t0 > args.budget_s:
+                print(f"time budget ({args.budget_s:.0f} s) spent: {len(configs) - i} rows not run", flush=True)
+                break
+            row = run_config(cfg, args, l2)
+            rows.append(row)
+            print(table([row], False).splitlines()[-1], flush=True)
+
+    text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
+                     + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(rows, args.dry_run), ""])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(text)
+    (out / "bench.json").write_text(json.dumps({"dry_run": args.dry_run, "builds": build_rows, "rows": rows}, indent=1, default=str))
+    print("\n" + text)
+    print(f"written: {out / 'bench.md'}, {out / 'bench.json'}")
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

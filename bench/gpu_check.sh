@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU check in one command: install tilelang from .whl/ when it is missing, build every
+# kernel (in parallel, into TileLang's disk cache), run the GPU tests, run the benchmark, and
+# print a short table last (also written under $OUT when set, else /tmp/attngen-gpu-check).
+#
+#   bash bench/gpu_check.sh             # on an H200 (the device tool: carry [".whl"])
+#   bash bench/gpu_check.sh --dry-run   # without a GPU: everything except the launches
+#
+# Prepare .whl/ first, on a machine with internet: bash bench/prepare_wheels.sh (docs/gpu.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUTDIR="${OUT:-/tmp/attngen-gpu-check}"
+mkdir -p "$OUTDIR"
+rm -f "$OUTDIR"/{summary.md,pytest.log,bench.md,bench.json,bench.log}  # no stale table from an earlier run
+BUDGET=${GPU_CHECK_BUDGET_S:-450}  # the whole script, install included (the issue allows 8 minutes)
+export PYTHONUNBUFFERED=1
+export TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/tmp/attngen-tlcache}"
+PY=(python3 -P)  # -P: never import attngen from the checkout (its templates/ maps in only when installed)
+SECONDS=0
+
+# Run a stage under `timeout`: at most $cap seconds, and never into the last $reserve seconds.
+stage() {
+  local name=$1 cap=$2 reserve=$3
+  shift 3
+  local t=$((BUDGET - SECONDS - reserve))
+  ((t > cap)) && t=$cap
+  if ((t < 15)); then
+    echo "== $name: skipped, the time budget is spent"
+    return 124
+  fi
+  echo "== $name (limit ${t} s, ${SECONDS} s elapsed)"
+  timeout --kill-after=10 "$t" "$@"
+}
+
+echo "== attngen GPU check$([[ $DRY == 1 ]] && echo ' (DRY RUN: no launches)'), output in $OUTDIR"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+
+# 1. tilelang: the H200 image lacks it and cannot download; the wheels travel in .whl/.
+if ! "${PY[@]}" -c "import tilelang" 2>/dev/null; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "tilelang is not installed and .whl/ holds no wheels: run bench/prepare_wheels.sh (docs/gpu.md)"
+    exit 3
+  fi
+  echo "== installing $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# 2. attngen: templates/ becomes attngen.templates only through the package build (pyproject).
+if ! "${PY[@]}" -c "import attngen.templates" 2>/dev/null; then
+  echo "== installing attngen from this checkout into /tmp/attngen-site"
+  rm -rf /tmp/attngen-site
+  if ! python3 -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target /tmp/attngen-site . ; then
+    # no usable setuptools there: lay the package out by hand, as pyproject's package-dir does
+    mkdir -p /tmp/attngen-site && cp -r attngen /tmp/attngen-site/ && cp -r templates /tmp/attngen-site/attngen/templates
+  fi
+  export PYTHONPATH="/tmp/attngen-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"${PY[@]}" -c "import attngen, attngen.templates, tilelang, torch; print('attngen', attngen.__version__, '| tilelang', tilelang.__version__, '| torch', torch.__version__, '| install', $SECONDS, 's')" || exit 3
+
+# 3. every kernel the tests and the benchmark use, built in parallel (nvcc is single-threaded)
+stage "build kernels" 200 200 "${PY[@]}" bench/bench_gpu.py --prebuild-only -j "$(nproc)" 2>&1 | grep -v "TileLang begins\|TileLang completes"
+BUILD_RC=${PIPESTATUS[0]}
+
+# 4. GPU tests (they skip cleanly without a compute capability 9.0 device)
+stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUTDIR/pytest.log"
+TEST_RC=${PIPESTATUS[0]}
+
+# 5. the benchmark; it stops starting rows 30 s before its limit so the table is always printed
+BENCH_T=$((BUDGET - SECONDS - 5))
+((BENCH_T > 180)) && BENCH_T=180
+BENCH_ARGS=(--out "$OUTDIR" --budget-s $((BENCH_T > 60 ? BENCH_T - 40 : 20)) -j "$(nproc)")
+[[ $DRY == 1 ]] && BENCH_ARGS+=(--dry-run)
+stage "benchmark" 180 5 "${PY[@]}" bench/bench_gpu.py "${BENCH_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/bench.log"
+BENCH_RC=${PIPESTATUS[0]}
+grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
+
+# 6. the short table, last
+{
+  echo "# attngen GPU check$([[ $DRY == 1 ]] && echo ' (DRY RUN)')"
+  echo
+  echo "- build kernels: exit $BUILD_RC"
+  echo "- pytest -m gpu: exit $TEST_RC, $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUTDIR/pytest.log" | tail -n 1)"
+  echo "- benchmark: exit $BENCH_RC"
+  echo "- total ${SECONDS} s"
+  echo
+  if [[ -f "$OUTDIR/bench.md" ]]; then
+    grep '^- ' "$OUTDIR/bench.md"
+    echo
+    grep -E '^(\||\\\*|n/a|FAILED)' "$OUTDIR/bench.md"
+  fi
+} > "$OUTDIR/summary.md"
+echo
+cat "$OUTDIR/summary.md"
+((BUILD_RC == 0 && TEST_RC == 0 && BENCH_RC == 0))
