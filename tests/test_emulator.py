@@ -365,3 +365,14 @@ def test_tma_store_needs_fence_and_barrier_after_ordinary_smem_writes(between, o
     assert "(TMA store) reads O_shared[" in report and "async proxy" in report
     assert f"line {line_of(src, 'T.copy(acc_o, O_shared')}" in report
     assert emulate(spec, q, k, v, source=src, proxy_fences=False).shape == q.shape  # the default does not check
+
+
+def test_an_endless_loop_is_reported_not_hung(monkeypatch):
+    from attngen.emulator import agents
+
+    monkeypatch.setattr(agents, "STALL_SECONDS", 1)
+    spec = attngen.Spec(consumers=1)
+    src = mutate(spec, "        T.fill(acc_o, 0)\n", "        T.fill(acc_o, 0)\n        while True:\n            pass\n")
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    with pytest.raises(KernelError, match="no synchronization point reached"):
+        emulate(spec, q, k, v, source=src)

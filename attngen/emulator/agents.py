@@ -17,6 +17,7 @@ every agent's line and what it waits for.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 
@@ -26,6 +27,7 @@ from attngen.emulator.errors import Abort, DeadlockError, KernelError
 
 WARPGROUP = 128
 POLICIES = ("random", "producer-first", "consumers-first")
+STALL_SECONDS = 300  # one CTA running this long without a hand-over is stuck, not slow
 
 
 class MBarrier:
@@ -148,7 +150,18 @@ class Scheduler:
             t.start()
         first = self._choose()
         self._hand(first, None)
-        self.main_gate.acquire()
+        if not self.main_gate.acquire(timeout=STALL_SECONDS):
+            # An agent runs code that never reaches a synchronization point (an endless loop?).
+            # Python cannot stop a thread: mark the run aborted so it ends at its next sync point.
+            stuck = next((a for a in self.agents if a.index == self.trace[-1][0]), None)
+            self._fail(KernelError(f"KERNEL ERROR: no synchronization point reached for {STALL_SECONDS} s; "
+                                   f"{stuck.name if stuck else 'an agent'} last synchronized at "
+                                   f"{self.describe_line(stuck.line if stuck else None)}\n  where: {self.context}"))
+            for t in threads:  # stop the runaway thread (it would otherwise spin, holding the GIL, forever)
+                if t.is_alive():
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(Abort))
+                    t.join(timeout=5)
+            raise self.error
         for t in threads:
             t.join(timeout=10)
         if self.error is not None:

@@ -27,7 +27,7 @@ import numpy as np
 from attngen.emulator.agents import WARPGROUP, MBarrier, NamedBarrier
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
 from attngen.emulator.hazards import Op
-from attngen.emulator.memory import Buffer, Lanes, Region, as_region, parallel_indices, same_shape
+from attngen.emulator.memory import Buffer, Lanes, as_region, parallel_indices, same_shape
 
 
 class GridProbe(BaseException):
