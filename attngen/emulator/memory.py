@@ -79,7 +79,8 @@ class Buffer:
         if self.tracker is not None:
             self.tracker.check(self, box, write=False)
         got = self.data[np_idx]
-        return got.reshape(shape) if shape is not None else got
+        # A value, not a view: `x = buf[i, j]` must not change when buf is written later.
+        return got.reshape(shape).copy() if shape is not None else got
 
     def __setitem__(self, idx, value):
         idx = idx if isinstance(idx, tuple) else (idx,)
@@ -209,6 +210,7 @@ class Region:
             self._slices()
 
     def read(self, check=True) -> np.ndarray:
+        """The region's values as a view (callers use them at once)."""
         sl = self._slices()
         if check and self.buf.tracker is not None:
             self.buf.tracker.check(self.buf, self.box, write=False)
