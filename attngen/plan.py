@@ -21,9 +21,9 @@ REGS_PER_SM = 65536
 # The producer only issues TMA, so it gives its registers to the consumers.
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 # Registers a consumer thread needs beyond its accumulators (row statistics,
-# addresses, loop state). Calibrated on ptxas reports of the presets: see
-# docs/spec-reference.md, "register budget".
-CONSUMER_REG_OVERHEAD = 40
+# addresses, loop state), per consumer count. Calibrated with bench/register_budget.py
+# against ptxas spill reports: docs/spec-reference.md, "Register budget".
+CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel uses
 
@@ -86,18 +86,23 @@ class Plan:
         return self.consumer_threads + TMA_THREADS
 
     @property
+    def epilogue_bar(self) -> int:
+        """First named barrier of the epilogues (consumer g uses epilogue_bar + g); 0 is __syncthreads."""
+        return 1 + len(self.pingpong)
+
+    @property
     def primer(self) -> int | None:
         """The consumer that arrives once at the start so that warpgroup 0 issues first."""
         return len(self.pingpong) - 1 if self.pingpong else None
 
 
-def consumer_regs_needed(head_dim: int, block_n: int) -> int:
+def consumer_regs_needed(head_dim: int, block_n: int, consumers: int) -> int:
     """Registers per consumer thread: O and S accumulators (fp32), register-P (16-bit pairs), overhead."""
     per_thread = lambda elems, bytes_per: elems * bytes_per // (4 * WARPGROUP)  # noqa: E731
     acc_o = per_thread(WG_ROWS * head_dim, 4)
     acc_s = per_thread(WG_ROWS * block_n, 4)
     p_reg = per_thread(WG_ROWS * block_n, 2)
-    return acc_o + acc_s + p_reg + CONSUMER_REG_OVERHEAD
+    return acc_o + acc_s + p_reg + CONSUMER_REG_OVERHEAD[consumers]
 
 
 def smem_layout(spec: Spec, block_n: int) -> dict:
@@ -115,7 +120,7 @@ def default_tiles(spec: Spec) -> tuple[int, int]:
     """block_m is 64 per consumer; block_n the largest candidate within both budgets."""
     _, consumer_regs = REG_SPLIT[spec.consumers]
     for bn in BLOCK_N_CANDIDATES:
-        fits_regs = consumer_regs_needed(spec.head_dim, bn) <= consumer_regs
+        fits_regs = consumer_regs_needed(spec.head_dim, bn, spec.consumers) <= consumer_regs
         fits_smem = sum(smem_layout(spec, bn).values()) <= SMEM_LIMIT
         if fits_regs and fits_smem:
             return WG_ROWS * spec.consumers, bn
@@ -131,11 +136,11 @@ def make_plan(spec: Spec, shape: Shape | None = None) -> Plan:
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
-    needed = consumer_regs_needed(spec.head_dim, spec.block_n)
+    needed = consumer_regs_needed(spec.head_dim, spec.block_n, n)
     if needed > consumer_regs:
-        fits = [bn for bn in BLOCK_N_CANDIDATES if consumer_regs_needed(spec.head_dim, bn) <= consumer_regs]
+        fits = [bn for bn in BLOCK_N_CANDIDATES if consumer_regs_needed(spec.head_dim, bn, n) <= consumer_regs]
         if not fits:
-            ok = [c for c, (_, regs) in REG_SPLIT.items() if consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1]) <= regs]
+            ok = [c for c, (_, regs) in REG_SPLIT.items() if consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1], c) <= regs]
             raise SpecError(
                 "consumers", n,
                 f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
@@ -144,7 +149,7 @@ def make_plan(spec: Spec, shape: Shape | None = None) -> Plan:
         raise SpecError(
             "block_n", spec.block_n,
             f"a consumer thread would need about {needed} registers (O {spec.head_dim // 2}, S {spec.block_n // 2}, "
-            f"P {spec.block_n // 4}, overhead {CONSUMER_REG_OVERHEAD}) but setmaxnreg gives it {consumer_regs} "
+            f"P {spec.block_n // 4}, overhead {CONSUMER_REG_OVERHEAD[n]}) but setmaxnreg gives it {consumer_regs} "
             f"with {n} consumer(s); block_n <= {max(fits) if fits else 'none'} fits",
         )
 

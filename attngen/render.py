@@ -64,22 +64,18 @@ def _template_source(name: str):
 def mask_condition(spec: Spec, tile: str) -> str:
     """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
     key = "j" if tile == "0" else f"{tile} * BLOCK_N + j"
-    terms = []
     if spec.causal:
-        terms.append(f"q0 + row0 + i + causal_offset >= {key}")
-    if not spec.aligned:
-        terms.append(f"{key} < kv_len")
-    return " and ".join(terms)
+        # bottom-right alignment already keeps every real row below kv_len: row i < q_len sees
+        # keys up to i + kv_len - q_len < kv_len; rows past q_len are never stored
+        return f"q0 + row0 + i + causal_offset >= {key}"
+    return f"{key} < kv_len"  # the partial last tile (not aligned)
 
 
 def full_tiles_expr(spec: Spec) -> str:
     """Leading K tiles that every row of the warpgroup sees whole (no mask needed)."""
-    terms = []
-    if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset
-        terms.append("T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)")
-    if not spec.aligned:  # the last tile is partial unless kv_len is a multiple of BLOCK_N
-        terms.append("T.floordiv(kv_len, BLOCK_N)")
-    return terms[0] if len(terms) == 1 else f"T.min({terms[0]}, {terms[1]})"
+    if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset (< kv_len)
+        return "T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)"
+    return "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
 
 
 def scaled_max_expr(plan: Plan, masked: bool) -> str:

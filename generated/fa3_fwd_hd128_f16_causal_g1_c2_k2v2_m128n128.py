@@ -44,6 +44,8 @@ CONSUMER_REGS = 240  # ...and each consumer takes them
 TMA_ARRIVALS = 32  # arrivals that complete a "full" barrier (the TMA warp)
 RELEASE_ARRIVALS = CONSUMER_THREADS  # arrivals that complete an "empty" barrier (every consumer thread)
 PINGPONG_THREADS = 256  # a ping-pong barrier joins two warpgroups
+WARPGROUP_THREADS = 128
+EPILOGUE_BAR = 3  # named barrier of consumer g's epilogue: EPILOGUE_BAR + g (after the ping-pong ids)
 POLICY = T.GemmWarpPolicy.FullRow
 
 PASS_CONFIGS = {
@@ -102,10 +104,10 @@ def build_kernel():
         T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
-        full_tiles = T.min(T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N), T.floordiv(kv_len, BLOCK_N))  # leading K tiles that need no mask for these rows
+        full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)  # leading K tiles that need no mask for these rows
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j and j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
@@ -155,7 +157,7 @@ def build_kernel():
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j and k * BLOCK_N + j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
@@ -180,6 +182,8 @@ def build_kernel():
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
             acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0
         T.copy(acc_o, O_shared[g, :, :])
+        T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
+        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func

@@ -44,6 +44,8 @@ CONSUMER_REGS = 240  # ...and each consumer takes them
 TMA_ARRIVALS = 32  # arrivals that complete a "full" barrier (the TMA warp)
 RELEASE_ARRIVALS = CONSUMER_THREADS  # arrivals that complete an "empty" barrier (every consumer thread)
 PINGPONG_THREADS = 256  # a ping-pong barrier joins two warpgroups
+WARPGROUP_THREADS = 128
+EPILOGUE_BAR = 3  # named barrier of consumer g's epilogue: EPILOGUE_BAR + g (after the ping-pong ids)
 POLICY = T.GemmWarpPolicy.FullRow
 
 PASS_CONFIGS = {
@@ -179,6 +181,8 @@ def build_kernel():
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
             acc_o[i, j] /= row_sum[i]
         T.copy(acc_o, O_shared[g, :, :])
+        T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
+        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func

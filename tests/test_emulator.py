@@ -331,7 +331,7 @@ def test_emulation_error_is_the_common_base():
     assert all(issubclass(c, EmulationError) for c in (HazardError, DeadlockError, UnsupportedConstruct, KernelError))
 
 
-# -- proxy fences (opt-in) --------------------------------------------------------------------------
+# -- proxy fences (on by default) --------------------------------------------------------------------------
 def epilogue_variants(source, between):
     """The source with exactly `between` (lines) between the O_shared write and its TMA store."""
     lines = source.splitlines(keepends=True)
@@ -347,7 +347,7 @@ WG_BARRIER = "T.sync_threads(8 + g, 128)  # all 128 writers before the elected t
 
 @pytest.mark.parametrize("between, ok", [
     ([FENCE, WG_BARRIER], True),
-    ([], False),  # what the template emits today: no fence, no barrier
+    ([], False),  # the seed kernel's form: no fence, no barrier
     ([FENCE], False),  # the elected thread's fence does not order the other 127 threads' writes
     ([WG_BARRIER], False),  # ordered, but the generic-proxy writes are not fenced for the async proxy
 ])
@@ -364,7 +364,7 @@ def test_tma_store_needs_fence_and_barrier_after_ordinary_smem_writes(between, o
     report = e.value.report
     assert "(TMA store) reads O_shared[" in report and "async proxy" in report
     assert f"line {line_of(src, 'T.copy(acc_o, O_shared')}" in report
-    assert emulate(spec, q, k, v, source=src, proxy_fences=False).shape == q.shape  # the default does not check
+    assert emulate(spec, q, k, v, source=src, proxy_fences=False).shape == q.shape  # the rule can be switched off
 
 
 def test_an_endless_loop_is_reported_not_hung(monkeypatch):

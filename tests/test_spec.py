@@ -46,7 +46,7 @@ def test_bad_field_names_field_value_and_valid_range(fields, field, hint):
 def test_register_budget_names_block_n_and_the_figures():
     err = error_for(head_dim=256, block_n=128, k_stages=1, v_stages=1)
     assert err.field == "block_n"
-    assert "registers" in str(err) and "240" in str(err) and "block_n <= 96" in str(err)
+    assert "registers" in str(err) and "240" in str(err) and "block_n <= 80" in str(err)
 
 
 def test_head_dim_256_cannot_have_three_consumers():
@@ -60,10 +60,10 @@ def test_three_consumers_get_fewer_registers():
 
 
 def test_shared_memory_budget_reports_the_plan_bytes():
-    err = error_for(head_dim=256, block_n=96, k_stages=4, v_stages=4)
+    err = error_for(head_dim=256, block_n=80, k_stages=4, v_stages=4)
     assert err.field == "k_stages/v_stages"
     assert str(SMEM_LIMIT) in str(err)
-    plan_bytes = 2 * (128 * 256 * 2) + 8 * 96 * 256 * 2  # Q + O, 4 + 4 stages of 96 x 256
+    plan_bytes = 2 * (128 * 256 * 2) + 8 * 80 * 256 * 2  # Q + O, 4 + 4 stages of 80 x 256
     assert str(plan_bytes) in str(err)
 
 

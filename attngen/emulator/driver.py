@@ -29,9 +29,9 @@ from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, T
 from attngen.reference import check_close, round_to, to_numpy
 
 
-# Off by default until the template's epilogue fences its O_shared writes before the TMA store
-# (see docs/emulator.md, "Proxy fences"); then this becomes True.
-PROXY_FENCES = False
+# Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
+# (docs/emulator.md, "Proxy fences"); the template's epilogue does both.
+PROXY_FENCES = True
 
 
 @dataclasses.dataclass

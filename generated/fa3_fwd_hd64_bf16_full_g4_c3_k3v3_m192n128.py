@@ -1,11 +1,11 @@
 # ==============================================================================
 # attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.
-# kernel:    fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n112
-# spec hash: e24336a4365c
+# kernel:    fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n128
+# spec hash: 6013a24c5057
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 3 consumer warpgroup(s), ping-pong, 512 threads, setmaxnreg 32/160
-# smem:      135168 bytes dynamic (Q 24576, K 43008, V 43008, O 24576)
+# smem:      147456 bytes dynamic (Q 24576, K 49152, V 49152, O 24576)
 # spec:
 #   head_dim = 64
 #   dtype = "bfloat16"
@@ -15,7 +15,7 @@
 #   k_stages = 3
 #   v_stages = 3
 #   block_m = 192
-#   block_n = 112
+#   block_n = 128
 #   pingpong = true
 #   aligned = false
 # ==============================================================================
@@ -23,15 +23,15 @@ import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-KERNEL_NAME = "fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n112"
-SPEC_HASH = "e24336a4365c"
+KERNEL_NAME = "fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n128"
+SPEC_HASH = "6013a24c5057"
 
 HEAD_DIM = 64
 DTYPE = "bfloat16"
 ACCUM = "float"
 GQA_GROUP = 4  # query heads per KV head
 BLOCK_M = 192  # query rows per block: 3 consumer warpgroup(s) x 64
-BLOCK_N = 112  # keys per K/V tile
+BLOCK_N = 128  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 3
 V_STAGES = 3
@@ -44,6 +44,8 @@ CONSUMER_REGS = 160  # ...and each consumer takes them
 TMA_ARRIVALS = 32  # arrivals that complete a "full" barrier (the TMA warp)
 RELEASE_ARRIVALS = CONSUMER_THREADS  # arrivals that complete an "empty" barrier (every consumer thread)
 PINGPONG_THREADS = 256  # a ping-pong barrier joins two warpgroups
+WARPGROUP_THREADS = 128
+EPILOGUE_BAR = 4  # named barrier of consumer g's epilogue: EPILOGUE_BAR + g (after the ping-pong ids)
 POLICY = T.GemmWarpPolicy.FullRow
 
 PASS_CONFIGS = {
@@ -179,10 +181,12 @@ def build_kernel():
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
             acc_o[i, j] /= row_sum[i]
         T.copy(acc_o, O_shared[g, :, :])
+        T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
+        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func
-    def fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n112(
+    def fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n128(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
@@ -232,4 +236,4 @@ def build_kernel():
             with T.ws(2):
                 consumer(2, 3, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx)
 
-    return fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n112
+    return fa3_fwd_hd64_bf16_full_g4_c3_k3v3_m192n128

@@ -1,11 +1,11 @@
 # ==============================================================================
 # attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.
-# kernel:    fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n96
-# spec hash: 5e8bf95b8482
+# kernel:    fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n80
+# spec hash: 720fc37a6f83
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
-# smem:      229376 bytes dynamic (Q 65536, K 49152, V 49152, O 65536)
+# smem:      212992 bytes dynamic (Q 65536, K 40960, V 40960, O 65536)
 # spec:
 #   head_dim = 256
 #   dtype = "float16"
@@ -15,7 +15,7 @@
 #   k_stages = 1
 #   v_stages = 1
 #   block_m = 128
-#   block_n = 96
+#   block_n = 80
 #   pingpong = true
 #   aligned = false
 # ==============================================================================
@@ -23,15 +23,15 @@ import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-KERNEL_NAME = "fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n96"
-SPEC_HASH = "5e8bf95b8482"
+KERNEL_NAME = "fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n80"
+SPEC_HASH = "720fc37a6f83"
 
 HEAD_DIM = 256
 DTYPE = "float16"
 ACCUM = "float"
 GQA_GROUP = 1  # query heads per KV head
 BLOCK_M = 128  # query rows per block: 2 consumer warpgroup(s) x 64
-BLOCK_N = 96  # keys per K/V tile
+BLOCK_N = 80  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 1
 V_STAGES = 1
@@ -44,6 +44,8 @@ CONSUMER_REGS = 240  # ...and each consumer takes them
 TMA_ARRIVALS = 32  # arrivals that complete a "full" barrier (the TMA warp)
 RELEASE_ARRIVALS = CONSUMER_THREADS  # arrivals that complete an "empty" barrier (every consumer thread)
 PINGPONG_THREADS = 256  # a ping-pong barrier joins two warpgroups
+WARPGROUP_THREADS = 128
+EPILOGUE_BAR = 3  # named barrier of consumer g's epilogue: EPILOGUE_BAR + g (after the ping-pong ids)
 POLICY = T.GemmWarpPolicy.FullRow
 
 PASS_CONFIGS = {
@@ -102,10 +104,10 @@ def build_kernel():
         T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
-        full_tiles = T.min(T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N), T.floordiv(kv_len, BLOCK_N))  # leading K tiles that need no mask for these rows
+        full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)  # leading K tiles that need no mask for these rows
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j and j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
@@ -155,7 +157,7 @@ def build_kernel():
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j and k * BLOCK_N + j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
@@ -180,10 +182,12 @@ def build_kernel():
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
             acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0
         T.copy(acc_o, O_shared[g, :, :])
+        T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
+        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func
-    def fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n96(
+    def fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n80(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
@@ -230,4 +234,4 @@ def build_kernel():
             with T.ws(1):
                 consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx)
 
-    return fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n96
+    return fa3_fwd_hd256_f16_causal_g1_c2_k1v1_m128n80
