@@ -114,7 +114,8 @@ def problems(draw):
     else:
         length = st.one_of(st.sampled_from(ODD_LENGTHS), st.integers(1, 1100))
         sq, skv = draw(length), draw(length)
-    return {"preset": preset, "b": draw(st.integers(1, 2)), "hkv": draw(st.integers(1, 3)), "sq": sq, "skv": skv,
+    hkv = draw(st.integers(1, max(1, min(3, 16 // spec.gqa_group))))  # <= 24 query heads: the reference is numpy
+    return {"preset": preset, "b": draw(st.integers(1, 2)), "hkv": hkv, "sq": sq, "skv": skv,
             "seed": draw(st.integers(0, 2**31 - 1))}
 
 
@@ -123,7 +124,7 @@ def canonical(preset, sq, skv, b=1, hkv=2):
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+          suppress_health_check=[HealthCheck.too_slow])
 @canonical("default", 1, 1)
 @canonical("default", 113, 203)
 @canonical("default", 128, 217)
@@ -156,7 +157,11 @@ def test_repeated_runs_bit_identical(preset):
     kernel = runtime.compile(spec)
     h = 16 if spec.gqa_group <= 16 else spec.gqa_group
     q, k, v = inputs(spec, 2, h, h // spec.gqa_group, 2047 if not spec.aligned else 2048, 2049 if not spec.aligned else 2048, seed=11)
-    first = run_and_check(kernel, q, k, v)
+    # every element written; correctness at this size is left to the tests above (the
+    # fp64 reference runs on the CPU and would take minutes here)
+    first = kernel(q, k, v, out=poisoned(q))
+    torch.cuda.synchronize()
+    check_written(first)
     bits = first.view(torch.int16)
     for run in range(8):
         again = kernel(q, k, v, out=poisoned(q))
