@@ -268,7 +268,7 @@ def cell(entry) -> str:
 
 def table(rows, dry_run: bool) -> str:
     head = ["kernel", "dtype", "D", "causal", "B,H,HKV,Sq,Skv", "GFLOP", "sets",
-            "attngen TFLOP/s", "SDPA flash", "SDPA cuDNN", "attngen/best", "max|diff| vs SDPA", "written"]
+            "attngen TFLOP/s", "SDPA flash", "SDPA cuDNN", "attngen/best", "max abs diff vs SDPA", "written"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         a, f, c = r.get("attngen"), r.get("flash"), r.get("cudnn")
