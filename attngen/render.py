@@ -53,7 +53,10 @@ def environment() -> jinja2.Environment:
 
 
 def _load_template(name: str) -> str:
-    return importlib.resources.files("attngen.templates").joinpath(name).read_text()
+    try:  # installed: templates/ ships as the package attngen.templates
+        return importlib.resources.files("attngen.templates").joinpath(name).read_text()
+    except ModuleNotFoundError:  # a source checkout on PYTHONPATH, not installed
+        return (Path(__file__).resolve().parent.parent / "templates" / name).read_text()
 
 
 def _template_source(name: str):

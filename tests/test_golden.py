@@ -66,3 +66,13 @@ def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
     message = str(info.value)
     assert "fa3_fwd.py.j2:3" in message and "no_such_parameter" in message
     assert ">    3 | {{ no_such_parameter }}" in message
+
+
+def test_template_found_in_a_source_checkout_without_install(monkeypatch):
+    render_mod = importlib.import_module("attngen.render")
+
+    def not_installed(package):
+        raise ModuleNotFoundError(package)
+
+    monkeypatch.setattr(render_mod.importlib.resources, "files", not_installed)
+    assert render_mod._load_template("fa3_fwd.py.j2") == (ROOT / "templates" / "fa3_fwd.py.j2").read_text()
