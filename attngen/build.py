@@ -13,6 +13,7 @@ import ast
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -74,6 +75,7 @@ def cuobjdump_path() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def tool_versions() -> dict:
     # importlib.metadata, not `import tilelang`: a cache hit must not pay TileLang's import (seconds)
     out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True).stdout

@@ -81,19 +81,15 @@ def cmd_check(args) -> int:
 
 def emulate_verdict(spec, args) -> tuple:
     """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
-    import numpy as np
-
     from attngen.emulator import EmulationError, emulate_stats
-    from attngen.reference import check_close, round_to
+    from attngen.reference import check_close, random_inputs
 
     q_len, kv_len = args.q_len, args.kv_len
     if spec.aligned:  # an aligned kernel is only defined on tile multiples
         q_len = -(-q_len // spec.block_m) * spec.block_m
         kv_len = -(-kv_len // spec.block_n) * spec.block_n
     heads, kv_heads = 2 * spec.gqa_group, 2
-    rng = np.random.default_rng(args.seed)
-    q = round_to(rng.standard_normal((1, q_len, heads, spec.head_dim)), spec.dtype)
-    k, v = (round_to(rng.standard_normal((1, kv_len, kv_heads, spec.head_dim)), spec.dtype) for _ in range(2))
+    q, k, v = random_inputs(spec.dtype, spec.head_dim, 1, heads, kv_heads, q_len, kv_len, args.seed)
     what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
     try:
         out, stats = emulate_stats(spec, q, k, v, seed=args.seed)

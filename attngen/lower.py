@@ -32,7 +32,6 @@ def load_module(source: str, name: str = "attngen_kernel") -> types.ModuleType:
 @dataclasses.dataclass
 class Lowered:
     cuda_source: str
-    kernel_name: str
     artifact: object  # tilelang CompiledArtifact: device module attributes (dynamic smem size)
 
 
@@ -51,4 +50,4 @@ def lower_source(source: str, name: str = "attngen_kernel") -> Lowered:
                 artifact = tilelang.lower(prim_func, target=target)
     except Exception as e:  # TileLang/TVM raise many types; name the kernel and keep the cause
         raise LowerError(f"TileLang could not lower {name}: {type(e).__name__}: {str(e).strip()[-2000:]}") from e
-    return Lowered(cuda_source=artifact.kernel_source, kernel_name=name, artifact=artifact)
+    return Lowered(cuda_source=artifact.kernel_source, artifact=artifact)

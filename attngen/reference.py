@@ -49,6 +49,14 @@ def round_to(x, dtype: str) -> np.ndarray:
     raise ValueError(f"dtype {dtype!r}: expected one of float16, bfloat16, float32")
 
 
+def random_inputs(dtype: str, head_dim: int, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                  seed: int = 0):
+    """Standard-normal q [B, Sq, H, D], k and v [B, Skv, HKV, D], rounded to `dtype` (float32 arrays)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim), (batch, kv_len, kv_heads, head_dim)]
+    return [round_to(rng.standard_normal(s), dtype) for s in shapes]
+
+
 def to_numpy(x) -> np.ndarray:
     """A torch tensor or array-like as a numpy array (bfloat16 tensors become float32, exactly)."""
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch

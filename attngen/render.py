@@ -110,6 +110,7 @@ def header_lines(spec: Spec, plan: Plan) -> list[str]:
 
 
 def template_context(spec: Spec, plan: Plan) -> dict:
+    has_masked = spec.causal or not spec.aligned  # some K tile may be diagonal or partial
     dims = {d: None for d in DIMS}
     if plan.shape is not None:
         dims = {"batch": plan.shape.batch, "q_len": plan.shape.q_len, "kv_len": plan.shape.kv_len, "kv_heads": plan.shape.kv_heads}
@@ -119,9 +120,9 @@ def template_context(spec: Spec, plan: Plan) -> dict:
         "header": header_lines(spec, plan),
         "dims": dims,
         "mask_cond": lambda tile: mask_condition(spec, tile),
-        "full_tiles": full_tiles_expr(spec) if (spec.causal or not spec.aligned) else "",
+        "full_tiles": full_tiles_expr(spec) if has_masked else "",
         "scaled_max": lambda masked: scaled_max_expr(plan, masked),
-        "has_masked": spec.causal or not spec.aligned,
+        "has_masked": has_masked,
         "compile_flags": COMPILE_FLAGS,
         "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + 64",
     }

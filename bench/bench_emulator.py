@@ -19,7 +19,7 @@ import numpy as np
 
 import attngen
 from attngen.emulator import emulate_stats
-from attngen.reference import check_close, round_to
+from attngen.reference import check_close, random_inputs
 
 # (label, spec fields, (batch, heads, q_len, kv_len), policy)
 CASES = [
@@ -38,9 +38,7 @@ def run(fields, shape, policy, repeat):
     spec = attngen.Spec(**fields)
     b, h, sq, skv = shape
     hkv = h // spec.gqa_group
-    rng = np.random.default_rng(0)
-    q = round_to(rng.standard_normal((b, sq, h, spec.head_dim)), spec.dtype)
-    k, v = (round_to(rng.standard_normal((b, skv, hkv, spec.head_dim)), spec.dtype) for _ in range(2))
+    q, k, v = random_inputs(spec.dtype, spec.head_dim, b, h, hkv, sq, skv, seed=0)
     best, stats, out = float("inf"), None, None
     for _ in range(repeat):
         t0 = time.perf_counter()

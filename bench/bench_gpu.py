@@ -247,7 +247,7 @@ def run_config(cfg: Config, args, l2: int) -> dict:
             except Exception as e:  # a backend that cannot take this configuration: n/a, with the reason
                 row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
     finally:
-        del sets
+        sets.clear()  # free the inputs before the next configuration allocates its own
         torch.cuda.empty_cache()
     return row
 

@@ -17,14 +17,11 @@ from attngen.emulator import (
 )
 from attngen.emulator.agents import MBarrier, NamedBarrier
 from attngen.emulator.memory import Buffer, Region
-from attngen.reference import check_close, round_to
+from attngen.reference import check_close, random_inputs, round_to
 
 
 def inputs(spec, b, hkv, sq, skv, seed=0):
-    rng = np.random.default_rng(seed)
-    h = hkv * spec.gqa_group
-    shapes = [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)]
-    return [round_to(rng.standard_normal(s), spec.dtype) for s in shapes]
+    return random_inputs(spec.dtype, spec.head_dim, b, hkv * spec.gqa_group, hkv, sq, skv, seed)
 
 
 def line_of(source, text, start=1):

@@ -5,13 +5,12 @@ examples) or dev (many). Every example must finish without a hazard or a deadloc
 within the tolerance rule of attngen.reference.
 """
 
-import numpy as np
 import pytest
 from hypothesis import assume, example, given, note, settings, strategies as st
 
 import attngen
 from attngen.emulator import POLICIES, emulate_stats
-from attngen.reference import check_close, round_to
+from attngen.reference import check_close, random_inputs
 
 # Keep one example's emulation well under a second on the CI machine: a cap on B*H*Sq*Skv.
 WORK_CAP = 1_200_000
@@ -69,10 +68,8 @@ def run_case(spec, shape, seed, policy, static=False):
     """static: emulate the source specialized to this shape (constants instead of T.dynamic)."""
     b, hkv, sq, skv = shape
     note(f"{spec.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static}")
-    rng = np.random.default_rng(seed)
     h = hkv * spec.gqa_group
-    q, k, v = (round_to(rng.standard_normal(s), spec.dtype)
-               for s in [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)])
+    q, k, v = random_inputs(spec.dtype, spec.head_dim, b, h, hkv, sq, skv, seed)
     source = attngen.render(spec, attngen.Shape(b, h, hkv, sq, skv)) if static else None
     out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)  # a hazard or deadlock raises
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)

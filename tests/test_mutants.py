@@ -8,12 +8,11 @@ report, a deadlock report, or a numeric mismatch against the fp64 reference.
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 import attngen
 from attngen.emulator import DeadlockError, HazardError, emulate
-from attngen.reference import check_close, round_to
+from attngen.reference import check_close, random_inputs
 
 WAIT_PV = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
 WAIT_QK = "            T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below\n"
@@ -107,10 +106,7 @@ def mutate(source: str, edits) -> str:
 
 
 def inputs(spec, b, hkv, sq, skv):
-    rng = np.random.default_rng(11)
-    h = hkv * spec.gqa_group
-    return [round_to(rng.standard_normal(s), spec.dtype)
-            for s in [(b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, spec.head_dim)]]
+    return random_inputs(spec.dtype, spec.head_dim, b, hkv * spec.gqa_group, hkv, sq, skv, seed=11)
 
 
 @pytest.mark.parametrize("m", MUTANTS, ids=[m.name for m in MUTANTS])

@@ -26,7 +26,7 @@ from attngen.emulator.hazards import Tracker
 from attngen.emulator.memory import Buffer
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TLang
-from attngen.reference import check_close, round_to, to_numpy
+from attngen.reference import check_close, random_inputs, round_to, to_numpy
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -278,10 +278,7 @@ def command(args) -> int:
             print(f"attngen: error: --source {args.source}: {e.strerror}", file=sys.stderr)
             return 2
         filename = str(args.source)
-    rng = np.random.default_rng(args.seed)
-    q = round_to(rng.standard_normal((args.batch, args.q_len, heads, spec.head_dim)), spec.dtype)
-    k, v = (round_to(rng.standard_normal((args.batch, args.kv_len, args.kv_heads, spec.head_dim)), spec.dtype)
-            for _ in range(2))
+    q, k, v = random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, args.seed)
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
     print(f"attngen emulate: {spec.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
           f"seed {args.seed}, policy {args.policy}")

@@ -117,7 +117,7 @@ class Tracker:
                     f"  buffer:    {region.buf.label}; written {region.buf.name}{box_text(box)}",
                     f"  access:    {reader.name}, {self.describe_line(rline)}",
                     f"  written:   by {threads} threads of {agent.name}, {self.describe_line(line)}",
-                    f"             (one elected thread issues the async read; the other writers are not ordered before it)",
+                    "             (one elected thread issues the async read; the other writers are not ordered before it)",
                     f"  where:     {self.context}",
                 ]))
 
