@@ -53,10 +53,12 @@ def environment() -> jinja2.Environment:
 
 
 def _load_template(name: str) -> str:
-    try:  # installed: templates/ ships as the package attngen.templates
-        return importlib.resources.files("attngen.templates").joinpath(name).read_text()
-    except ModuleNotFoundError:  # a source checkout on PYTHONPATH, not installed
-        return (Path(__file__).resolve().parent.parent / "templates" / name).read_text()
+    # A source checkout's own templates/ first: an editable install elsewhere (another
+    # worktree, the GPU machine's PYTHONPATH copy) must not lend this checkout its templates.
+    beside = Path(__file__).resolve().parent.parent / "templates" / name
+    if beside.is_file():
+        return beside.read_text()
+    return importlib.resources.files("attngen.templates").joinpath(name).read_text()  # installed wheel
 
 
 def _template_source(name: str):
