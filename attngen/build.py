@@ -9,7 +9,6 @@ same spec is a file read.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import fcntl
@@ -25,10 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from attngen import __version__
+from attngen.version import __version__
 from attngen.lower import lower_source
-from attngen.plan import Shape, make_plan
-from attngen.render import render
+from attngen.plan import Plan, Shape, as_plan
+from attngen.render import render_source
 from attngen.spec import Spec
 
 SASS_OPS = ("HGMMA", "USETMAXREG", "UTMALDG", "UTMASTG", "LDL", "STL")
@@ -81,14 +80,6 @@ def tool_versions() -> dict:
     out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True).stdout
     release = re.search(r"release ([\d.]+), (V[\d.]+)", out)
     return {"attngen": __version__, "tilelang": importlib.metadata.version("tilelang"), "nvcc": release.group(2) if release else out.strip()[-40:]}
-
-
-def compile_flags_of(source: str) -> list:
-    """COMPILE_FLAGS of an emitted file, read without executing it (no TileLang import)."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMPILE_FLAGS" for t in node.targets):
-            return list(ast.literal_eval(node.value))
-    raise BuildError("the emitted source defines no COMPILE_FLAGS list")
 
 
 def cache_key(source: str, versions: dict, flags: list) -> str:
@@ -158,9 +149,9 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def build_source(source: str, name: str, *, plan_smem: int | None = None, cache_dir=None, extra: dict | None = None) -> BuildResult:
-    """Lower, compile and report one emitted source; cached by content and tool versions."""
-    flags = compile_flags_of(source)
+def build_source(source: str, name: str, flags, *, plan_smem: int | None = None, cache_dir=None, extra: dict | None = None) -> BuildResult:
+    """Lower, compile (nvcc `flags`) and report one emitted source; cached by content and tool versions."""
+    flags = list(flags)
     versions = tool_versions()
     key = cache_key(source, versions, flags)
     entry = cache_root(cache_dir) / f"{name}-{key}"
@@ -212,11 +203,12 @@ def _load_entry(entry: Path, cached: bool) -> BuildResult:
     return BuildResult(report=report, cuda_source=(entry / "kernel.cu").read_text(), cubin_path=entry / "kernel.cubin", cached=cached)
 
 
-def build(spec: Spec, shape: Shape | None = None, cache_dir=None) -> BuildResult:
-    """Build the kernel for `spec` (dynamic shapes, or specialized to `shape`)."""
-    plan = make_plan(spec, shape)
-    extra = {"spec_hash": spec.hash, "shape": str(shape) if shape else "dynamic", "threads": plan.threads}
-    return build_source(render(spec, shape), spec.name, plan_smem=plan.smem_bytes, cache_dir=cache_dir, extra=extra)
+def build(spec_or_plan: Spec | Plan, shape: Shape | None = None, cache_dir=None) -> BuildResult:
+    """Build the planned kernel (dynamic shapes, or specialized to the plan's static shape)."""
+    plan = as_plan(spec_or_plan, shape)
+    extra = {"spec_hash": plan.hash, "shape": str(plan.shape) if plan.shape else "dynamic", "threads": plan.threads}
+    return build_source(render_source(plan), plan.name, plan.compile_flags, plan_smem=plan.smem_bytes,
+                        cache_dir=cache_dir, extra=extra)
 
 
 def format_report(r: dict) -> str:

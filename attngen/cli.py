@@ -11,26 +11,30 @@ import difflib
 import json
 import sys
 
-from attngen.plan import Shape
-from attngen.render import generate, render
+from attngen.plan import Shape, make_plan
+from attngen.render import generate, render_source
 from attngen.spec import SpecError, load
 
 
+def plan_of(path: str, shape: Shape | None = None):
+    """Each command plans its spec once and passes the plan down."""
+    return make_plan(load(path), shape)
+
+
 def cmd_generate(args) -> int:
-    spec = load(args.spec)
-    print(generate(spec, args.output))
+    print(generate(plan_of(args.spec), args.output))
     return 0
 
 
 def cmd_show(args) -> int:
-    sys.stdout.write(render(load(args.spec)))
+    sys.stdout.write(render_source(plan_of(args.spec)))
     return 0
 
 
 def cmd_diff(args) -> int:
-    a, b = load(args.a), load(args.b)
+    a, b = plan_of(args.a), plan_of(args.b)
     lines = difflib.unified_diff(
-        render(a).splitlines(True), render(b).splitlines(True), fromfile=f"{a.name}.py", tofile=f"{b.name}.py"
+        render_source(a).splitlines(True), render_source(b).splitlines(True), fromfile=f"{a.name}.py", tofile=f"{b.name}.py"
     )
     sys.stdout.writelines(lines)
     return 0
@@ -39,9 +43,8 @@ def cmd_diff(args) -> int:
 def cmd_build(args) -> int:
     from attngen.build import build, format_report
 
-    spec = load(args.spec)
-    shape = Shape.parse(args.shape) if args.shape else None
-    result = build(spec, shape=shape, cache_dir=args.cache_dir)
+    plan = plan_of(args.spec, Shape.parse(args.shape) if args.shape else None)
+    result = build(plan, cache_dir=args.cache_dir)
     if args.cuda:
         with open(args.cuda, "w") as f:
             f.write(result.cuda_source)
@@ -66,24 +69,25 @@ def cmd_check(args) -> int:
     """The main job: generate, build, and run the kernel on the CPU model against the fp64 reference."""
     from attngen.build import build, format_report
 
-    spec = load(args.spec)
-    print(f"generated  {generate(spec, args.output)}")
-    result = build(spec, cache_dir=args.cache_dir)
+    plan = plan_of(args.spec)
+    print(f"generated  {generate(plan, args.output)}")
+    result = build(plan, cache_dir=args.cache_dir)
     print(format_report(result.report))
     verdicts = build_verdicts(result.report)
-    verdicts.append(emulate_verdict(spec, args))
+    verdicts.append(emulate_verdict(plan, args))
     for ok, what in verdicts:
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     failed = sum(not ok for ok, _ in verdicts)
-    print(f"{spec.name}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+    print(f"{plan.name}: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
     return 1 if failed else 0
 
 
-def emulate_verdict(spec, args) -> tuple:
+def emulate_verdict(plan, args) -> tuple:
     """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
     from attngen.emulator import EmulationError, emulate_stats
     from attngen.reference import check_close, random_inputs
 
+    spec = plan.spec
     q_len, kv_len = args.q_len, args.kv_len
     if spec.aligned:  # an aligned kernel is only defined on tile multiples
         q_len = -(-q_len // spec.block_m) * spec.block_m
@@ -92,7 +96,7 @@ def emulate_verdict(spec, args) -> tuple:
     q, k, v = random_inputs(spec.dtype, spec.head_dim, 1, heads, kv_heads, q_len, kv_len, args.seed)
     what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
     try:
-        out, stats = emulate_stats(spec, q, k, v, seed=args.seed)
+        out, stats = emulate_stats(plan, q, k, v, seed=args.seed)
     except EmulationError as e:
         print(e.report)
         return False, what

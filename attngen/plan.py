@@ -1,31 +1,39 @@
-"""Every number the kernel needs, derived from a Spec (and optionally a static shape).
+"""Every number the kernel needs, derived once from a Spec (and optionally a static shape).
 
-The template only prints what this module computes: thread ranges, the
-setmaxnreg split, shared-memory bytes, barrier ids and arrival counts, the
-softmax scale. Budgets are checked here, before anything is rendered, and a
-violated budget raises `SpecError` naming the field to change.
+`make_plan` resolves what the user left open (tile sizes, ping-pong), checks every budget
+and returns a `Plan`: the resolved spec, the kernel's name and hash, thread ranges, the
+setmaxnreg split, shared-memory bytes, barrier ids and arrival counts, the softmax scale
+and the build flags. Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
+makes the plan once and passes it down; a violated budget raises `SpecError` naming the
+field to change, before anything is rendered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
+from attngen import hw
 from attngen.spec import Spec, SpecError
 
-WARPGROUP = 128  # threads per warpgroup
-WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M tile
-TMA_THREADS = 32  # one producer warp issues TMA and arrives on the "full" barriers
-SMEM_LIMIT = 227 * 1024  # sm_90: max dynamic shared memory per block (232448 bytes)
-REGS_PER_SM = 65536
-# setmaxnreg split per consumer count, as FlashAttention-3 uses it: (producer, consumer).
-# The producer only issues TMA, so it gives its registers to the consumers.
-REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
-# Registers a consumer thread needs beyond its accumulators (row statistics,
-# addresses, loop state), per consumer count. Calibrated with bench/register_budget.py
-# against ptxas spill reports: docs/spec-reference.md, "Register budget".
-CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
-LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel uses
+SHAPE_FIELDS = ("batch", "heads", "kv_heads", "q_len", "kv_len")
+
+# nvcc flags for the lowered CUDA: fast math (exp2 -> ex2.approx) and the half/bfloat16
+# operators TileLang's headers need. The emitted file carries them for users of the file.
+COMPILE_FLAGS = (
+    "-O3",
+    "--use_fast_math",
+    "-Wno-deprecated-declarations",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-DNDEBUG",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +48,8 @@ class Shape:
 
     @classmethod
     def parse(cls, text: str) -> "Shape":
-        parts = text.split(",")
         try:
-            values = [int(p) for p in parts]
+            values = [int(p) for p in text.split(",")]
         except ValueError:
             values = []
         if len(values) != 5:
@@ -50,12 +57,15 @@ class Shape:
         return cls(*values)
 
     def __str__(self):
-        return f"{self.batch},{self.heads},{self.kv_heads},{self.q_len},{self.kv_len}"
+        return ",".join(str(getattr(self, f)) for f in SHAPE_FIELDS)
+
+
+SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the hand-written seed kernel's static shape (docs/seed-parity.md)
 
 
 @dataclasses.dataclass(frozen=True)
-class PingPong:
-    """Named barriers of one consumer warpgroup in the ping-pong ring."""
+class ConsumerBarriers:
+    """Named barriers of one consumer warpgroup (0 and 0 when ping-pong is off)."""
 
     wait_bar: int  # this warpgroup syncs here before issuing its GEMMs
     signal_bar: int  # then arrives here to let the next warpgroup issue
@@ -63,19 +73,27 @@ class PingPong:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    spec: Spec
+    spec: Spec  # resolved: block_m, block_n and pingpong filled in
     shape: Shape | None
+    name: str  # canonical kernel name: every axis of the resolved spec
+    hash: str  # 12 hex digits of the resolved spec
     threads: int
     consumer_threads: int  # threads [0, consumer_threads) are consumers; the rest the producer
+    wg_rows: int  # query rows per consumer warpgroup (one wgmma M tile)
+    warpgroup_threads: int
+    tma_threads: int  # the producer warp that issues TMA and arrives on "full" barriers
     launch_regs: int  # register cap per thread at launch (__launch_bounds__(threads, 1))
     producer_regs: int
     consumer_regs: int
     consumer_regs_needed: int
     smem: dict  # buffer -> bytes (dynamic shared memory)
-    pingpong: tuple  # PingPong per consumer, empty when ping-pong is off
+    consumer_barriers: tuple  # ConsumerBarriers per consumer
     pingpong_threads: int  # threads that meet at one ping-pong barrier
+    primer: int | None  # the consumer that arrives once at the start so that warpgroup 0 issues first
+    epilogue_bar: int  # first named barrier of the epilogues (consumer g uses epilogue_bar + g)
     guard_empty_rows: bool  # some query rows may see no key: guard -inf maxima and 0 sums
     scale_log2: float
+    compile_flags: tuple
 
     @property
     def smem_bytes(self) -> int:
@@ -83,31 +101,36 @@ class Plan:
 
     @property
     def tma_thread_end(self) -> int:
-        return self.consumer_threads + TMA_THREADS
-
-    @property
-    def epilogue_bar(self) -> int:
-        """First named barrier of the epilogues (consumer g uses epilogue_bar + g); 0 is __syncthreads."""
-        return 1 + len(self.pingpong)
-
-    @property
-    def primer(self) -> int | None:
-        """The consumer that arrives once at the start so that warpgroup 0 issues first."""
-        return len(self.pingpong) - 1 if self.pingpong else None
+        return self.consumer_threads + self.tma_threads
 
 
-def consumer_regs_needed(head_dim: int, block_n: int, consumers: int) -> int:
-    """Registers per consumer thread: O and S accumulators (fp32), register-P (16-bit pairs), overhead."""
-    per_thread = lambda elems, bytes_per: elems * bytes_per // (4 * WARPGROUP)  # noqa: E731
-    acc_o = per_thread(WG_ROWS * head_dim, 4)
-    acc_s = per_thread(WG_ROWS * block_n, 4)
-    p_reg = per_thread(WG_ROWS * block_n, 2)
-    return acc_o + acc_s + p_reg + CONSUMER_REG_OVERHEAD[consumers]
+def kernel_name(spec: Spec) -> str:
+    """Canonical readable name of a resolved spec; every axis is in it."""
+    parts = [
+        f"fa3_fwd_hd{spec.head_dim}",
+        hw.DTYPES[spec.dtype].tag,
+        "causal" if spec.causal else "full",
+        f"g{spec.gqa_group}",
+        f"c{spec.consumers}",
+        f"k{spec.k_stages}v{spec.v_stages}",
+        f"m{spec.block_m}n{spec.block_n}",
+    ]
+    if spec.consumers >= 2 and not spec.pingpong:
+        parts.append("nopp")
+    if spec.aligned:
+        parts.append("aligned")
+    return "_".join(parts)
+
+
+def spec_hash(spec: Spec) -> str:
+    """Content hash of a resolved spec (12 hex digits): equal for a default written out or left implicit."""
+    blob = json.dumps(spec.to_dict(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def smem_layout(spec: Spec, block_n: int) -> dict:
-    elem = 2  # float16 and bfloat16
-    rows_q = WG_ROWS * spec.consumers
+    elem = hw.DTYPES[spec.dtype].bytes
+    rows_q = hw.WGMMA_M * spec.consumers
     return {
         "Q": rows_q * spec.head_dim * elem,
         "K": spec.k_stages * block_n * spec.head_dim * elem,
@@ -116,86 +139,138 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     }
 
 
-def default_tiles(spec: Spec) -> tuple[int, int]:
-    """block_m is 64 per consumer; block_n the largest candidate within both budgets."""
-    _, consumer_regs = REG_SPLIT[spec.consumers]
+def regs_needed(spec: Spec, block_n: int) -> int:
+    return hw.consumer_regs_needed(spec.head_dim, block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
+
+
+def default_block_n(spec: Spec) -> int:
+    """The largest candidate within both budgets (the smallest if none fits: make_plan then says why)."""
+    _, consumer_regs = hw.REG_SPLIT[spec.consumers]
     for bn in BLOCK_N_CANDIDATES:
-        fits_regs = consumer_regs_needed(spec.head_dim, bn, spec.consumers) <= consumer_regs
-        fits_smem = sum(smem_layout(spec, bn).values()) <= SMEM_LIMIT
-        if fits_regs and fits_smem:
-            return WG_ROWS * spec.consumers, bn
-    # Nothing fits: return the smallest so make_plan reports the real budget.
-    return WG_ROWS * spec.consumers, BLOCK_N_CANDIDATES[-1]
+        if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
+            return bn
+    return BLOCK_N_CANDIDATES[-1]
 
 
-def make_plan(spec: Spec, shape: Shape | None = None) -> Plan:
+def resolve(spec: Spec) -> Spec:
+    """The spec with every "choose for me" field filled in."""
+    return dataclasses.replace(
+        spec,
+        block_m=spec.block_m if spec.block_m is not None else hw.WGMMA_M * spec.consumers,
+        block_n=spec.block_n if spec.block_n is not None else default_block_n(spec),
+        pingpong=spec.pingpong if spec.pingpong is not None else spec.consumers >= 2,
+    )
+
+
+def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True) -> Plan:
+    """Resolve `spec`, check its budgets (and `shape`), derive every number the kernel needs.
+
+    `check_registers=False` skips the register estimate (bench/register_budget.py lets ptxas judge).
+    """
+    if not isinstance(spec, Spec):
+        raise SpecError("<spec>", type(spec).__name__, "expected an attngen.Spec")
+    spec = resolve(spec)
     n = spec.consumers
-    threads = WARPGROUP * (n + 1)
-    launch_regs = min(255, REGS_PER_SM // threads // 8 * 8)
-    producer_regs, consumer_regs = REG_SPLIT[n]
+    threads = hw.WARPGROUP_THREADS * (n + 1)
+    launch_regs = hw.launch_regs(threads)
+    producer_regs, consumer_regs = hw.REG_SPLIT[n]
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
-    needed = consumer_regs_needed(spec.head_dim, spec.block_n, n)
-    if needed > consumer_regs:
-        fits = [bn for bn in BLOCK_N_CANDIDATES if consumer_regs_needed(spec.head_dim, bn, n) <= consumer_regs]
-        if not fits:
-            ok = [c for c, (_, regs) in REG_SPLIT.items() if consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1], c) <= regs]
-            raise SpecError(
-                "consumers", n,
-                f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
-                f"head_dim {spec.head_dim} needs at any block_n; use consumers in {ok}",
-            )
-        raise SpecError(
-            "block_n", spec.block_n,
-            f"a consumer thread would need about {needed} registers (O {spec.head_dim // 2}, S {spec.block_n // 2}, "
-            f"P {spec.block_n // 4}, overhead {CONSUMER_REG_OVERHEAD[n]}) but setmaxnreg gives it {consumer_regs} "
-            f"with {n} consumer(s); block_n <= {max(fits) if fits else 'none'} fits",
-        )
+    needed = regs_needed(spec, spec.block_n)
+    if check_registers and needed > consumer_regs:
+        _register_budget_error(spec, needed, consumer_regs)
 
     smem = smem_layout(spec, spec.block_n)
     total = sum(smem.values())
-    if total > SMEM_LIMIT:
+    if total > hw.SMEM_PER_BLOCK:
         detail = ", ".join(f"{k} {v}" for k, v in smem.items())
         raise SpecError(
             "k_stages/v_stages", (spec.k_stages, spec.v_stages),
-            f"the plan needs {total} bytes of shared memory ({detail}) but sm_90 allows {SMEM_LIMIT} (227 KiB) "
+            f"the plan needs {total} bytes of shared memory ({detail}) but sm_90 allows {hw.SMEM_PER_BLOCK} (227 KiB) "
             f"per block; use fewer stages or a smaller block_n",
         )
 
     if shape is not None:
         check_shape(spec, shape)
 
-    pingpong = ()
     if spec.pingpong:
         # Named barrier 0 is __syncthreads; the ring uses 1..n: warpgroup g waits on g+1, signals g+2 (mod n).
-        pingpong = tuple(PingPong(wait_bar=g + 1, signal_bar=(g + 1) % n + 1) for g in range(n))
+        barriers = tuple(ConsumerBarriers(wait_bar=g + 1, signal_bar=(g + 1) % n + 1) for g in range(n))
+        ring = n
+    else:
+        barriers = tuple(ConsumerBarriers(0, 0) for _ in range(n))
+        ring = 0
 
     return Plan(
         spec=spec,
         shape=shape,
+        name=kernel_name(spec),
+        hash=spec_hash(spec),
         threads=threads,
-        consumer_threads=WARPGROUP * n,
+        consumer_threads=hw.WARPGROUP_THREADS * n,
+        wg_rows=hw.WGMMA_M,
+        warpgroup_threads=hw.WARPGROUP_THREADS,
+        tma_threads=hw.WARP_THREADS,
         launch_regs=launch_regs,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         consumer_regs_needed=needed,
         smem=smem,
-        pingpong=pingpong,
-        pingpong_threads=2 * WARPGROUP,
+        consumer_barriers=barriers,
+        pingpong_threads=2 * hw.WARPGROUP_THREADS,
+        primer=n - 1 if spec.pingpong else None,
+        epilogue_bar=1 + ring,
         guard_empty_rows=spec.causal and (shape is None or shape.q_len > shape.kv_len),
-        scale_log2=(1.0 / spec.head_dim) ** 0.5 * LOG2E,
+        scale_log2=(1.0 / spec.head_dim) ** 0.5 * hw.LOG2E,
+        compile_flags=COMPILE_FLAGS,
     )
 
 
+def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
+    n = spec.consumers
+    fits = [bn for bn in BLOCK_N_CANDIDATES if regs_needed(spec, bn) <= consumer_regs]
+    if not fits:
+        elem = hw.DTYPES[spec.dtype].bytes
+        ok = [c for c, (_, regs) in hw.REG_SPLIT.items()
+              if hw.consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1], c, elem) <= regs]
+        raise SpecError(
+            "consumers", n,
+            f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
+            f"head_dim {spec.head_dim} needs at any block_n; use consumers in {ok}",
+        )
+    raise SpecError(
+        "block_n", spec.block_n,
+        f"a consumer thread would need about {needed} registers (O {spec.head_dim // 2}, S {spec.block_n // 2}, "
+        f"P {spec.block_n // 4}, overhead {hw.CONSUMER_REG_OVERHEAD[n]}) but setmaxnreg gives it {consumer_regs} "
+        f"with {n} consumer(s); block_n <= {max(fits)} fits",
+    )
+
+
+def as_plan(spec_or_plan, shape: Shape | None = None) -> Plan:
+    """What an entry point does once: a Plan passes through, a Spec is planned (with `shape`)."""
+    if isinstance(spec_or_plan, Plan):
+        if shape is not None and shape != spec_or_plan.shape:
+            raise SpecError("shape", str(shape), f"the plan was made for shape {spec_or_plan.shape or 'dynamic'}")
+        return spec_or_plan
+    return make_plan(spec_or_plan, shape)
+
+
 def check_shape(spec: Spec, shape: Shape) -> None:
-    """A static shape must fit the spec: positive sizes, H = HKV * gqa_group, tile multiples when aligned."""
-    for field in ("batch", "heads", "kv_heads", "q_len", "kv_len"):
+    """A static shape must fit the resolved spec (plan.spec) and the launch: positive sizes,
+    H = HKV * gqa_group, grid and int32 limits, tile multiples when aligned."""
+    for field in SHAPE_FIELDS:
         value = getattr(shape, field)
         if type(value) is not int or value < 1:
             raise SpecError(f"shape.{field}", value, "expected a positive integer")
     if shape.heads != shape.kv_heads * spec.gqa_group:
         raise SpecError("shape.heads", shape.heads, f"expected kv_heads * gqa_group = {shape.kv_heads} * {spec.gqa_group}")
+    for field in ("batch", "heads"):  # grid z and y
+        if getattr(shape, field) > hw.GRID_YZ_MAX:
+            raise SpecError(f"shape.{field}", getattr(shape, field), f"expected at most {hw.GRID_YZ_MAX} (a CUDA grid dimension)")
+    largest = max(shape.batch * shape.q_len * shape.heads, shape.batch * shape.kv_len * shape.kv_heads) * spec.head_dim
+    if largest > hw.INT32_MAX:
+        raise SpecError("shape", str(shape), f"a tensor of {largest} elements; at most {hw.INT32_MAX} (the kernel indexes with int32)")
     if spec.aligned:
         if shape.q_len % spec.block_m:
             raise SpecError("shape.q_len", shape.q_len, f"aligned spec: expected a multiple of block_m = {spec.block_m}")
@@ -207,4 +282,3 @@ def tflops(shape: Shape, head_dim: int, causal: bool, seconds: float) -> float:
     """Forward FLOP/s in TFLOP/s: 4*B*H*Sq*Skv*D, halved for causal."""
     flops = 4 * shape.batch * shape.heads * shape.q_len * shape.kv_len * head_dim
     return flops / (2 if causal else 1) / seconds / 1e12
-

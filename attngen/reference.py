@@ -23,8 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-EPS = {"float16": 1e-3, "bfloat16": 8e-3}
-DTYPES = tuple(EPS)
+from attngen.hw import DTYPES
+
+EPS = {name: d.eps for name, d in DTYPES.items()}
 
 
 def round_to(x, dtype: str) -> np.ndarray:

@@ -1,7 +1,8 @@
-"""Spec + plan -> emitted TileLang source, through one Jinja2 template.
+"""Plan -> emitted TileLang source, through one Jinja2 template.
 
-The template is thin; the expressions it prints (masks, tile counts, guarded
-maxima) are built here, where they can be read and tested as Python.
+The template is thin: it receives flat numbers and the expressions built here (masks,
+tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
+and only lays them out in the order the GPU executes them.
 """
 
 from __future__ import annotations
@@ -15,25 +16,11 @@ from pathlib import Path
 
 import jinja2
 
-from attngen import __version__
-from attngen.plan import Plan, Shape, make_plan
-from attngen.spec import Spec, SpecError, to_toml
+from attngen.version import __version__
+from attngen.plan import Plan, Shape, as_plan
+from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
-# nvcc flags carried in the emitted file: fast math (exp2 -> ex2.approx) and the
-# half/bfloat16 operators TileLang's headers need.
-COMPILE_FLAGS = (
-    "-O3",
-    "--use_fast_math",
-    "-Wno-deprecated-declarations",
-    "-U__CUDA_NO_HALF_OPERATORS__",
-    "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_HALF2_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "--expt-relaxed-constexpr",
-    "--expt-extended-lambda",
-    "-DNDEBUG",
-)
 DIMS = ("batch", "q_len", "kv_len", "kv_heads")
 
 
@@ -66,6 +53,7 @@ def _template_source(name: str):
     return _load_template(name), name, lambda: True
 
 
+# -- the expressions the template prints ----------------------------------------------
 def mask_condition(spec: Spec, tile: str) -> str:
     """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
     key = "j" if tile == "0" else f"{tile} * BLOCK_N + j"
@@ -83,6 +71,16 @@ def full_tiles_expr(spec: Spec) -> str:
     return "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
 
 
+def n_tiles_expr(plan: Plan) -> str:
+    """K tiles a block of query rows visits (with its comment): causal blocks stop at the diagonal."""
+    if not plan.spec.causal:
+        return "T.ceildiv(kv_len, BLOCK_N)"
+    if plan.guard_empty_rows:
+        return ("T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset, 1), BLOCK_N))"
+                "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0")
+    return "T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N))"
+
+
 def scaled_max_expr(plan: Plan, masked: bool) -> str:
     """Row max times SCALE_LOG2; a fully masked row has max -inf and uses 0 so exp2 gives 0, not NaN."""
     plain = "m_cur[i] * SCALE_LOG2"
@@ -91,13 +89,27 @@ def scaled_max_expr(plan: Plan, masked: bool) -> str:
     return plain
 
 
-def header_lines(spec: Spec, plan: Plan) -> list[str]:
+def normalize_stmt(plan: Plan) -> str:
+    """The epilogue's division by the row sum (guarded when a row may see no key)."""
+    if plan.guard_empty_rows:
+        return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
+    return "acc_o[i, j] /= row_sum[i]"
+
+
+def q_rows(plan: Plan, g: int) -> str:
+    """The query rows consumer g owns, as a slice of this block's rows."""
+    rows = plan.wg_rows
+    return f"q0 + {rows * g}:q0 + {rows * (g + 1)}" if g else f"q0:q0 + {rows}"
+
+
+def header_lines(plan: Plan) -> list[str]:
+    spec = plan.spec
     shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else "dynamic: batch, q_len, kv_len, kv_heads are runtime values"
     lines = [
         "=" * 78,
         "attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.",
-        f"kernel:    {spec.name}",
-        f"spec hash: {spec.hash}",
+        f"kernel:    {plan.name}",
+        f"spec hash: {plan.hash}",
         f"generator: attngen {__version__}, template {TEMPLATE}",
         f"shape:     {shape}",
         f"schedule:  1 TMA producer warpgroup + {spec.consumers} consumer warpgroup(s)"
@@ -111,33 +123,58 @@ def header_lines(spec: Spec, plan: Plan) -> list[str]:
     return lines
 
 
-def template_context(spec: Spec, plan: Plan) -> dict:
+def template_context(plan: Plan) -> dict:
+    """Every name the template uses (documented at the top of the template)."""
+    spec = plan.spec
     has_masked = spec.causal or not spec.aligned  # some K tile may be diagonal or partial
     dims = {d: None for d in DIMS}
     if plan.shape is not None:
-        dims = {"batch": plan.shape.batch, "q_len": plan.shape.q_len, "kv_len": plan.shape.kv_len, "kv_heads": plan.shape.kv_heads}
+        dims = {d: getattr(plan.shape, d) for d in DIMS}
     return {
-        "spec": spec,
-        "plan": plan,
-        "header": header_lines(spec, plan),
+        "header": header_lines(plan),
+        "kernel_name": plan.name,
+        "spec_hash": plan.hash,
+        "head_dim": spec.head_dim,
+        "dtype": spec.dtype,
+        "gqa_group": spec.gqa_group,
+        "consumers": spec.consumers,
+        "block_m": spec.block_m,
+        "block_n": spec.block_n,
+        "wg_rows": plan.wg_rows,
+        "k_stages": spec.k_stages,
+        "v_stages": spec.v_stages,
+        "scale_log2": plan.scale_log2,
+        "threads": plan.threads,
+        "consumer_threads": plan.consumer_threads,
+        "tma_thread_end": plan.tma_thread_end,
+        "tma_threads": plan.tma_threads,
+        "producer_regs": plan.producer_regs,
+        "consumer_regs": plan.consumer_regs,
+        "pingpong": spec.pingpong,
+        "pingpong_threads": plan.pingpong_threads,
+        "primer": plan.primer,
+        "warpgroup_threads": plan.warpgroup_threads,
+        "epilogue_bar": plan.epilogue_bar,
+        "compile_flags": plan.compile_flags,
         "dims": dims,
-        "mask_cond": lambda tile: mask_condition(spec, tile),
-        "full_tiles": full_tiles_expr(spec) if has_masked else "",
-        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
+        "causal": spec.causal,
         "has_masked": has_masked,
-        "compile_flags": COMPILE_FLAGS,
-        "q_rows": lambda g: f"q0 + {64 * g}:q0 + {64 * (g + 1)}" if g else "q0:q0 + 64",
+        "barriers": plan.consumer_barriers,
+        "n_tiles": n_tiles_expr(plan),
+        "full_tiles": full_tiles_expr(spec) if has_masked else "",
+        "normalize": normalize_stmt(plan),
+        "mask_cond": lambda tile: mask_condition(spec, tile),
+        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
+        "q_rows": lambda g: q_rows(plan, g),
     }
 
 
-def render(spec: Spec, shape: Shape | None = None) -> str:
-    """The emitted TileLang source for `spec` (dynamic shapes unless `shape` is given)."""
-    if not isinstance(spec, Spec):
-        raise SpecError("<spec>", type(spec).__name__, "expected an attngen.Spec")
-    plan = make_plan(spec, shape)
+def render_source(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> str:
+    """The emitted TileLang source (dynamic shapes unless the plan has a static shape)."""
+    plan = as_plan(spec_or_plan, shape)
     template = environment().get_template(TEMPLATE)
     try:
-        return template.render(**template_context(spec, plan))
+        return template.render(**template_context(plan))
     except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
         raise TemplateError(_numbered(TEMPLATE, e)) from e
 
@@ -153,8 +190,8 @@ def _numbered(name: str, err: jinja2.TemplateError) -> str:
     return f"{name}:{lineno}: {err}\n{shown}"
 
 
-def output_path(spec: Spec, out_dir: str | Path) -> Path:
-    return Path(out_dir) / f"{spec.name}.py"
+def output_path(plan: Plan, out_dir: str | Path) -> Path:
+    return Path(out_dir) / f"{plan.name}.py"
 
 
 def write_if_different(path: Path, text: str) -> bool:
@@ -170,8 +207,9 @@ def write_if_different(path: Path, text: str) -> bool:
     return True
 
 
-def generate(spec: Spec, out_dir: str | Path = "generated", shape: Shape | None = None) -> Path:
-    """Write the emitted kernel for `spec` under `out_dir`; return its path."""
-    path = output_path(spec, out_dir)
-    write_if_different(path, render(spec, shape))
+def generate(spec_or_plan: Spec | Plan, out_dir: str | Path = "generated", shape: Shape | None = None) -> Path:
+    """Write the emitted kernel under `out_dir`; return its path."""
+    plan = as_plan(spec_or_plan, shape)
+    path = output_path(plan, out_dir)
+    write_if_different(path, render_source(plan))
     return path

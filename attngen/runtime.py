@@ -1,6 +1,6 @@
 """Generated kernels, callable from PyTorch on a Hopper GPU.
 
-    kernel = attngen.runtime.compile(spec)          # JIT: render -> TileLang -> nvcc (sm_90a)
+    kernel = attngen.runtime.compile_kernel(spec)   # JIT: plan -> render -> TileLang -> nvcc (sm_90a)
     out = kernel(q, k, v)                           # q [B, Sq, H, D], k/v [B, Skv, HKV, D]
     out = attngen.runtime.attention(q, k, v, causal=True)   # spec picked from the tensors
 
@@ -9,7 +9,7 @@ capability 9.0. Every input is checked before anything is launched, and a bad
 input raises `InputError` (a ValueError) that names the argument, the value and
 what was expected.
 
-Caching: `compile` memoizes per (spec, shape) in this process, and TileLang's own
+Caching: `compile_kernel` memoizes per (spec, shape) in this process, and TileLang's own
 disk cache (content-keyed: the TIR script, target, flags, pass configs and the
 TileLang build) lets a second process load the built library instead of running
 nvcc again. The disk cache lives under $TILELANG_CACHE_DIR (default
@@ -24,15 +24,12 @@ import threading
 import time
 from typing import Callable
 
+from attngen.hw import CAPABILITY, DTYPES, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.lower import TARGET, load_module
-from attngen.plan import Shape, make_plan
-from attngen.render import render
+from attngen.plan import Plan, Shape, as_plan
+from attngen.render import render_source
 from attngen.spec import Spec
 
-CAPABILITY = (9, 0)  # sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only
-TMA_ALIGN = 16  # bytes: TMA wants a 16-byte aligned base and 16-byte multiple strides
-INT32_MAX = 2**31 - 1  # the host stub reads shapes and strides as int32
-GRID_YZ_MAX = 65535  # heads and batch are grid dimensions y and z
 NAMES = ("q", "k", "v", "out")
 
 
@@ -54,15 +51,14 @@ def _torch():
 
 
 def torch_dtype(name: str):
-    """The torch dtype of a spec dtype name."""
-    torch = _torch()
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    """The torch dtype of a spec dtype name (hw.DTYPES names are torch's)."""
+    return getattr(_torch(), DTYPES[name].name)
 
 
 def spec_dtype(dtype) -> str | None:
     """The spec dtype name of a torch dtype, or None if the kernels do not take it."""
-    torch = _torch()
-    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype)
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPES else None
 
 
 def packed_strides(shape) -> tuple[int, ...]:
@@ -96,11 +92,12 @@ def check_layout(name: str, t) -> None:
         )
 
 
-def check_tensors(spec: Spec, q, k, v, out=None, *, shape: Shape | None = None) -> tuple[int, int, int, int, int]:
-    """Check dtypes, shapes and layouts against `spec` (and a static `shape`); device not checked.
+def check_tensors(spec_or_plan: Spec | Plan, q, k, v, out=None, *, shape: Shape | None = None) -> tuple[int, int, int, int, int]:
+    """Check dtypes, shapes and layouts against the planned spec (and a static `shape`); device not checked.
 
     Returns (batch, heads, kv_heads, q_len, kv_len).
     """
+    spec = as_plan(spec_or_plan).spec  # resolved: block_m and block_n are known
     torch = _torch()
     given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
     for name, t in given.items():
@@ -206,20 +203,27 @@ def check_written(out) -> None:
 class Kernel:
     """A compiled FA3 forward kernel: call it with CUDA tensors q, k, v (and optionally out)."""
 
-    spec: Spec
-    shape: Shape | None
+    plan: Plan
     jit: object  # tilelang JITKernel
     cache_path: str | None  # TileLang disk-cache entry of this kernel
-    source: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
+    origin: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
     compile_seconds: float
 
     @property
+    def spec(self) -> Spec:
+        return self.plan.spec
+
+    @property
+    def shape(self) -> Shape | None:
+        return self.plan.shape
+
+    @property
     def name(self) -> str:
-        return self.spec.name if self.shape is None else f"{self.spec.name}_static"
+        return self.plan.name if self.shape is None else f"{self.plan.name}_static"
 
     def check(self, q, k, v, out=None) -> None:
         """Every check of a call, without launching."""
-        check_tensors(self.spec, q, k, v, out, shape=self.shape)
+        check_tensors(self.plan, q, k, v, out, shape=self.shape)
         check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
 
     def __call__(self, q, k, v, *, out=None, check: bool = True):
@@ -244,11 +248,12 @@ _memo_lock = threading.Lock()
 _key_locks: dict[tuple[Spec, Shape | None], threading.Lock] = {}
 
 
-def compile(spec: Spec, shape: Shape | None = None) -> Kernel:  # noqa: A001 - the issue's API name
-    """JIT-compile the kernel of `spec` (static `shape` optional) for sm_90a; memoized per process."""
-    if not isinstance(spec, Spec):
-        raise InputError("spec", type(spec).__name__, "an attngen.Spec")
-    key = (spec, shape)
+def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> Kernel:
+    """JIT-compile the planned kernel (static `shape` optional) for sm_90a; memoized per process."""
+    if not isinstance(spec_or_plan, (Spec, Plan)):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    plan = as_plan(spec_or_plan, shape)  # a bad static shape fails here, as a SpecError, before TileLang
+    key = (plan.spec, plan.shape)
     with _memo_lock:
         if key in _memo:
             return _memo[key]
@@ -256,19 +261,18 @@ def compile(spec: Spec, shape: Shape | None = None) -> Kernel:  # noqa: A001 - t
     with lock:  # one build per key even when threads race
         if key in _memo:
             return _memo[key]
-        kernel = _build(spec, shape)
+        kernel = _build(plan)
         with _memo_lock:
             _memo[key] = kernel
         return kernel
 
 
-def _build(spec: Spec, shape: Shape | None) -> Kernel:
+def _build(plan: Plan) -> Kernel:
     import tilelang
     from tvm.target import Target
 
-    make_plan(spec, shape)  # a bad static shape fails here, as a SpecError, before TileLang
-    name = spec.name if shape is None else f"{spec.name}_static"
-    module = load_module(render(spec, shape), name)
+    name = plan.name if plan.shape is None else f"{plan.name}_static"
+    module = load_module(render_source(plan), name)
     target = Target(TARGET)
     start = time.time()
     with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
@@ -280,14 +284,14 @@ def _build(spec: Spec, shape: Shape | None) -> Kernel:
         out_idx=None,
         target=target,
         pass_configs=module.PASS_CONFIGS,
-        compile_flags=list(module.COMPILE_FLAGS),
+        compile_flags=list(plan.compile_flags),
     )
     seconds = time.time() - start
     path = getattr(jit, "_tilelang_cache_path", None)
     # The cache entry appears by an atomic rename of a directory made during the build,
     # so an entry older than this call was loaded, not built.
-    source = "disk" if path and os.path.isdir(path) and os.stat(path).st_mtime < start else "compiled"
-    return Kernel(spec=spec, shape=shape, jit=jit, cache_path=path, source=source, compile_seconds=seconds)
+    origin = "disk" if path and os.path.isdir(path) and os.stat(path).st_mtime < start else "compiled"
+    return Kernel(plan=plan, jit=jit, cache_path=path, origin=origin, compile_seconds=seconds)
 
 
 def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
@@ -316,14 +320,14 @@ def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
     fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords.
     The kernel is compiled once per spec and memoized.
     """
-    spec = spec_for(q, k, causal=causal, **spec_overrides)
+    plan = as_plan(spec_for(q, k, causal=causal, **spec_overrides))
     # Check before compiling: a bad input should not cost an nvcc run first.
-    check_tensors(spec, q, k, v, out)
+    check_tensors(plan, q, k, v, out)
     check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
-    return compile(spec)(q, k, v, out=out, check=False)
+    return compile_kernel(plan)(q, k, v, out=out, check=False)
 
 
 __all__ = [
     "CAPABILITY", "InputError", "Kernel", "attention", "check_device", "check_layout", "check_tensors",
-    "check_written", "compile", "spec_for", "torch_dtype", "spec_dtype",
+    "check_written", "compile_kernel", "spec_for", "torch_dtype", "spec_dtype",
 ]

@@ -1,26 +1,30 @@
-"""The user's declarative description of one FA3 forward kernel.
+"""The user's declarative description of one FA3 forward kernel: their choices, nothing more.
 
-A `Spec` holds only what the user chose. Everything derived from it (tile
-sizes when absent, thread counts, register split, shared-memory bytes,
-barrier numbering) lives in `plan.py`, which is also where budgets are
-checked. This module checks each field on its own: type, range, unknown keys.
+A `Spec` holds what the user wrote (fields left out keep their defaults; `block_m`,
+`block_n` and `pingpong` may stay None, meaning "choose for me"). Each field is checked
+on its own here: type, range, unknown keys. Everything derived (tile sizes, threads,
+register split, shared memory, barrier numbering, the kernel's name and hash) and every
+budget lives in `plan.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from attngen.hw import DTYPES, WGMMA_M
+
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 MAX_CONSUMERS = 3
 MAX_STAGES = 4
 MAX_GQA_GROUP = 1024
+BLOCK_N_STEP = 16  # wgmma N granularity and the PV reduction step
+MAX_BLOCK_N = 256  # wgmma N
 
 
 class SpecError(ValueError):
@@ -28,10 +32,35 @@ class SpecError(ValueError):
 
     def __init__(self, field: str, value: Any, valid: str):
         self.field, self.value, self.valid = field, value, valid
-        super().__init__(f"spec field `{field}` = {value!r}: {valid}")
+        super().__init__(f"spec field `{field}` = {toml_value(value)}: {valid}")
 
 
-@dataclasses.dataclass(frozen=True)
+def toml_value(value: Any) -> str:
+    """A value as the user would write it in a spec file (true, "yes", 128)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if value is None:
+        return "(none)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def type_name(value: Any) -> str:
+    """The TOML-ish name of a value's type, for 'expected an integer, got a string'."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: "an integer", float: "a float", str: "a string", list: "an array", tuple: "an array",
+            dict: "a table", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Spec:
     """One FlashAttention-3 forward kernel for sm_90a. See docs/spec-reference.md."""
 
@@ -42,105 +71,88 @@ class Spec:
     consumers: int = 2
     k_stages: int = 2
     v_stages: int = 2
-    block_m: int | None = None
-    block_n: int | None = None
-    pingpong: bool | None = None
+    block_m: int | None = None  # None: 64 x consumers
+    block_n: int | None = None  # None: the largest tile within the budgets (plan.py)
+    pingpong: bool | None = None  # None: on when there are 2+ consumers
     aligned: bool = False
 
-    def __post_init__(self):
-        _check_fields(self)
-        if self.pingpong is None:
-            object.__setattr__(self, "pingpong", self.consumers >= 2)
-        if self.pingpong and self.consumers < 2:
-            raise SpecError("pingpong", self.pingpong, "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
-        # Tile sizes are resolved by the plan; freezing them here makes the spec's
-        # name and hash independent of whether the user wrote the default out.
-        if self.block_m is None or self.block_n is None:
-            from attngen.plan import default_tiles
-
-            bm, bn = default_tiles(self)
-            object.__setattr__(self, "block_m", self.block_m if self.block_m is not None else bm)
-            object.__setattr__(self, "block_n", self.block_n if self.block_n is not None else bn)
-        from attngen.plan import make_plan
-
-        make_plan(self)  # budgets: raises SpecError before anything is rendered
-
-    # -- identity ---------------------------------------------------------
-    @property
-    def name(self) -> str:
-        """Canonical readable name; every axis of the spec is in it."""
-        parts = [
-            f"fa3_fwd_hd{self.head_dim}",
-            DTYPES[self.dtype],
-            "causal" if self.causal else "full",
-            f"g{self.gqa_group}",
-            f"c{self.consumers}",
-            f"k{self.k_stages}v{self.v_stages}",
-            f"m{self.block_m}n{self.block_n}",
-        ]
-        if self.consumers >= 2 and not self.pingpong:
-            parts.append("nopp")
-        if self.aligned:
-            parts.append("aligned")
-        return "_".join(parts)
+    def __init__(self, **fields):
+        # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
+        check_keys(fields, "attngen.Spec(...)")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, fields.get(f.name, f.default))
+        check_fields(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @property
-    def hash(self) -> str:
-        """Content hash of the resolved spec (12 hex digits)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
-
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 
 
-def _check_fields(s: Spec) -> None:
-    def need_int(field, lo, hi):
-        v = getattr(s, field)
-        if type(v) is not int or not lo <= v <= hi:
-            raise SpecError(field, v, f"expected an integer from {lo} to {hi}")
+def check_keys(data: dict, source: str) -> None:
+    for key, value in data.items():
+        if key not in FIELDS:
+            near = difflib.get_close_matches(str(key), FIELDS, n=1)
+            hint = f"did you mean `{near[0]}`? " if near else ""
+            raise SpecError(str(key), value, f"unknown key in {source}; {hint}valid keys: {', '.join(FIELDS)}")
 
-    def need_bool(field, optional=False):
-        v = getattr(s, field)
-        if not (isinstance(v, bool) or (optional and v is None)):
-            raise SpecError(field, v, "expected true or false")
 
-    if type(s.head_dim) is not int or s.head_dim not in HEAD_DIMS:
-        raise SpecError("head_dim", s.head_dim, f"expected one of {', '.join(map(str, HEAD_DIMS))}")
-    if not isinstance(s.dtype, str) or s.dtype not in DTYPES:
+def _need_int(field: str, v, valid: str) -> None:
+    if type(v) is not int:
+        raise SpecError(field, v, f"expected an integer ({valid}), got {type_name(v)}")
+
+
+def _need_range(s: Spec, field: str, lo: int, hi: int) -> None:
+    v = getattr(s, field)
+    _need_int(field, v, f"from {lo} to {hi}")
+    if not lo <= v <= hi:
+        raise SpecError(field, v, f"expected an integer from {lo} to {hi}")
+
+
+def _need_bool(s: Spec, field: str, optional: bool = False) -> None:
+    v = getattr(s, field)
+    if not (isinstance(v, bool) or (optional and v is None)):
+        raise SpecError(field, v, f"expected true or false, got {type_name(v)}")
+
+
+def check_fields(s: Spec) -> None:
+    """Each field on its own (and the two that only make sense against `consumers`)."""
+    head_dims = ", ".join(map(str, HEAD_DIMS))
+    _need_int("head_dim", s.head_dim, f"one of {head_dims}")
+    if s.head_dim not in HEAD_DIMS:
+        raise SpecError("head_dim", s.head_dim, f"expected one of {head_dims}")
+    if not isinstance(s.dtype, str):
+        raise SpecError("dtype", s.dtype, f'expected a string, "float16" or "bfloat16", got {type_name(s.dtype)}')
+    if s.dtype not in DTYPES:
         raise SpecError("dtype", s.dtype, 'expected "float16" or "bfloat16"')
-    need_bool("causal")
-    need_int("gqa_group", 1, MAX_GQA_GROUP)
-    need_int("consumers", 1, MAX_CONSUMERS)
-    need_int("k_stages", 1, MAX_STAGES)
-    need_int("v_stages", 1, MAX_STAGES)
-    need_bool("pingpong", optional=True)
-    need_bool("aligned")
-    rows = 64 * s.consumers
-    if s.block_m is not None and (type(s.block_m) is not int or s.block_m != rows):
-        raise SpecError(
-            "block_m", s.block_m,
-            f"expected {rows}: each consumer warpgroup owns 64 query rows (one wgmma M tile), so block_m = 64 * consumers",
-        )
+    _need_bool(s, "causal")
+    _need_range(s, "gqa_group", 1, MAX_GQA_GROUP)
+    _need_range(s, "consumers", 1, MAX_CONSUMERS)
+    _need_range(s, "k_stages", 1, MAX_STAGES)
+    _need_range(s, "v_stages", 1, MAX_STAGES)
+    _need_bool(s, "pingpong", optional=True)
+    _need_bool(s, "aligned")
+    if s.block_m is not None:
+        rows = WGMMA_M * s.consumers
+        why = f"each consumer warpgroup owns {WGMMA_M} query rows (one wgmma M tile), so block_m = {WGMMA_M} * consumers"
+        _need_int("block_m", s.block_m, f"{rows}")
+        if s.block_m != rows:
+            raise SpecError("block_m", s.block_m, f"expected {rows}: {why}")
     if s.block_n is not None:
-        v = s.block_n
-        if type(v) is not int or not (16 <= v <= 256 and v % 16 == 0):
-            raise SpecError("block_n", v, "expected a multiple of 16 from 16 to 256 (wgmma N and the PV reduction step)")
+        valid = f"a multiple of {BLOCK_N_STEP} from {BLOCK_N_STEP} to {MAX_BLOCK_N} (wgmma N and the PV reduction step)"
+        _need_int("block_n", s.block_n, valid)
+        if not (BLOCK_N_STEP <= s.block_n <= MAX_BLOCK_N and s.block_n % BLOCK_N_STEP == 0):
+            raise SpecError("block_n", s.block_n, f"expected {valid}")
+    if s.pingpong and s.consumers < 2:
+        raise SpecError("pingpong", s.pingpong, "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
 
 
 def from_dict(data: dict[str, Any], *, source: str = "spec") -> Spec:
     """Build a Spec from flat keys, rejecting unknown ones with the nearest valid key."""
     if not isinstance(data, dict):
         raise SpecError("<spec>", data, "expected a table of flat keys")
-    for key, value in data.items():
-        if key not in FIELDS:
-            near = difflib.get_close_matches(key, FIELDS, n=1)
-            hint = f"did you mean `{near[0]}`? " if near else ""
-            raise SpecError(key, value, f"unknown key in {source}; {hint}valid keys: {', '.join(FIELDS)}")
+    check_keys(data, source)
     return Spec(**data)
 
 
@@ -148,23 +160,20 @@ def load(path: str | Path) -> Spec:
     """Read a spec from a TOML file of flat keys."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise SpecError("<file>", str(path), "no such spec file") from None
+    except IsADirectoryError:
+        raise SpecError("<file>", str(path), "is a directory; expected a spec TOML file") from None
+    except UnicodeDecodeError as e:
+        raise SpecError("<file>", str(path), f"not UTF-8 text (byte {e.start}); a spec is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError("<file>", str(path), f"not valid TOML: {e}") from None
+    except OSError as e:
+        raise SpecError("<file>", str(path), f"cannot be read: {e.strerror or e}") from None
     return from_dict(data, source=str(path))
 
 
 def to_toml(spec: Spec) -> str:
-    """The resolved spec as TOML (what the emitted header and presets carry)."""
-    lines = []
-    for key, value in spec.to_dict().items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = json.dumps(value)
-        else:
-            text = str(value)
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines) + "\n"
+    """The spec as TOML (what the emitted header and presets carry); None fields are left out."""
+    return "".join(f"{key} = {toml_value(value)}\n" for key, value in spec.to_dict().items() if value is not None)

@@ -35,7 +35,7 @@ try:  # an installed attngen (pip install -e ., or gpu_check.sh's --target insta
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
-from attngen.plan import Shape, tflops  # noqa: E402
+from attngen.plan import SEED_SHAPE, Shape, make_plan, tflops  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -46,7 +46,6 @@ ROTATE_L2 = 3  # input sets together exceed the L2 this many times
 MAX_SETS = 64
 SEED_SPEC = Spec(head_dim=128, dtype="float16", causal=True, gqa_group=1, consumers=2, k_stages=2, v_stages=2,
                  block_m=128, block_n=128, aligned=True)
-SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)
 DEVICE = "cuda"
 SLEEP_CYCLES = 400_000  # about 0.2 ms at 1.98 GHz: longer than the host needs to queue one launch
 
@@ -82,7 +81,7 @@ def heads_for(head_dim: int, group: int) -> int:
 def plan(preset_paths, seqlens, tokens) -> list[Config]:
     configs = [Config("seed_parity (static)", SEED_SPEC, SEED_SHAPE, static=True)]
     for path in preset_paths:
-        spec = load(path)
+        spec = make_plan(load(path)).spec  # resolved: block_m and block_n known
         h = heads_for(spec.head_dim, spec.gqa_group)
         for s in seqlens:
             if spec.aligned and (s % spec.block_m or s % spec.block_n):
@@ -95,15 +94,15 @@ def plan(preset_paths, seqlens, tokens) -> list[Config]:
 
 
 def _build_one(spec: Spec, shape: Shape | None):
-    from attngen.runtime import compile
+    from attngen.runtime import compile_kernel
 
-    k = compile(spec, shape)
-    return k.name, k.source, k.compile_seconds
+    k = compile_kernel(spec, shape)
+    return k.name, k.origin, k.compile_seconds
 
 
 def prebuild(configs, jobs: int) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
-    from attngen.runtime import compile
+    from attngen.runtime import compile_kernel
 
     keys = list(dict.fromkeys(c.kernel_key for c in configs))
     built = {}
@@ -123,10 +122,10 @@ def prebuild(configs, jobs: int) -> list[dict]:
             print(f"  parallel build failed ({type(e).__name__}: {e}); building serially", flush=True)
     rows = []
     for key in keys:
-        k = compile(*key)
+        k = compile_kernel(*key)
         worker = built.get(key)
         rows.append({"kernel": k.name, "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
-                     "here": k.source, "here_s": k.compile_seconds, "cache": k.cache_path})
+                     "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
     print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(rows[0]['cache'] or '.'))})", flush=True)
     return rows
 
@@ -216,14 +215,14 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from attngen.runtime import check_written, compile
+    from attngen.runtime import check_written, compile_kernel
 
     row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.spec.name}
+           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": make_plan(cfg.spec).name}
     n = cfg.n_sets(l2)
     row["sets"] = n
     sets = make_sets(cfg, n)
-    kernel = compile(*cfg.kernel_key)
+    kernel = compile_kernel(*cfg.kernel_key)
     try:
         q, k, v, out = sets[0]
         out.fill_(float("nan"))
@@ -347,7 +346,7 @@ def main(argv=None) -> int:
             kv = torch.empty(s.batch, s.kv_len, s.kv_heads, d, dtype=dt, device="meta")
             check_tensors(cfg.spec, q, kv, kv.clone(), torch.empty_like(q), shape=s if cfg.static else None)
             rows.append({"label": cfg.label, "shape": str(s), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-                         "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2), "kernel": cfg.spec.name,
+                         "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2), "kernel": make_plan(cfg.spec).name,
                          "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
     else:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size

@@ -2,6 +2,7 @@
 
 from hypothesis import strategies as st
 
+from attngen.plan import make_plan
 from attngen.spec import HEAD_DIMS, MAX_CONSUMERS, MAX_STAGES, Spec, SpecError
 
 
@@ -27,13 +28,14 @@ def spec_fields(draw, head_dims=HEAD_DIMS):
 
 @st.composite
 def valid_specs(draw, head_dims=HEAD_DIMS):
+    """Specs within every budget, resolved (block_m, block_n and pingpong filled in by the plan)."""
     fields = draw(spec_fields(head_dims))
     try:
-        return Spec(**fields)
+        return make_plan(Spec(**fields)).spec
     except SpecError:
         # over a budget: drop the optional block_n and the deepest stages, which always fits
         fields.pop("block_n", None)
         fields["k_stages"] = fields["v_stages"] = 1
         if fields["head_dim"] == 256:  # needs more registers than 3 consumers can have
             fields["consumers"] = min(fields["consumers"], 2)
-        return Spec(**fields)
+        return make_plan(Spec(**fields)).spec

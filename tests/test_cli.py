@@ -14,12 +14,12 @@ DEFAULT = ROOT / "examples" / "default.toml"
 def test_generate_writes_and_prints_path(tmp_path, capsys):
     assert main(["generate", str(DEFAULT), "-o", str(tmp_path)]) == 0
     path = Path(capsys.readouterr().out.strip())
-    assert path.parent == tmp_path and path.read_text() == attngen.render(attngen.load_spec(DEFAULT))
+    assert path.parent == tmp_path and path.read_text() == attngen.render_source(attngen.load_spec(DEFAULT))
 
 
 def test_show_prints_the_emitted_source(capsys):
     assert main(["show", str(DEFAULT)]) == 0
-    assert capsys.readouterr().out == attngen.render(attngen.load_spec(DEFAULT))
+    assert capsys.readouterr().out == attngen.render_source(attngen.load_spec(DEFAULT))
 
 
 def test_diff_shows_only_what_differs(capsys, tmp_path):

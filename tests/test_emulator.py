@@ -201,7 +201,7 @@ def test_tma_bounds_zero_fill_loads_and_drop_stores():
 
 # -- errors name the construct and the line -----------------------------------------------------
 def mutate(spec, old, new):
-    src = attngen.render(spec)
+    src = attngen.render_source(spec)
     assert old in src
     out = src.replace(old, new, 1)
     assert out != src
@@ -239,7 +239,7 @@ def test_out_of_bounds_shared_index_is_a_located_kernel_error():
 
 def test_static_shape_source_checks_its_tensor_shapes():
     spec = attngen.Spec(causal=True)
-    src = attngen.render(spec, attngen.Shape(1, 1, 1, 100, 100))
+    src = attngen.render_source(spec, attngen.Shape(1, 1, 1, 100, 100))
     q, k, v = inputs(spec, 1, 1, 100, 100)
     assert check_close(emulate(spec, q, k, v, source=src), q, k, v, True, dtype="float16").ok
     q, k, v = inputs(spec, 1, 1, 100, 120)
@@ -249,7 +249,7 @@ def test_static_shape_source_checks_its_tensor_shapes():
 
 def test_wgmma_never_waited_is_reported():
     spec = attngen.Spec(consumers=1)
-    src = attngen.render(spec)
+    src = attngen.render_source(spec)
     epilogue = src[src.index("# Epilogue"):]
     old = "T.wait_wgmma(0)\n        T.mbarrier_arrive(v_empty[v_stage_last])"
     assert old in epilogue
@@ -277,7 +277,7 @@ def test_deadlock_report_lists_every_agent_with_line_and_wait():
 def test_hazard_report_names_buffer_lines_and_both_agents():
     spec = attngen.Spec(causal=True)
     early = "            T.mbarrier_arrive(v_empty[v_stage_prev])\n"
-    src = attngen.render(spec)
+    src = attngen.render_source(spec)
     wait = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
     assert wait + early in src
     src = src.replace(wait + early, early + wait)
@@ -350,7 +350,7 @@ WG_BARRIER = "T.sync_threads(8 + g, 128)  # all 128 writers before the elected t
 ])
 def test_tma_store_needs_fence_and_barrier_after_ordinary_smem_writes(between, ok):
     spec = attngen.Spec(causal=True)
-    src = epilogue_variants(attngen.render(spec), between)
+    src = epilogue_variants(attngen.render_source(spec), between)
     q, k, v = inputs(spec, 1, 1, 200, 300)
     if ok:
         out = emulate(spec, q, k, v, source=src, proxy_fences=True)

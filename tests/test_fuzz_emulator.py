@@ -36,7 +36,7 @@ def specs(draw):
     if draw(st.booleans()):
         fields["block_n"] = draw(st.sampled_from([32, 48, 64, 96, 128]))
     try:
-        return attngen.Spec(**fields)
+        return attngen.make_plan(attngen.Spec(**fields)).spec  # resolved: tile sizes known
     except attngen.SpecError:
         assume(False)  # over a register or shared-memory budget
 
@@ -67,13 +67,13 @@ def cases(draw):
 def run_case(spec, shape, seed, policy, static=False):
     """static: emulate the source specialized to this shape (constants instead of T.dynamic)."""
     b, hkv, sq, skv = shape
-    note(f"{spec.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static}")
+    note(f"{attngen.make_plan(spec).name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static}")
     h = hkv * spec.gqa_group
     q, k, v = random_inputs(spec.dtype, spec.head_dim, b, h, hkv, sq, skv, seed)
-    source = attngen.render(spec, attngen.Shape(b, h, hkv, sq, skv)) if static else None
+    source = attngen.render_source(spec, attngen.Shape(b, h, hkv, sq, skv)) if static else None
     out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)  # a hazard or deadlock raises
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
-    assert res.ok, f"{spec.name} {shape} seed={seed} policy={policy}: {res}"
+    assert res.ok, f"{attngen.make_plan(spec).name} {shape} seed={seed} policy={policy}: {res}"
     return stats
 
 

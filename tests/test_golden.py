@@ -33,14 +33,14 @@ def test_generated_file_is_byte_identical(preset, tmp_path):
 
 
 def test_no_stale_generated_files():
-    expected = {attngen.load_spec(p).name + ".py" for p in PRESETS}
+    expected = {attngen.make_plan(attngen.load_spec(p)).name + ".py" for p in PRESETS}
     present = {p.name for p in (ROOT / "generated").glob("*.py")}
     assert present == expected
 
 
 def test_rendering_is_deterministic():
     spec = attngen.Spec(causal=True, gqa_group=2)
-    assert attngen.render(spec) == attngen.render(attngen.Spec(causal=True, gqa_group=2))
+    assert attngen.render_source(spec) == attngen.render_source(attngen.Spec(causal=True, gqa_group=2))
 
 
 def test_write_if_different_keeps_mtime(tmp_path):
@@ -53,14 +53,14 @@ def test_write_if_different_keeps_mtime(tmp_path):
 
 
 def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
-    render_mod = importlib.import_module("attngen.render")  # attngen.render the function shadows the module
+    render_mod = importlib.import_module("attngen.render")
 
-    broken = "line one\n{{ spec.name }}\n{{ no_such_parameter }}\nline four\n"
+    broken = "line one\n{{ kernel_name }}\n{{ no_such_parameter }}\nline four\n"
     monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
     render_mod.environment.cache_clear()
     try:
         with pytest.raises(render_mod.TemplateError) as info:
-            attngen.render(attngen.Spec())
+            attngen.render_source(attngen.Spec())
     finally:
         render_mod.environment.cache_clear()
     message = str(info.value)

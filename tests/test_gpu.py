@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from attngen import runtime
-from attngen.plan import Shape
+from attngen.plan import SEED_SHAPE, Shape, make_plan
 from attngen.reference import check_close
 from attngen.runtime import InputError, check_written, torch_dtype
 from attngen.spec import load
@@ -39,13 +39,12 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))}
-SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the seed kernel's static shape (docs/seed-parity.md)
 ODD_LENGTHS = [1, 2, 3, 63, 64, 65, 113, 127, 128, 129, 191, 192, 193, 203, 217, 239, 255, 256, 257, 799, 1023, 1024]
 EXAMPLES = int(os.environ.get("ATTNGEN_GPU_EXAMPLES", "40"))
 
 
 def spec_of(preset: str):
-    return load(PRESETS[preset])
+    return make_plan(load(PRESETS[preset])).spec  # resolved: block_m and block_n known
 
 
 def inputs(spec, b, h, hkv, sq, skv, seed):
@@ -80,7 +79,7 @@ def run_and_check(kernel, q, k, v):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_matches_reference(preset):
     spec = spec_of(preset)
-    kernel = runtime.compile(spec)
+    kernel = runtime.compile_kernel(spec)
     hkv = 1 if spec.gqa_group >= 4 else 2  # at most 8 query heads: the fp64 reference runs on the CPU
     h = hkv * spec.gqa_group
     if spec.aligned:
@@ -93,7 +92,7 @@ def test_preset_matches_reference(preset):
 
 def test_seed_parity_static_shape():
     spec = spec_of("seed_parity")
-    kernel = runtime.compile(spec, SEED_SHAPE)
+    kernel = runtime.compile_kernel(spec, SEED_SHAPE)
     s = SEED_SHAPE
     run_and_check(kernel, *inputs(spec, s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, seed=7))
     q, k, v = inputs(spec, 1, 8, 8, 512, 1024, seed=8)
@@ -141,7 +140,7 @@ def test_shapes_match_reference(p):
     if p["preset"] not in PRESETS:  # an @example naming a preset that has since been renamed
         pytest.skip(f"no preset {p['preset']}")
     spec = spec_of(p["preset"])
-    kernel = runtime.compile(spec)
+    kernel = runtime.compile_kernel(spec)
     h = p["hkv"] * spec.gqa_group
     run_and_check(kernel, *inputs(spec, p["b"], h, p["hkv"], p["sq"], p["skv"], p["seed"]))
 
@@ -154,7 +153,7 @@ def test_repeated_runs_bit_identical(preset):
     if preset not in PRESETS:
         pytest.skip(f"no preset {preset}")
     spec = spec_of(preset)
-    kernel = runtime.compile(spec)
+    kernel = runtime.compile_kernel(spec)
     h = 16 if spec.gqa_group <= 16 else spec.gqa_group
     q, k, v = inputs(spec, 2, h, h // spec.gqa_group, 2047 if not spec.aligned else 2048, 2049 if not spec.aligned else 2048, seed=11)
     # every element written; correctness at this size is left to the tests above (the
@@ -178,7 +177,7 @@ def test_attention_picks_the_preset_spec_and_memoizes():
     q, k, v = inputs(spec, 2, 4, 4, 300, 500, seed=3)
     out = runtime.attention(q, k, v, causal=True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    assert runtime.compile(runtime.spec_for(q, k, causal=True)) is runtime.compile(spec)
+    assert runtime.compile_kernel(runtime.spec_for(q, k, causal=True)) is runtime.compile_kernel(spec)
     assert check_close(out, q, k, v, True, dtype=spec.dtype).ok
 
     gqa = spec_of("hd64_bf16_gqa4_c3")
@@ -193,7 +192,7 @@ def test_attention_picks_the_preset_spec_and_memoizes():
 
 def test_bad_inputs_rejected_on_the_gpu_before_launch():
     spec = spec_of("default")
-    kernel = runtime.compile(spec)
+    kernel = runtime.compile_kernel(spec)
     q, k, v = inputs(spec, 1, 4, 4, 256, 256, seed=5)
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
     with pytest.raises(InputError, match=r"q.data_ptr\(\).*16-byte aligned"):

@@ -112,7 +112,7 @@ def inputs(spec, b, hkv, sq, skv):
 @pytest.mark.parametrize("m", MUTANTS, ids=[m.name for m in MUTANTS])
 def test_mutant_is_caught(m: Mutant):
     spec = attngen.Spec(**m.spec)
-    source = attngen.render(spec)
+    source = attngen.render_source(spec)
     broken = mutate(source, m.edits)
     q, k, v = inputs(spec, *m.shape)
 
@@ -148,7 +148,7 @@ def test_hazard_mutants_also_corrupt_the_output(m: Mutant, monkeypatch):
 
     monkeypatch.setattr(Tracker, "check", lambda *args, **kwargs: None)
     spec = attngen.Spec(**m.spec)
-    broken = mutate(attngen.render(spec), m.edits)
+    broken = mutate(attngen.render_source(spec), m.edits)
     q, k, v = inputs(spec, *m.shape)
     out = emulate(spec, q, k, v, source=broken, policy=m.policy)
     assert not check_close(out, q, k, v, spec.causal, dtype=spec.dtype).ok

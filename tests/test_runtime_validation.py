@@ -20,13 +20,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attngen import runtime
-from attngen.plan import Shape
+from attngen.plan import Shape, make_plan
 from attngen.runtime import InputError, check_device, check_tensors, check_written, spec_for
 from attngen.spec import Spec
 
 SPEC = Spec()  # head_dim 128, float16, gqa_group 1, block 128 x 128
 GQA = Spec(head_dim=64, dtype="bfloat16", gqa_group=4)
-ALIGNED = Spec(aligned=True)
+ALIGNED = Spec(aligned=True)  # block 128 x 128 once planned
 
 
 def tensors(b=2, sq=5, skv=7, h=4, hkv=4, d=128, dtype=torch.float16, device="cpu"):
@@ -139,10 +139,10 @@ def test_aligned_spec_needs_whole_tiles():
     q, k, v = tensors(sq=256, skv=384)
     assert check_tensors(ALIGNED, q, k, v)[3:] == (256, 384)
     q2, k2, v2 = tensors(sq=200, skv=384)
-    with raises("q.shape[1] (q_len)", "= 200", f"multiple of block_m = {ALIGNED.block_m}"):
+    with raises("q.shape[1] (q_len)", "= 200", "multiple of block_m = 128"):
         check_tensors(ALIGNED, q2, k2, v2)
     q3, k3, v3 = tensors(sq=256, skv=100)
-    with raises("k.shape[1] (kv_len)", "= 100", f"multiple of block_n = {ALIGNED.block_n}"):
+    with raises("k.shape[1] (kv_len)", "= 100", "multiple of block_n = 128"):
         check_tensors(ALIGNED, q3, k3, v3)
     # the same lengths are fine for an unaligned spec (the kernel masks them)
     check_tensors(SPEC, q3, k3, v3)
@@ -237,7 +237,7 @@ def test_mixed_devices_rejected():
 
 def test_kernel_call_validates_before_launch():
     launched = []
-    kernel = runtime.Kernel(spec=SPEC, shape=None, jit=lambda *a: launched.append(a), cache_path=None, source="compiled", compile_seconds=0.0)
+    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled", compile_seconds=0.0)
     q, k, v = tensors()
     with raises("q.device", "cpu"):
         kernel(q, k, v)
@@ -247,7 +247,7 @@ def test_kernel_call_validates_before_launch():
 
 
 def test_attention_checks_before_compiling(monkeypatch):
-    monkeypatch.setattr(runtime, "compile", lambda *a, **k: pytest.fail("compiled before checking inputs"))
+    monkeypatch.setattr(runtime, "compile_kernel", lambda *a, **k: pytest.fail("compiled before checking inputs"))
     q, k, v = tensors(h=8, hkv=2)
     with raises("q.device", "cpu"):
         runtime.attention(q, k, v, causal=True)
@@ -332,17 +332,17 @@ CHILD = textwrap.dedent(
     import json, sys, time
     t0 = time.time()
     import torch
-    from attngen.runtime import compile, InputError
+    from attngen.runtime import compile_kernel, InputError
     from attngen.spec import Spec
-    kernel = compile(Spec(head_dim=64, causal=True))
-    again = compile(Spec(head_dim=64, causal=True))
+    kernel = compile_kernel(Spec(head_dim=64, causal=True))
+    again = compile_kernel(Spec(head_dim=64, causal=True))
     q = torch.zeros(1, 3, 2, 64, dtype=torch.float16)
     try:
         kernel(q, q, q)
         error = None
     except InputError as e:
         error = str(e)
-    print(json.dumps({"source": kernel.source, "seconds": kernel.compile_seconds, "path": kernel.cache_path,
+    print(json.dumps({"origin": kernel.origin, "seconds": kernel.compile_seconds, "path": kernel.cache_path,
                       "memo": again is kernel, "error": error, "total": time.time() - t0}))
     """
 )
@@ -359,7 +359,7 @@ def test_second_process_loads_from_disk_cache(tmp_path):
         return json.loads(run.stdout.strip().splitlines()[-1])
 
     cold, warm = child(), child()
-    assert cold["source"] == "compiled" and warm["source"] == "disk", (cold, warm)
+    assert cold["origin"] == "compiled" and warm["origin"] == "disk", (cold, warm)
     assert cold["path"] == warm["path"] and cold["path"].startswith(str(tmp_path / "tlcache"))
     assert os.path.isfile(os.path.join(warm["path"], "params.json"))
     assert warm["seconds"] < cold["seconds"] / 4, (cold["seconds"], warm["seconds"])

@@ -6,14 +6,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attngen
-from attngen.plan import SMEM_LIMIT, Shape, make_plan
-from attngen.spec import FIELDS, Spec, SpecError, from_dict, load, to_toml
+from attngen.hw import SMEM_PER_BLOCK
+from attngen.plan import Shape, make_plan
+from attngen.spec import FIELDS, Spec, SpecError, from_dict, load, to_toml, toml_value
 from strategies import spec_fields, valid_specs
 
 
 def error_for(**fields) -> SpecError:
+    """The SpecError of a spec: a field error from Spec(...), or a budget error from its plan."""
     with pytest.raises(SpecError) as info:
-        Spec(**fields)
+        make_plan(Spec(**fields))
     return info.value
 
 
@@ -21,11 +23,13 @@ def error_for(**fields) -> SpecError:
     "fields, field, hint",
     [
         ({"head_dim": 100}, "head_dim", "64, 96, 128, 192, 256"),
-        ({"head_dim": 128.0}, "head_dim", "one of"),
-        ({"head_dim": True}, "head_dim", "one of"),
+        ({"head_dim": 128.0}, "head_dim", "got a float"),
+        ({"head_dim": True}, "head_dim", "got a boolean"),
+        ({"head_dim": "128"}, "head_dim", "expected an integer (one of 64, 96, 128, 192, 256), got a string"),
         ({"dtype": "float32"}, "dtype", "bfloat16"),
         ({"dtype": ["float16"]}, "dtype", "bfloat16"),
-        ({"causal": "yes"}, "causal", "true or false"),
+        ({"causal": "yes"}, "causal", 'expected true or false, got a string'),
+        ({"consumers": 2.5}, "consumers", "expected an integer (from 1 to 3), got a float"),
         ({"gqa_group": 0}, "gqa_group", "from 1"),
         ({"consumers": 4}, "consumers", "from 1 to 3"),
         ({"k_stages": 0}, "k_stages", "from 1 to 4"),
@@ -40,7 +44,34 @@ def test_bad_field_names_field_value_and_valid_range(fields, field, hint):
     err = error_for(**fields)
     assert err.field == field
     assert hint in str(err)
-    assert repr(list(fields.values())[0]) in str(err)
+    assert f"= {toml_value(list(fields.values())[0])}:" in str(err)  # the value as TOML writes it
+
+
+def test_values_are_shown_as_toml_writes_them():
+    assert str(error_for(causal="yes")) == 'spec field `causal` = "yes": expected true or false, got a string'
+    assert str(error_for(aligned=1)) == "spec field `aligned` = 1: expected true or false, got an integer"
+    assert "= true:" in str(error_for(pingpong=True, consumers=1))
+
+
+def test_misspelt_keyword_is_a_spec_error_with_the_nearest_field():
+    with pytest.raises(SpecError) as info:
+        Spec(casual=True)
+    assert info.value.field == "casual" and "did you mean `causal`" in str(info.value)
+
+
+def test_spec_holds_only_the_users_choices():
+    spec = Spec(causal=True)
+    assert spec.block_m is None and spec.block_n is None and spec.pingpong is None
+    plan = make_plan(spec)
+    assert (plan.spec.block_m, plan.spec.block_n, plan.spec.pingpong) == (128, 128, True)
+    assert plan.spec == make_plan(plan.spec).spec  # resolving twice changes nothing
+
+
+def test_budgets_are_checked_by_the_plan_not_the_spec():
+    spec = Spec(head_dim=256, block_n=96, k_stages=1, v_stages=1)  # over the register budget, yet a valid choice
+    with pytest.raises(SpecError, match="registers"):
+        make_plan(spec)
+    assert make_plan(spec, check_registers=False).consumer_regs_needed > make_plan(spec, check_registers=False).consumer_regs
 
 
 def test_register_budget_names_block_n_and_the_figures():
@@ -62,7 +93,7 @@ def test_three_consumers_get_fewer_registers():
 def test_shared_memory_budget_reports_the_plan_bytes():
     err = error_for(head_dim=256, block_n=80, k_stages=4, v_stages=4)
     assert err.field == "k_stages/v_stages"
-    assert str(SMEM_LIMIT) in str(err)
+    assert str(SMEM_PER_BLOCK) in str(err)
     plan_bytes = 2 * (128 * 256 * 2) + 8 * 80 * 256 * 2  # Q + O, 4 + 4 stages of 80 x 256
     assert str(plan_bytes) in str(err)
 
@@ -88,19 +119,25 @@ def test_bad_toml_and_missing_file(tmp_path):
         load(bad)
     with pytest.raises(SpecError, match="no such spec file"):
         load(tmp_path / "nope.toml")
+    with pytest.raises(SpecError, match="is a directory"):
+        load(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("# caf\xe9\nhead_dim = 128\n".encode("latin-1"))
+    with pytest.raises(SpecError, match="not UTF-8"):
+        load(latin1)
 
 
 def test_defaults_are_derived_and_frozen_into_name_and_hash():
-    implicit = Spec(causal=True)
-    explicit = Spec(causal=True, block_m=128, block_n=128, pingpong=True)
-    assert implicit == explicit and implicit.hash == explicit.hash
+    implicit = make_plan(Spec(causal=True))
+    explicit = make_plan(Spec(causal=True, block_m=128, block_n=128, pingpong=True))
+    assert implicit.spec == explicit.spec and implicit.hash == explicit.hash
     assert implicit.name == "fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128"
-    assert Spec(consumers=1).pingpong is False
-    assert Spec(causal=True, gqa_group=4).hash != implicit.hash
+    assert make_plan(Spec(consumers=1)).spec.pingpong is False
+    assert make_plan(Spec(causal=True, gqa_group=4)).hash != implicit.hash
 
 
 def test_name_encodes_every_axis():
-    a = Spec(consumers=2, pingpong=False, aligned=True, dtype="bfloat16", gqa_group=4, k_stages=3, v_stages=1)
+    a = make_plan(Spec(consumers=2, pingpong=False, aligned=True, dtype="bfloat16", gqa_group=4, k_stages=3, v_stages=1))
     assert a.name == "fa3_fwd_hd128_bf16_full_g4_c2_k3v1_m128n128_nopp_aligned"
 
 
@@ -113,16 +150,24 @@ def test_shape_checks():
         make_plan(spec, Shape(1, 4, 2, 200, 256))
     with pytest.raises(SpecError, match="B,H,HKV,SQ,SKV"):
         Shape.parse("1,2,3")
+    for shape, field in [(Shape(70000, 8, 4, 128, 128), "shape.batch"), (Shape(1, 140000, 70000, 128, 128), "shape.heads"),
+                         (Shape(1, 4, 2, -5, 256), "shape.q_len"), (Shape(1, 4, 2, 3 * 10**9, 256), "shape")]:
+        with pytest.raises(SpecError) as info:
+            make_plan(Spec(gqa_group=2), shape)
+        assert info.value.field == field, (shape, info.value)
+    with pytest.raises(SpecError, match="at most 2147483647"):
+        make_plan(Spec(), Shape.parse("1,1,1,12345678901234567890123,128"))
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(valid_specs())
 def test_every_valid_spec_renders_to_python_that_parses(spec):
-    source = attngen.render(spec)
+    plan = make_plan(spec)
+    source = attngen.render_source(plan)
     tree = ast.parse(source)
     names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    assert {"build_kernel", "consumer", spec.name} <= names
-    assert f"spec hash: {spec.hash}" in source
+    assert {"build_kernel", "consumer", plan.name} <= names
+    assert f"spec hash: {plan.hash}" in source
     # the consumer body is emitted once, whatever the number of consumers
     assert source.count("def consumer(") == 1
     assert source.count("with T.ws(") == spec.consumers
@@ -132,17 +177,17 @@ def test_every_valid_spec_renders_to_python_that_parses(spec):
 @given(st.dictionaries(st.sampled_from(FIELDS + ("stages", "headdim")), st.one_of(st.integers(-5, 300), st.text(max_size=8), st.booleans(), st.none(), st.floats(allow_nan=False)), max_size=5))
 def test_arbitrary_input_raises_spec_error_and_nothing_else(data):
     try:
-        spec = from_dict(data)
+        plan = make_plan(from_dict(data))
     except SpecError as e:
         assert e.field and str(e)
     else:
-        assert isinstance(spec, Spec)
+        assert isinstance(plan.spec, Spec)
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(spec_fields())
 def test_in_range_fields_either_build_or_name_a_budget(fields):
     try:
-        Spec(**fields)
+        make_plan(Spec(**fields))
     except SpecError as e:
         assert e.field in ("block_n", "k_stages/v_stages", "consumers")

@@ -205,12 +205,10 @@ class Runtime:
 
 
 # -- public API ----------------------------------------------------------------------------
-def _prepare(spec, q, k, v):
+def _prepare(plan, q, k, v):
     from attngen.plan import Shape, check_shape
-    from attngen.spec import Spec
 
-    if not isinstance(spec, Spec):
-        raise TypeError(f"emulate: expected an attngen.Spec, got {type(spec).__name__}")
+    spec = plan.spec
     qn, kn, vn = (to_numpy(t) for t in (q, k, v))
     if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
         raise ValueError(f"emulate: expected BSHD tensors q [B, Sq, H, D], k and v [B, Skv, HKV, D]; got {qn.shape}, {kn.shape}, {vn.shape}")
@@ -225,16 +223,21 @@ def _prepare(spec, q, k, v):
     return [np.asarray(x, np.float32) for x in (qn, kn, vn)], dims
 
 
-def emulate_stats(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
+def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
                   filename: str | None = None, proxy_fences: bool = PROXY_FENCES):
     """Like `emulate`, returning (out as float32 numpy, Stats)."""
-    from attngen.render import render
+    from attngen.plan import Plan, as_plan
+    from attngen.render import render_source
+    from attngen.spec import Spec
 
+    if not isinstance(spec_or_plan, (Spec, Plan)):
+        raise TypeError(f"emulate: expected an attngen.Spec or attngen.Plan, got {type(spec_or_plan).__name__}")
+    plan = as_plan(spec_or_plan)
     if policy not in POLICIES:
         raise ValueError(f"unknown schedule policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    inputs, dims = _prepare(spec, q, k, v)
-    text = render(spec) if source is None else source
-    filename = filename or f"<emitted {spec.name}>"
+    inputs, dims = _prepare(plan, q, k, v)
+    text = render_source(plan) if source is None else source
+    filename = filename or f"<emitted {plan.name}>"
     stats = Stats()
     t0 = time.perf_counter()
     with blas.single_threaded():
@@ -243,9 +246,9 @@ def emulate_stats(spec, q, k, v, *, seed: int = 0, policy: str = "random", sourc
     return out, stats
 
 
-def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
+def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
             proxy_fences: bool = PROXY_FENCES):
-    """Run the kernel emitted for `spec` on the CPU model of Hopper and return its output.
+    """Run the kernel emitted for a spec (or plan) on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
     spec's dtype on the way in, as the kernel reads them). Returns O [B, Sq, H, D]: a torch
@@ -256,19 +259,24 @@ def emulate(spec, q, k, v, *, seed: int = 0, policy: str = "random", source: str
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
     """
-    out, _ = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences)
+    from attngen.plan import as_plan
+
+    plan = as_plan(spec_or_plan)
+    out, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences)
     if hasattr(q, "detach"):
         import torch
 
-        return torch.from_numpy(out.copy()).to(getattr(torch, spec.dtype))
+        return torch.from_numpy(out.copy()).to(getattr(torch, plan.spec.dtype))
     return out
 
 
 def command(args) -> int:
     """`attngen emulate`: random inputs, one emulation, the error against the reference."""
+    from attngen.plan import make_plan
     from attngen.spec import load
 
-    spec = load(args.spec)
+    plan = make_plan(load(args.spec))
+    spec = plan.spec
     heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
     source, filename = None, None
     if args.source:
@@ -280,10 +288,10 @@ def command(args) -> int:
         filename = str(args.source)
     q, k, v = random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, args.seed)
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
-    print(f"attngen emulate: {spec.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
+    print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
           f"seed {args.seed}, policy {args.policy}")
     try:
-        out, stats = emulate_stats(spec, q, k, v, seed=args.seed, policy=args.policy, source=source, filename=filename)
+        out, stats = emulate_stats(plan, q, k, v, seed=args.seed, policy=args.policy, source=source, filename=filename)
     except EmulationError as e:
         print(e.report)
         return 1

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
+from attngen.hw import DTYPES as KERNEL_DTYPES
 from attngen.reference import round_to
 
-DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+# TileLang's buffer dtype spellings -> how the emulator stores and rounds them
+DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32"}
 
 # T.Parallel hands out cached broadcast aranges; this maps id(array) -> (position, extent),
 # so an element access with them becomes a plain slice (the common case, and fast).

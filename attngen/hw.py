@@ -1,0 +1,66 @@
+"""Facts about the target (sm_90a, Hopper) and the element types: the bottom of the flow.
+
+Every module above reads its hardware numbers here, so each fact has one home. Nothing
+in this module imports the rest of attngen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# -- the chip ------------------------------------------------------------------------
+CAPABILITY = (9, 0)  # sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only
+WARPGROUP_THREADS = 128  # four warps issue one wgmma together
+WGMMA_M = 64  # rows of one wgmma M tile: the query rows one consumer warpgroup owns
+WARP_THREADS = 32  # one producer warp issues every TMA copy and arrives on the "full" barriers
+SMEM_PER_BLOCK = 227 * 1024  # max dynamic shared memory per block (232448 bytes)
+REGS_PER_SM = 65536
+MAX_REGS_PER_THREAD = 255
+GRID_YZ_MAX = 65535  # grid dimensions y and z (heads and batch)
+GRID_X_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1  # TileLang's host stub passes shapes and strides as int32
+TMA_ALIGN = 16  # bytes: TMA wants a 16-byte aligned base and 16-byte multiple strides
+LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel uses
+
+# setmaxnreg split per consumer count, as FlashAttention-3 uses it: (producer, consumer).
+# The producer only issues TMA, so it gives its registers to the consumers.
+REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
+# Registers a consumer thread needs beyond its accumulators (row statistics, addresses,
+# loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
+# spill reports: docs/spec-reference.md, "Register budget".
+CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
+ACCUM_BYTES = 4  # wgmma accumulates in float32
+
+
+# -- element types ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DType:
+    name: str  # the spec's and torch's name
+    tag: str  # in kernel names
+    bytes: int
+    eps: float  # the tolerance rule's floor (reference.py): about one ulp at 1.0
+
+
+DTYPES = {
+    "float16": DType("float16", "f16", 2, 1e-3),
+    "bfloat16": DType("bfloat16", "bf16", 2, 8e-3),  # 2**-7, one bfloat16 ulp at 1.0
+}
+
+
+# -- budget arithmetic -----------------------------------------------------------------
+def launch_regs(threads: int) -> int:
+    """Registers per thread at launch for one block per SM (__launch_bounds__(threads, 1))."""
+    return min(MAX_REGS_PER_THREAD, REGS_PER_SM // threads // 8 * 8)
+
+
+def regs_per_thread(elements: int, bytes_per: int) -> int:
+    """32-bit registers each thread of a warpgroup holds for a tile spread over the warpgroup."""
+    return elements * bytes_per // (4 * WARPGROUP_THREADS)
+
+
+def consumer_regs_needed(head_dim: int, block_n: int, consumers: int, elem_bytes: int = 2) -> int:
+    """Registers per consumer thread: O and S accumulators (fp32), register-P, overhead."""
+    acc_o = regs_per_thread(WGMMA_M * head_dim, ACCUM_BYTES)
+    acc_s = regs_per_thread(WGMMA_M * block_n, ACCUM_BYTES)
+    p_reg = regs_per_thread(WGMMA_M * block_n, elem_bytes)
+    return acc_o + acc_s + p_reg + CONSUMER_REG_OVERHEAD[consumers]

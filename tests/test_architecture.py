@@ -1,0 +1,119 @@
+"""The flow runs one way: no import cycles, no module importing a step above its own.
+
+    version, hw  ->  spec, reference  ->  plan  ->  render  ->  lower  ->  build | emulator | runtime  ->  cli
+
+Every `attngen` import in the package is read with `ast`, function-level imports included
+(a lazy import is still a dependency). The package facade (attngen/__init__.py) and the
+`python -m attngen` entry sit on top and are left out.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
+
+LAYERS = {
+    "version": 0, "hw": 0,
+    "spec": 1, "reference": 1,
+    "plan": 2,
+    "render": 3,
+    "lower": 4,
+    "build": 5, "emulator": 5, "runtime": 5,
+    "cli": 6,
+}
+TOP = {"attngen", "attngen.__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> the attngen modules it imports (an attribute import names its module)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("attngen")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("attngen"):
+                for alias in node.names:  # `from attngen import hw` imports the module attngen.hw
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in modules else node.module)
+        graph[name] = deps - {name}
+    return graph
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """Upward imports, imports of the facade, and cycles."""
+    found = []
+    for mod, deps in graph.items():
+        if mod in TOP:
+            continue
+        for dep in deps:
+            if dep in TOP:
+                found.append(f"{mod} imports the package facade {dep}")
+            elif layer(mod) is None or layer(dep) is None:
+                found.append(f"{mod} -> {dep}: a module with no layer (add it to LAYERS)")
+            elif layer(dep) > layer(mod):
+                found.append(f"{mod} (layer {layer(mod)}) imports {dep} (layer {layer(dep)}): upward")
+            elif layer(dep) == layer(mod) and dep.split(".")[1] != mod.split(".")[1]:
+                found.append(f"{mod} imports {dep}: sideways, within layer {layer(mod)}")
+    found += [f"cycle: {' -> '.join(c)}" for c in cycles({m: d for m, d in graph.items() if m not in TOP})]
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge found by depth-first search."""
+    seen, on_path, stack, out = set(), set(), [], []
+
+    def visit(node):
+        seen.add(node)
+        on_path.add(node)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_path:
+                out.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in seen:
+                visit(nxt)
+        on_path.discard(node)
+        stack.pop()
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node)
+    return out
+
+
+def test_the_package_imports_one_way():
+    graph = package_imports()
+    assert "attngen.hw" in graph and "attngen.emulator.driver" in graph  # the scan sees the package
+    assert "attngen.plan" in graph["attngen.emulator.driver"]  # ... and function-level imports
+    assert violations(graph) == []
+
+
+def test_hw_imports_nothing_from_attngen():
+    assert package_imports()["attngen.hw"] == set()
+
+
+@pytest.mark.parametrize("graph, expect", [
+    ({"attngen.plan": {"attngen.render"}, "attngen.render": {"attngen.plan"}}, ["upward", "cycle: "]),
+    ({"attngen.spec": {"attngen.plan"}}, ["upward"]),
+    ({"attngen.spec": {"attngen.reference"}}, ["sideways"]),
+    ({"attngen.build": {"attngen"}}, ["facade"]),
+    ({"attngen.newstep": {"attngen.hw"}}, ["no layer"]),
+    ({"attngen.emulator.a": {"attngen.emulator.b"}, "attngen.emulator.b": {"attngen.emulator.a"}}, ["cycle: "]),
+])
+def test_the_checker_catches_each_kind_of_violation(graph, expect):
+    found = violations(graph)
+    for word in expect:
+        assert any(word in v for v in found), (word, found)
