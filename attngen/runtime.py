@@ -29,6 +29,7 @@ from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
 from attngen.render import render_source
 from attngen.spec import Spec
+from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
 NAMES = ("q", "k", "v", "out")
 
@@ -243,9 +244,15 @@ class Kernel:
         return out
 
 
+class KernelBuildError(RuntimeError):
+    """TileLang or nvcc could not build a kernel: the tail of the error, and where the whole log is."""
+
+
 _memo: dict[tuple[Spec, Shape | None], Kernel] = {}
+_failed: dict[tuple[Spec, Shape | None], str] = {}  # a build that failed fails again at once, not after another nvcc run
 _memo_lock = threading.Lock()
 _key_locks: dict[tuple[Spec, Shape | None], threading.Lock] = {}
+ERROR_TAIL = 1500  # characters of a build error shown; TileLang's message embeds the whole CUDA source
 
 
 def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> Kernel:
@@ -261,10 +268,35 @@ def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> Ker
     with lock:  # one build per key even when threads race
         if key in _memo:
             return _memo[key]
-        kernel = _build(plan)
+        if key in _failed:
+            raise KernelBuildError(_failed[key])
+        try:
+            kernel = _build(plan)
+        except Exception as e:
+            _failed[key] = _failure_message(plan, e)
+            raise KernelBuildError(_failed[key]) from None
         with _memo_lock:
             _memo[key] = kernel
         return kernel
+
+
+def _failure_message(plan: Plan, err: Exception) -> str:
+    """The error's tail, with the whole text written to a log file ($ATTNGEN_LOG_DIR or the temp dir)."""
+    import tempfile
+
+    text = f"{type(err).__name__}: {err}"
+    log_dir = os.environ.get("ATTNGEN_LOG_DIR") or os.path.join(tempfile.gettempdir(), "attngen-build-failures")
+    where = ""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        path = os.path.join(log_dir, f"{plan.name}{'_static' if plan.shape else ''}.log")
+        with open(path, "w") as f:
+            f.write(text)
+        where = f" (whole log: {path})"
+    except OSError:
+        pass
+    tail = text if len(text) <= ERROR_TAIL else "..." + text[-ERROR_TAIL:]
+    return f"building {plan.name} failed{where}:\n{tail}"
 
 
 def _build(plan: Plan) -> Kernel:
@@ -295,7 +327,11 @@ def _build(plan: Plan) -> Kernel:
 
 
 def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
-    """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides."""
+    """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides.
+
+    Without a schedule override (consumers, k_stages, v_stages, block_n, pingpong) the tuned
+    table (attngen/tuned/h200.json) picks the schedule; without an entry, the plan's defaults.
+    """
     torch = _torch()
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
@@ -309,8 +345,12 @@ def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
     if kv_heads < 1 or heads % kv_heads:
         raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
     fields = {"head_dim": int(q.shape[3]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
-    fields.update(overrides)
-    return Spec(**fields)
+    spec = Spec(**fields, **overrides)
+    if not any(f in overrides for f in SCHEDULE_FIELDS):  # the caller named no schedule: the tuned one, if any
+        tuned = tuned_fields(spec, max(int(q.shape[1]), int(k.shape[1])))
+        if tuned:
+            spec = Spec(**{**spec.to_dict(), **tuned})
+    return spec
 
 
 def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
@@ -328,6 +368,6 @@ def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
 
 
 __all__ = [
-    "CAPABILITY", "InputError", "Kernel", "attention", "check_device", "check_layout", "check_tensors",
+    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "attention", "check_device", "check_layout", "check_tensors",
     "check_written", "compile_kernel", "spec_for", "torch_dtype", "spec_dtype",
 ]

@@ -22,19 +22,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
+START = time.time()  # the benchmark's time budget counts from here, prebuild included
 ROOT = Path(__file__).resolve().parents[1]
 try:  # an installed attngen (pip install -e ., or gpu_check.sh's --target install) comes first
     import attngen  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
+from attngen.gputime import n_sets, time_launches  # noqa: E402
 from attngen.plan import SEED_SHAPE, Shape, make_plan, tflops  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
@@ -42,12 +42,9 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384  # B * S per row, as FlashAttention-3's benchmarks
 HIDDEN = 2048  # H * D per row
 H200_L2 = 60 * 1024**2  # used for the plan without a GPU; the device's own figure otherwise
-ROTATE_L2 = 3  # input sets together exceed the L2 this many times
-MAX_SETS = 64
 SEED_SPEC = Spec(head_dim=128, dtype="float16", causal=True, gqa_group=1, consumers=2, k_stages=2, v_stages=2,
                  block_m=128, block_n=128, aligned=True)
 DEVICE = "cuda"
-SLEEP_CYCLES = 400_000  # about 0.2 ms at 1.98 GHz: longer than the host needs to queue one launch
 
 
 @dataclasses.dataclass
@@ -56,6 +53,7 @@ class Config:
     spec: Spec
     shape: Shape
     static: bool = False  # the kernel was rendered for exactly this shape
+    seed: Path | None = None  # the hand-written seed kernel (bench/seed_kernel.py) instead of ours
 
     @property
     def kernel_key(self):
@@ -67,7 +65,7 @@ class Config:
         return 2 * d * (2 * s.batch * s.q_len * s.heads + 2 * s.batch * s.kv_len * s.kv_heads)  # q, out, k, v
 
     def n_sets(self, l2: int) -> int:
-        return max(2, min(MAX_SETS, math.ceil(ROTATE_L2 * l2 / self.set_bytes)))
+        return n_sets(self.set_bytes, l2)
 
     def gflop(self) -> float:
         s = self.shape
@@ -78,8 +76,10 @@ def heads_for(head_dim: int, group: int) -> int:
     return max(group, HIDDEN // head_dim // group * group)
 
 
-def plan(preset_paths, seqlens, tokens) -> list[Config]:
+def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list[Config]:
     configs = [Config("seed_parity (static)", SEED_SPEC, SEED_SHAPE, static=True)]
+    if seed_kernel is not None:  # the hand-written kernel beside ours, same shape, same run
+        configs.append(Config("seed kernel (hand-written)", SEED_SPEC, SEED_SHAPE, static=True, seed=seed_kernel))
     for path in preset_paths:
         spec = make_plan(load(path)).spec  # resolved: block_m and block_n known
         h = heads_for(spec.head_dim, spec.gqa_group)
@@ -104,7 +104,7 @@ def prebuild(configs, jobs: int) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
     from attngen.runtime import compile_kernel
 
-    keys = list(dict.fromkeys(c.kernel_key for c in configs))
+    keys = list(dict.fromkeys(c.kernel_key for c in configs if c.seed is None))
     built = {}
     t0 = time.time()
     if jobs > 1 and len(keys) > 1:
@@ -122,36 +122,21 @@ def prebuild(configs, jobs: int) -> list[dict]:
             print(f"  parallel build failed ({type(e).__name__}: {e}); building serially", flush=True)
     rows = []
     for key in keys:
-        k = compile_kernel(*key)
+        try:
+            k = compile_kernel(*key)
+        except Exception as e:  # one kernel that does not build must not cost the others their rows
+            rows.append({"kernel": make_plan(key[0]).name, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
+            print(f"  FAILED to build {rows[-1]['kernel']}: {rows[-1]['error']}", flush=True)
+            continue
         worker = built.get(key)
         rows.append({"kernel": k.name, "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
-    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(rows[0]['cache'] or '.'))})", flush=True)
+    cache = next((r["cache"] for r in rows if r.get("cache")), None)
+    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
     return rows
 
 
 # -- timing -------------------------------------------------------------------------------------
-
-
-def time_launches(fn, n_sets: int, warmup: int, reps: int) -> tuple[float, float]:
-    """Median and spread (max - min over the middle half) of one launch, in seconds."""
-    import torch
-
-    for i in range(warmup):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    sleep = getattr(torch.cuda, "_sleep", None)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for r, (start, end) in enumerate(events):
-        if sleep is not None:
-            sleep(SLEEP_CYCLES)  # the GPU is busy while the host queues start, launch, end
-        start.record()
-        fn((warmup + r) % n_sets)
-        end.record()
-    torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in events)
-    mid = ms[len(ms) // 4: len(ms) - len(ms) // 4] or ms
-    return statistics.median(ms) / 1e3, (mid[-1] - mid[0]) / 1e3
 
 
 def make_sets(cfg: Config, n: int, seed: int = 0):
@@ -211,6 +196,30 @@ def sdpa_runner(cfg: Config, sets, backend):
     return timed, out.transpose(1, 2), note
 
 
+def seed_launcher(cfg: Config):
+    """The hand-written seed kernel at cfg's shape: a function (q, k, v) -> out."""
+    import importlib.util
+
+    from tvm.target import Target
+
+    from attngen.lower import TARGET
+
+    spec = importlib.util.spec_from_file_location("attngen_seed_kernel", cfg.seed)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    s = cfg.shape
+    with Target(TARGET):
+        return module.fa3_prefill(s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, cfg.spec.head_dim, cfg.spec.dtype)
+
+
+def run_seed(cfg: Config, row: dict, sets, n: int, args) -> dict:
+    """Time the seed kernel; its output is not checked (it has the known tile-0 mask bug: docs/seed-parity.md)."""
+    jit = seed_launcher(cfg)
+    secs, spread = time_launches(lambda i: jit(*sets[i][:3]), n, args.warmup, args.reps)
+    row["attngen"] = {"s": secs, "spread_s": spread, "tflops": tflops(cfg.shape, cfg.spec.head_dim, cfg.spec.causal, secs)}
+    return row
+
+
 def run_config(cfg: Config, args, l2: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
@@ -218,10 +227,16 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     from attngen.runtime import check_written, compile_kernel
 
     row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": make_plan(cfg.spec).name}
+           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": "seed_fa3" if cfg.seed else make_plan(cfg.spec).name}
     n = cfg.n_sets(l2)
     row["sets"] = n
     sets = make_sets(cfg, n)
+    if cfg.seed is not None:
+        try:
+            return run_seed(cfg, row, sets, n, args)
+        finally:
+            sets.clear()
+            torch.cuda.empty_cache()
     kernel = compile_kernel(*cfg.kernel_key)
     try:
         q, k, v, out = sets[0]
@@ -315,29 +330,45 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="build and check everything, launch nothing (no GPU needed)")
     ap.add_argument("--prebuild-only", action="store_true", help="build the kernels into TileLang's disk cache and stop")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel kernel builds (default: all cores)")
-    ap.add_argument("--presets", default=str(ROOT / "examples" / "*.toml"), help="glob of preset specs")
+    ap.add_argument("--presets", default=str(ROOT / "examples" / "*.toml"), help="glob(s) of preset specs, comma-separated")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--tokens", type=int, default=TOKENS, help="B * S per row (default 16384)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--budget-s", type=float, default=240.0, help="start no new row after this many seconds of timing")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="start no new row once this many seconds have passed since the process started (prebuild included)")
+    ap.add_argument("--seed-kernel", type=Path, default=ROOT / ".seed" / "seed_fa3.py",
+                    help="the hand-written seed kernel (bench/seed_kernel.py writes it; skipped when absent)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/attngen-bench", help="folder for bench.md and bench.json")
     args = ap.parse_args(argv)
 
     import glob
 
-    presets = sorted(glob.glob(args.presets))
-    configs = plan(presets, [int(s) for s in args.seqlens.split(",")], args.tokens)
+    presets = sorted({p for pattern in args.presets.split(",") if pattern for p in glob.glob(pattern)})
+    seed = args.seed_kernel if args.seed_kernel and args.seed_kernel.is_file() else None
+    if seed is None:
+        print(f"no seed kernel at {args.seed_kernel}: run bench/seed_kernel.py to compare with it", flush=True)
+    configs = plan(presets, [int(s) for s in args.seqlens.split(",")], args.tokens, seed)
     print(f"{len(presets)} presets, {len(configs)} rows, {len({c.kernel_key for c in configs})} kernels", flush=True)
     build_rows = prebuild(configs, args.jobs)
     if args.prebuild_only:
-        return 0
+        return 1 if any(r.get("error") for r in build_rows) else 0
 
     import torch
 
     from attngen.runtime import check_tensors, torch_dtype
 
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every row: a run cut short still leaves its table behind
+        text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
+                         + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(rows, args.dry_run), ""])
+        (out / "bench.md").write_text(text)
+        (out / "bench.json").write_text(json.dumps({"dry_run": args.dry_run, "builds": build_rows, "rows": rows}, indent=1, default=str))
+        return text
+
     if args.dry_run:
         l2 = H200_L2
         for cfg in configs:  # every planned input passes the runtime's checks (meta tensors: no memory)
@@ -345,26 +376,35 @@ def main(argv=None) -> int:
             q = torch.empty(s.batch, s.q_len, s.heads, d, dtype=dt, device="meta")
             kv = torch.empty(s.batch, s.kv_len, s.kv_heads, d, dtype=dt, device="meta")
             check_tensors(cfg.spec, q, kv, kv.clone(), torch.empty_like(q), shape=s if cfg.static else None)
+            if cfg.seed is not None:
+                seed_launcher(cfg)  # builds it (nvcc, no launch)
             rows.append({"label": cfg.label, "shape": str(s), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-                         "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2), "kernel": make_plan(cfg.spec).name,
+                         "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2),
+                         "kernel": "seed_fa3" if cfg.seed else make_plan(cfg.spec).name,
                          "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
+            save()
     else:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        t0 = time.time()
         for i, cfg in enumerate(configs):
-            if time.time() - t0 > args.budget_s:
-                print(f"time budget ({args.budget_s:.0f} s) spent: {len(configs) - i} rows not run", flush=True)
+            if time.time() - START > args.budget_s:
+                print(f"time budget ({args.budget_s:.0f} s since start) spent: {len(configs) - i} rows not run", flush=True)
                 break
-            row = run_config(cfg, args, l2)
+            try:
+                row = run_config(cfg, args, l2)
+            except Exception as e:  # record the row's failure and go on, unless the context is poisoned
+                row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
+                       "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "error": f"{type(e).__name__}: {str(e)[-300:]}"}
             rows.append(row)
-            print(table([row], False).splitlines()[-1], flush=True)
+            print(table([row], False).splitlines()[-1] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}", flush=True)
+            save()
+            if "error" in row:
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e:  # a sticky CUDA error: every later launch would fail too
+                    print(f"CUDA context is broken after {cfg.label} ({type(e).__name__}: {e}); stopping", flush=True)
+                    break
 
-    text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
-                     + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(rows, args.dry_run), ""])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.md").write_text(text)
-    (out / "bench.json").write_text(json.dumps({"dry_run": args.dry_run, "builds": build_rows, "rows": rows}, indent=1, default=str))
+    text = save()
     print("\n" + text)
     print(f"written: {out / 'bench.md'}, {out / 'bench.json'}")
     return 1 if any(r.get("error") for r in rows) else 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fill .whl/ (git-ignored) with what the H200 image lacks for `import tilelang`: run on a machine
-# with internet, before a GPU run; bench/gpu_check.sh installs them there with pip --target.
+# Fill .whl/ (git-ignored) with what the H200 image lacks for `import tilelang`, and .seed/ with the
+# seed kernel: run on a machine with internet, before a GPU run; bench/gpu_check.sh installs the
+# wheels there with pip --target. The device call carries both: carry [".whl", ".seed"].
 #
 #   bash bench/prepare_wheels.sh                 # CPython 3.12, x86-64 (the H200 image)
 #   PY_VERSION=3.11 bash bench/prepare_wheels.sh # for a local rehearsal with this machine's python
@@ -42,7 +43,9 @@ if [[ -n "$dupes" ]]; then
 fi
 
 ls -l "$DEST"/*.whl | awk '{printf "%10d  %s\n", $5, $9}'
-wheels=$(cat "$DEST"/*.whl | wc -c)
+# The hand-written seed kernel, cut from ../shared (which does not travel) into the git-ignored .seed/
+python3 bench/seed_kernel.py --out .seed || echo "no seed kernel: the benchmark will run without the seed row" >&2
+wheels=$(cat "$DEST"/*.whl .seed/*.py 2>/dev/null | wc -c)
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 cat 2>/dev/null | wc -c)
 total=$((wheels + tree))
 awk -v w="$wheels" -v t="$tree" 'BEGIN { m = 1048576; printf "wheels %.1f MiB + working tree %.1f MiB = %.1f MiB of the 64 MiB a device call may carry\n", w / m, t / m, (w + t) / m }'

@@ -367,3 +367,28 @@ def test_second_process_loads_from_disk_cache(tmp_path):
     # a built kernel still checks its inputs before TileLang's stub sees them
     assert warm["error"] is not None and "q.device = cpu" in warm["error"]
     print(f"compile cold {cold['seconds']:.1f} s, warm (second process) {warm['seconds']:.2f} s")
+
+
+# -- a kernel that does not build ------------------------------------------------------------
+
+
+def test_failed_build_is_remembered_and_shown_as_a_tail(monkeypatch, tmp_path):
+    calls = []
+
+    def broken_build(plan):
+        calls.append(plan.name)
+        raise RuntimeError("TileLang error\n" + "// CUDA source line\n" * 5000 + "the real cause: ptxas died")
+
+    monkeypatch.setattr(runtime, "_build", broken_build)
+    monkeypatch.setattr(runtime, "_failed", {})
+    monkeypatch.setenv("ATTNGEN_LOG_DIR", str(tmp_path))
+    spec = Spec(head_dim=96, consumers=1)
+    for _ in range(2):
+        with pytest.raises(runtime.KernelBuildError) as info:
+            runtime.compile_kernel(spec)
+        message = str(info.value)
+        assert "the real cause: ptxas died" in message and len(message) < runtime.ERROR_TAIL + 400
+        assert str(tmp_path) in message
+    assert len(calls) == 1  # the second call did not build again
+    (log,) = tmp_path.glob("*.log")
+    assert log.read_text().count("// CUDA source line") == 5000  # the whole error is kept on disk

@@ -1,0 +1,97 @@
+"""Launch each preset's kernel once, small, each in its own process under a timeout.
+
+A kernel that hangs blocks torch.cuda.synchronize() for good; in its own process it costs
+one timeout instead of the whole GPU check. The GPU check runs this before the tests and
+the benchmark, and leaves hung kernels out of both (bench/gpu_check.sh).
+
+    python3 bench/gpu_smoke.py [--timeout 60] [--json OUT.json]   # every preset
+    python3 bench/gpu_smoke.py --one examples/default.toml            # one launch, in this process
+    python3 bench/gpu_smoke.py --dry-run                              # no GPU: load each kernel, launch nothing
+
+Prints one line per preset: ok (max |out - ref| against the fp64 reference), FAIL (a
+mismatch, an exception, a NaN left in the poisoned output), or HANG (the timeout killed it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (1, 2, 200, 333)  # batch, kv heads, q_len, kv_len: odd lengths, a few blocks, fast on the fp64 side
+
+
+def launch_once(preset: str, dry_run: bool = False) -> str:
+    """Compile (from the disk cache when warm), launch once into a NaN-poisoned output, compare."""
+    from attngen.plan import make_plan
+    from attngen.reference import check_close
+    from attngen.runtime import check_written, compile_kernel, torch_dtype
+    from attngen.spec import load
+
+    plan = make_plan(load(preset))
+    kernel = compile_kernel(plan)
+    if dry_run:
+        return f"loaded ({kernel.origin})"
+    import torch
+
+    spec = plan.spec
+    b, hkv, sq, skv = SHAPE
+    if spec.aligned:
+        sq, skv = spec.block_m * 2, spec.block_n * 3
+    h = hkv * spec.gqa_group
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch_dtype(spec.dtype)
+    q = torch.randn(b, sq, h, spec.head_dim, device="cuda", dtype=dt, generator=gen)
+    k = torch.randn(b, skv, hkv, spec.head_dim, device="cuda", dtype=dt, generator=gen)
+    v = torch.randn(b, skv, hkv, spec.head_dim, device="cuda", dtype=dt, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k, v, out=out)
+    torch.cuda.synchronize()
+    check_written(out)
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+    if not res.ok:
+        raise AssertionError(str(res))
+    return f"ok ({res})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one", help="launch this preset in this process and exit")
+    ap.add_argument("--presets", default=str(ROOT / "examples" / "*.toml"), help="glob of preset specs (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per preset, first load included (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true", help="load each kernel, launch nothing (no GPU needed)")
+    ap.add_argument("--json", help="also write {preset: status} here")
+    args = ap.parse_args(argv)
+
+    if args.one:
+        try:
+            print(launch_once(args.one, args.dry_run), flush=True)
+            return 0
+        except Exception as e:
+            print(f"{type(e).__name__}: {str(e)[-600:]}", flush=True)
+            return 1
+
+    status = {}
+    for preset in sorted(glob.glob(args.presets)):
+        name = Path(preset).stem
+        t0 = time.time()
+        cmd = [sys.executable, "-P", __file__, "--one", preset] + (["--dry-run"] if args.dry_run else [])
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            last = (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-300:]])[-1]
+            status[name] = ("ok" if proc.returncode == 0 else "FAIL") + f": {last}"
+        except subprocess.TimeoutExpired:
+            status[name] = f"HANG: no exit within {args.timeout:.0f} s (killed)"
+        print(f"  {name:24s} {time.time() - t0:5.1f} s  {status[name]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(status, indent=1))
+    return 1 if any(not s.startswith("ok") for s in status.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
