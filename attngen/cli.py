@@ -104,6 +104,49 @@ def emulate_verdict(plan, args) -> tuple:
     return result.ok, f"{what}: {result}, {stats.seconds:.1f} s"
 
 
+def cmd_tune(args) -> int:
+    """Search the spec's schedules: build and prune on any machine, time and record on a GPU."""
+    from attngen import tune
+    from attngen.tuning_table import TABLE
+
+    user_spec = load(args.spec)
+    base = make_plan(user_spec).spec
+    shape = Shape.parse(args.shape) if args.shape else tune.tuning_shape(base, args.seq_len)
+    make_plan(user_spec, shape)  # a bad shape is a SpecError before any build
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            raise SpecError("--dry-run", False, "timing needs a compute capability 9.0 GPU; "
+                            "pass --dry-run to build and list the candidates without one")
+    plans = tune.candidates(user_spec, args.max_candidates)
+    print(f"tune {base.head_dim} {base.dtype} {'causal' if base.causal else 'full'} g{base.gqa_group}: "
+          f"{len(tune.neighbours(user_spec))} schedules within the budgets, building the {len(plans)} most promising "
+          f"with {args.jobs} job(s)", flush=True)
+    cands = tune.build_all(plans, args.jobs, cache_dir=args.cache_dir, progress=lambda line: print(line, flush=True))
+    if not args.dry_run:
+        tune.time_on_gpu(cands, shape, progress=lambda line: print(line, flush=True))
+    print(f"\n{'kernel':52} {'regs':>4} {'spill B':>7} {'smem B':>7}  verdict")
+    for c in sorted(cands, key=lambda c: -(c.tflops or 0)):
+        r = c.report or {}
+        verdict = c.rejected or (f"{c.tflops:.0f} TFLOP/s" if c.tflops else "kept")
+        print(f"{c.plan.name:52} {r.get('registers', '-'):>4} {r.get('spill_store_bytes', '-'):>7} "
+              f"{r.get('dynamic_smem_bytes', '-'):>7}  {verdict}")
+    kept = [c for c in cands if not c.rejected]
+    if args.dry_run:
+        print(f"{len(kept)} of {len(cands)} candidates kept (dry run: nothing timed, the table is unchanged)")
+        return 0 if kept else 1
+    timed = [c for c in kept if c.tflops]
+    if not timed:
+        print("no candidate could be timed; the table is unchanged")
+        return 1
+    best = max(timed, key=lambda c: c.tflops)
+    device = torch.cuda.get_device_name()
+    key = tune.record_winner(base, shape.kv_len, best, device, path=args.table or TABLE)
+    print(f"winner for {key}: {best.plan.name} at {best.tflops:.0f} TFLOP/s, written to {args.table or TABLE}")
+    return 0
+
+
 def cmd_emulate(args) -> int:
     from attngen.emulator import command
 
@@ -144,6 +187,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=cmd_check)
+
+    t = sub.add_parser("tune", help="search the spec's schedules: build and prune here, time and record on an sm_90 GPU")
+    t.add_argument("spec", help="spec TOML file (its head_dim, dtype, causal and gqa_group are kept)")
+    t.add_argument("--seq-len", type=int, default=8192, help="tune at this sequence length (default: 8192)")
+    t.add_argument("--shape", help="tune at this shape B,H,HKV,SQ,SKV instead (default: 16k tokens at --seq-len)")
+    t.add_argument("--dry-run", action="store_true", help="no GPU: build the candidates and list their reports")
+    t.add_argument("--max-candidates", type=int, default=16, help="build at most this many schedules (default: 16)")
+    t.add_argument("-j", "--jobs", type=int, default=2, help="parallel builds (default: 2)")
+    t.add_argument("--cache-dir", default=None, help="build cache (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    t.add_argument("--table", default=None, help="tuned table to update (default: the package's attngen/tuned/h200.json)")
+    t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("emulate", help="run the emitted kernel on the CPU model and compare with the fp64 reference")
     e.add_argument("spec")
