@@ -81,7 +81,7 @@ BUILD_RC=${PIPESTATUS[0]}
 
 # 4. one small launch per preset, each in its own process: a kernel that hangs costs one timeout here
 #    and is left out of the tests and the benchmark below
-SMOKE_ARGS=(--timeout 60 --json "$OUTDIR/smoke.json")
+SMOKE_ARGS=(--timeout 60 --load-timeout 120 --json "$OUTDIR/smoke.json")
 [[ $DRY == 1 ]] && SMOKE_ARGS+=(--dry-run)
 stage "smoke: one launch per preset" 150 150 "${PY[@]}" bench/gpu_smoke.py "${SMOKE_ARGS[@]}"
 SMOKE_RC=$?
@@ -96,7 +96,8 @@ fi
 
 # 5. GPU tests (they skip cleanly without a compute capability 9.0 device); no shrinking on a failure
 export ATTNGEN_HYPOTHESIS_PROFILE=gpu
-stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 --timeout=90 \
+"${PY[@]}" -c "import pytest_timeout" 2>/dev/null && PYTEST_SELECT+=(--timeout=90)  # the H200 image has it
+stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 \
   "${PYTEST_SELECT[@]}" tests/test_gpu.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
 TEST_RC=${PIPESTATUS[0]}
 

@@ -9,7 +9,9 @@ the benchmark, and leaves hung kernels out of both (bench/gpu_check.sh).
     python3 bench/gpu_smoke.py --dry-run                              # no GPU: load each kernel, launch nothing
 
 Prints one line per preset: ok (max |out - ref| against the fp64 reference), FAIL (a
-mismatch, an exception, a NaN left in the poisoned output), or HANG (the timeout killed it).
+mismatch, an exception, a NaN left in the poisoned output), HANG (the launch outlived its
+timeout and was killed), or SLOW LOAD (building or loading the kernel outlived its own,
+longer timeout: not a verdict on the kernel).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LOADED = "LOADED"
 SHAPE = (1, 2, 200, 333)  # batch, kv heads, q_len, kv_len: odd lengths, a few blocks, fast on the fp64 side
 
 
@@ -35,6 +40,7 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
 
     plan = make_plan(load(preset))
     kernel = compile_kernel(plan)
+    print(f"{LOADED} ({kernel.origin})", flush=True)  # the parent's launch timeout starts here
     if dry_run:
         return f"loaded ({kernel.origin})"
     import torch
@@ -59,11 +65,43 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     return f"ok ({res})"
 
 
+def run_child(cmd, load_timeout: float, launch_timeout: float) -> str:
+    """Run one preset's child; the launch timeout starts once it says the kernel is loaded."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump():  # a reader thread, so the timeouts below hold even while the child prints nothing
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen, loaded = [], False
+    deadline = time.time() + load_timeout
+    while proc.poll() is None or not lines.empty():
+        try:
+            line = lines.get(timeout=max(0.0, min(1.0, deadline - time.time())))
+            seen.append(line.rstrip())
+            if not loaded and line.startswith(LOADED):
+                loaded, deadline = True, time.time() + launch_timeout
+        except queue.Empty:
+            pass
+        if proc.poll() is None and time.time() > deadline:
+            proc.kill()
+            proc.wait()
+            if loaded:
+                return f"HANG: the launch did not finish within {launch_timeout:.0f} s (killed)"
+            return f"SLOW LOAD: the kernel was not built or loaded within {load_timeout:.0f} s (killed)"
+    last = next((line for line in reversed(seen) if line and not line.startswith(LOADED)), "(no output)")
+    return ("ok" if proc.returncode == 0 else "FAIL") + f": {last[-300:]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--one", help="launch this preset in this process and exit")
     ap.add_argument("--presets", default=str(ROOT / "examples" / "*.toml"), help="glob of preset specs (default: %(default)s)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per preset, first load included (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds for one launch and its check (default: %(default)s)")
+    ap.add_argument("--load-timeout", type=float, default=300.0,
+                    help="seconds to build or load the kernel first (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="load each kernel, launch nothing (no GPU needed)")
     ap.add_argument("--json", help="also write {preset: status} here")
     args = ap.parse_args(argv)
@@ -81,12 +119,7 @@ def main(argv=None) -> int:
         name = Path(preset).stem
         t0 = time.time()
         cmd = [sys.executable, "-P", __file__, "--one", preset] + (["--dry-run"] if args.dry_run else [])
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            last = (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-300:]])[-1]
-            status[name] = ("ok" if proc.returncode == 0 else "FAIL") + f": {last}"
-        except subprocess.TimeoutExpired:
-            status[name] = f"HANG: no exit within {args.timeout:.0f} s (killed)"
+        status[name] = run_child(cmd, args.load_timeout, args.timeout)
         print(f"  {name:24s} {time.time() - t0:5.1f} s  {status[name]}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(status, indent=1))

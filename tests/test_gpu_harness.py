@@ -1,0 +1,65 @@
+"""The GPU check's own machinery, on the CPU: the smoke stage's timeouts and the seed kernel's extraction."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_module(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+smoke = bench_module("gpu_smoke")
+seed = bench_module("seed_kernel")
+
+
+def child(code):
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("code, verdict", [
+    ("print('LOADED (disk)'); print('ok (max |out - ref| = 1e-4)')", "ok: ok (max |out - ref| = 1e-4)"),
+    ("print('LOADED (disk)'); import sys; print('AssertionError: NaN'); sys.exit(1)", "FAIL: AssertionError: NaN"),
+    ("import time; print('LOADED (disk)', flush=True); time.sleep(30)", "HANG"),
+    ("import time; time.sleep(30)", "SLOW LOAD"),
+])
+def test_smoke_child_verdicts(code, verdict):
+    status = smoke.run_child(child(code), load_timeout=3, launch_timeout=1)
+    assert status.startswith(verdict), status
+
+
+def test_slow_loading_does_not_eat_the_launch_timeout():
+    # loading takes 2 s (longer than the launch timeout), the launch itself is quick: ok, not HANG
+    code = "import time; time.sleep(2); print('LOADED (compiled)', flush=True); print('ok (fine)')"
+    assert smoke.run_child(child(code), load_timeout=10, launch_timeout=1).startswith("ok")
+
+
+NOTES = ROOT.parent / "shared" / "seeds" / "fa3-tilelang-notes.md"
+
+
+@pytest.mark.skipif(not NOTES.is_file(), reason="the seed notes live in ../shared beside the checkout")
+def test_seed_kernel_is_cut_from_the_notes(tmp_path):
+    path = seed.write(tmp_path, NOTES)
+    text = path.read_text()
+    assert text.startswith('"""Faithful FlashInfer FA3 port') and text.rstrip().endswith("return main")
+    assert "def fa3_prefill(" in text and "```" not in text
+
+
+@pytest.mark.parametrize("notes, why", [
+    ("no kernel here\n", "no line starts with"),
+    ('"""Faithful FlashInfer FA3 port\n"""\nx = 1\n', "no '    return main'"),
+    ('"""Faithful FlashInfer FA3 port\n"""\ndef f(:\n    return main\n', "does not parse"),
+    ('"""Faithful FlashInfer FA3 port\n"""\ndef other():\n    return main\n', "defines no fa3_prefill"),
+])
+def test_seed_extraction_names_what_is_missing(tmp_path, notes, why):
+    path = tmp_path / "notes.md"
+    path.write_text(notes)
+    with pytest.raises(seed.SeedError, match=why):
+        seed.extract(path)
