@@ -1,7 +1,7 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
     version, hw  ->  spec, reference  ->  plan  ->  render, tuning_table  ->  lower
-                 ->  build | emulator | runtime | gputime  ->  tune  ->  cli
+                 ->  build | emulator | runtime | gputime  ->  tune | timeline  ->  cli
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
 (a lazy import is still a dependency). The package facade (attngen/__init__.py) and the
@@ -22,7 +22,7 @@ LAYERS = {
     "render": 3, "tuning_table": 3,
     "lower": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
-    "tune": 6,
+    "tune": 6, "timeline": 6,
     "cli": 7,
 }
 TOP = {"attngen", "attngen.__main__"}

@@ -71,6 +71,7 @@ class Runtime:
         self.cta = None
         self.sched = None
         self.context = "module load"
+        self.trace = None  # an observer of synchronization and compute events (attngen.timeline); None: off
 
     @property
     def agent(self) -> Agent:
@@ -172,6 +173,8 @@ class Runtime:
             for by in range(gy):
                 for bx in range(gx):
                     index = (bx, by, bz)
+                    if self.trace is not None and not self.trace.begin_cta(index, grid, names, roles):
+                        continue  # the observer samples blocks: this one is not recorded, so not run
                     self.context = (f"block (x={bx}, y={by}, z={bz}) of grid {tuple(grid)}; "
                                     f"schedule seed={seed}, policy={policy}")
                     agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]

@@ -320,6 +320,7 @@ class TLang:
 
     def Parallel(self, *extents, coalesced_width=None, loop_layout=None, annotations=None):
         idx = parallel_indices(tuple(int(e) for e in extents))
+        self._rt.trace and self._rt.trace.event("parallel", self._site(), extents=extents)
         return iter([idx[0] if len(idx) == 1 else idx])
 
     # -- arithmetic ------------------------------------------------------------------------
@@ -370,12 +371,14 @@ class TLang:
     # -- tile operations -------------------------------------------------------------------
     def fill(self, buffer, value, annotations=None):
         r = as_region(buffer)
+        self._rt.trace and self._rt.trace.event("fill", self._site(), dst=r)
         r.write(np.full(r.shape, value, np.float32))
 
     def copy(self, src, dst, **kwargs):
         src, dst = as_region(src), as_region(dst)
         if not same_shape(src.shape, dst.shape):
             raise KernelError(f"T.copy: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
+        self._rt.trace and self._rt.trace.event("copy", self._site(), src=src, dst=dst)
         if src.buf.scope == "global":  # a synchronous TMA load: zeros beyond the tensor
             dst.write(src.load_zero_filled().reshape(dst.shape))
         elif dst.buf.scope == "global":  # a TMA store: elements beyond the tensor are dropped
@@ -388,6 +391,7 @@ class TLang:
         dst = as_region(out)
         dim = dim if dim >= 0 else src.ndim + dim
         red = {"max": np.max, "min": np.min, "sum": np.sum}[kind](src, axis=dim)
+        self._rt.trace and self._rt.trace.event("reduce", self._site(), op=kind, elems=src.size)
         if not clear:
             prev = dst.read()
             red = {"max": np.maximum, "min": np.minimum, "sum": np.add}[kind](prev, red.reshape(prev.shape))
@@ -423,9 +427,11 @@ class TLang:
             op = Op("TMA load", agent, line, [], [dst], lambda: dst.write(data, check=False))
             tracker.add(op)
             bar.loads.append((bar.phase, op))
+            rt.trace and rt.trace.event("tma_issue", line, bar=bar, dst=dst)
             rt.cta.stats["tma"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
+            rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
             self._tma_store(src, dst)
         else:
             raise KernelError(f"T.tma_copy from {src.buf.scope} {src} to {dst.buf.scope} {dst}: expected global <-> shared")
@@ -443,6 +449,7 @@ class TLang:
         keep = []
         for phase, op in bar.loads:
             if phase < bar.phase:
+                self._rt.trace and self._rt.trace.event("tma_land", op.line, bar=bar, phase=phase, op=op)
                 self._rt.cta.tracker.remove(op)
                 op.action()
             else:
@@ -455,6 +462,7 @@ class TLang:
         rt = self._rt
         bar = self._barrier(mbarrier)
         line = self._site()
+        rt.trace and rt.trace.event("mbar_arrive", line, bar=bar, n=rt.agent.nthreads)
         if bar.arrive(rt.agent.nthreads):
             self._land(bar)
         rt.sched.pause(line)
@@ -470,6 +478,7 @@ class TLang:
         line = self._site()
         rt.sched.block(lambda: not bar.blocks(parity),
                        lambda: f"{bar.name} to complete its phase of parity {parity} ({bar.state()})", line)
+        rt.trace and rt.trace.event("mbar_wait", line, bar=bar, parity=parity)
 
     barrier_wait = mbarrier_wait_parity
 
@@ -489,6 +498,7 @@ class TLang:
         nb, count = self._named(barrier_id, arrive_count)
         line = self._site()
         gen = nb.generation
+        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=gen, n=rt.agent.nthreads, count=count, sync=True)
         released = nb.arrive(rt.agent.nthreads, count, rt.agent)
         if released:
             rt.cta.tracker.barrier_passed(released)
@@ -496,11 +506,13 @@ class TLang:
             rt.sched.block(lambda: nb.generation != gen, nb.state, line)
         else:
             rt.sched.pause(line)
+        rt.trace and rt.trace.event("bar_wait", line, bar=nb, gen=gen)
 
     def named_barrier_arrive(self, barrier_id, thread_count):
         rt = self._rt
         nb, count = self._named(barrier_id, thread_count)
         line = self._site()
+        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=nb.generation, n=rt.agent.nthreads, count=count, sync=False)
         released = nb.arrive(rt.agent.nthreads, count, rt.agent)
         if released:
             rt.cta.tracker.barrier_passed(released)
@@ -548,6 +560,7 @@ class TLang:
         op = Op("wgmma", agent, line, reads, [C], action)
         tracker.add(op)
         agent.wgmma.append(op)
+        rt.trace and rt.trace.event("wgmma", line, a=A, b=B, c=C, m=m, n=n, k=ka)
         rt.cta.stats["wgmma"] += 1
         rt.sched.pause(line)
 
@@ -558,6 +571,7 @@ class TLang:
         if keep < 0:
             raise KernelError(f"T.wait_wgmma({keep}): expected a count >= 0")
         line = self._site()
+        rt.trace and rt.trace.event("wgmma_wait", line, keep=keep)
         while len(agent.wgmma) > keep:
             op = agent.wgmma.pop(0)
             rt.cta.tracker.remove(op)

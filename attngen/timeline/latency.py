@@ -1,0 +1,122 @@
+"""The latency model: traced events -> cycles, with parameters from latency.toml.
+
+Every parameter lives in `latency.toml` beside this file with its source or its stated
+assumption; this module only does the arithmetic. `SourceInfo` reads the emitted text once
+(line texts, and per `T.Parallel` loop the statement's operation counts and its role).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import tomllib
+from pathlib import Path
+
+DEFAULT = Path(__file__).with_name("latency.toml")
+EXP_CALLS = {"exp2", "exp", "log2", "log", "sqrt", "rsqrt"}
+
+
+@dataclasses.dataclass
+class Latency:
+    params: dict
+    path: str
+
+    @classmethod
+    def load(cls, path=None) -> "Latency":
+        p = Path(path) if path else DEFAULT
+        with open(p, "rb") as f:
+            return cls(tomllib.load(f), str(p))
+
+    def __getitem__(self, key):
+        section, name = key.split(".")
+        return self.params[section][name]
+
+    @property
+    def clock_ghz(self) -> float:
+        return float(self["gpu.clock_ghz"])
+
+    def flop_per_cycle(self, dtype: str) -> float:
+        tflops = self.params["tensor_core"]["tflops"]
+        rate = tflops.get(dtype, tflops.get("bfloat16"))
+        return rate * 1e12 / (self["gpu.sms"] * self.clock_ghz * 1e9)
+
+    def wgmma_cycles(self, m: int, n: int, k: int, dtype: str) -> float:
+        """Tensor-core occupancy of one wgmma (M x N x K) on the SM."""
+        return 2.0 * m * n * k / self.flop_per_cycle(dtype)
+
+    def tma_transfer(self, nbytes: int) -> float:
+        return nbytes / float(self["tma.bytes_per_cycle"])
+
+    def compute_cycles(self, fp_ops: float, mufu_ops: float = 0, cvt: float = 0, smem_bytes: float = 0,
+                       shuffles: int = 0) -> float:
+        s = self.params["simt"]
+        busy = max(fp_ops / s["fp32_per_cycle"], mufu_ops / s["exp2_per_cycle"]) + cvt / s["cvt_per_cycle"] \
+            + smem_bytes / s["smem_bytes_per_cycle"]
+        return s["statement_cycles"] + busy + shuffles * s["shuffle_cycles"]
+
+
+class _Ops(ast.NodeVisitor):
+    def __init__(self):
+        self.fp, self.mufu = 0, 0
+
+    def visit_BinOp(self, node):
+        self.fp += 1
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node):
+        self.fp += 1
+        self.generic_visit(node)
+
+    def visit_Compare(self, node):
+        self.fp += len(node.ops)
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in EXP_CALLS:
+            self.mufu += 1
+        elif name == "if_then_else":
+            self.fp += 1  # a select
+        self.generic_visit(node)
+
+
+@dataclasses.dataclass
+class Statement:
+    text: str  # the loop's body, as written
+    fp: int  # fp32 operations per element
+    mufu: int  # special-function (exp2) operations per element
+    role: str  # softmax, rescale, epilogue or other
+
+
+def classify(text: str) -> str:
+    """The role of a tile statement, from its text (the chart's colours)."""
+    t = text.replace(" ", "")
+    if "exp2(" in t or "exp(" in t or "reduce_max" in t or "reduce_sum" in t or "if_then_else" in t and ">=" in t:
+        return "softmax"
+    if "acc_o[i,j]*=" in t or "*=alpha" in t:
+        return "rescale"
+    if "/row_sum" in t or "O_shared" in t or "acc_o[i,j]=" in t:
+        return "epilogue"
+    if "row_sum" in t or "m_prev" in t or "p_reg" in t:
+        return "softmax"
+    return "other"
+
+
+class SourceInfo:
+    """Line texts of the emitted source and what each T.Parallel loop costs per element."""
+
+    def __init__(self, source: str):
+        self.lines = source.splitlines()
+        self.loops: dict[int, Statement] = {}
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and getattr(node.iter.func, "attr", "") == "Parallel":
+                ops = _Ops()
+                for stmt in node.body:
+                    ops.visit(stmt)
+                body = "\n".join(ast.get_source_segment(source, s) or "" for s in node.body)
+                self.loops[node.lineno] = Statement(body, max(ops.fp, 1), ops.mufu, classify(body))
+
+    def text(self, line) -> str:
+        if line is None or not 1 <= line <= len(self.lines):
+            return ""
+        return self.lines[line - 1].strip()
