@@ -1,4 +1,4 @@
-"""`attngen` command line: generate, show, diff, build, emulate.
+"""`attngen` command line: generate, show, diff, build, emulate, timeline.
 
 Every user error (a bad spec, a bad shape, a missing file) is printed as one
 line naming the field, the value and what would be valid, with exit code 2.
@@ -210,6 +210,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--policy", default="random", help="agent scheduling policy")
     e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec")
     e.set_defaults(func=cmd_emulate)
+
+    from attngen.timeline.command import add_subcommand  # `attngen timeline` (docs/timeline.md)
+
+    add_subcommand(sub)
     return p
 
 

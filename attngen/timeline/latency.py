@@ -107,13 +107,14 @@ class SourceInfo:
 
     def __init__(self, source: str):
         self.lines = source.splitlines()
+        lines = self.lines
         self.loops: dict[int, Statement] = {}
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and getattr(node.iter.func, "attr", "") == "Parallel":
                 ops = _Ops()
                 for stmt in node.body:
                     ops.visit(stmt)
-                body = "\n".join(ast.get_source_segment(source, s) or "" for s in node.body)
+                body = "\n".join("\n".join(lines[n.lineno - 1:n.end_lineno]).strip() for n in node.body)
                 self.loops[node.lineno] = Statement(body, max(ops.fp, 1), ops.mufu, classify(body))
 
     def text(self, line) -> str:

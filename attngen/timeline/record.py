@@ -59,8 +59,7 @@ def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="
     q, k, v = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     inputs, dims = _prepare(plan, q, k, v)
     grid = grid_of(plan, dims)
-    chosen = blocks if isinstance(blocks, int) else None
-    wanted = sample_blocks(grid, chosen, limit) if blocks in ("auto",) or isinstance(blocks, int) else blocks
+    wanted = sample_blocks(grid, None, limit) if blocks == "auto" else blocks
     text = render_source(plan) if source is None else source
     rt = Runtime(text, filename or f"<emitted {plan.name}>", dims)
     rec = Recorder(blocks=wanted).attach(rt)
