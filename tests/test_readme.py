@@ -31,3 +31,11 @@ def test_every_package_ships_in_the_wheel():
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "attngen").rglob("__init__.py")}
     on_disk.add("attngen.templates")  # templates/ ships as attngen.templates (package-dir mapping)
     assert on_disk == declared
+
+
+def test_ci_installs_chromium_before_the_tests_and_ends_with_the_test_command():
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[-1] == readme_commands()[1]
+    install = next(i for i, line in enumerate(lines) if "apt-get install" in line and "chromium" in line)
+    assert install < len(lines) - 1
+    assert any("command -v chromium" in line for line in lines[:install])  # only when it is missing
