@@ -54,6 +54,7 @@ class Timeline:
     inflight_max: dict  # agent -> most wgmmas in flight at once
     wait_depth: dict  # agent -> 1 + the largest n of its wait_wgmma(n)
     total: float
+    times: list = dataclasses.field(default_factory=list)  # per agent, per event: (start, end) cycles
 
     def summary(self) -> dict:
         return summarize(self)
@@ -76,6 +77,7 @@ def replay(cta: CTATrace, lat: Latency, src: SourceInfo) -> Timeline:
     wait_depth = {a: 1 for a in range(n)}
     qk, pv, loaded = [0] * n, [0] * n, [dict() for _ in range(n)]
     turn_open: dict = {}  # agent -> (start, bar)
+    times = [[None] * len(st) for st in streams]
     P = lat.params
     tc, tma, bar_p = P["tensor_core"], P["tma"], P["barrier"]
 
@@ -228,15 +230,20 @@ def replay(cta: CTATrace, lat: Latency, src: SourceInfo) -> Timeline:
         elif k == "stamp":
             clock[a] = t + 2
         # tma_land: the replay computes land times itself
+        times[a][pos[a] - 1] = (t, clock[a])
 
     total = max([sp.end for sp in spans] + clock + [0.0])
     return Timeline(cta.index, cta.agents, cta.producers, spans, arrows, turns, loads, reads, inflight_max,
-                    wait_depth, total)
+                    wait_depth, total, times)
 
 
 def summarize(tl: Timeline) -> dict:
     total = tl.total or 1.0
-    tc_busy = sum(sp.end - sp.start for sp in tl.spans if sp.kind in ("QK", "PV"))
+    tc_busy, reach = 0.0, 0.0  # the union of wgmma intervals (measured issue..retire intervals may overlap)
+    for s0, s1 in sorted((sp.start, sp.end) for sp in tl.spans if sp.kind in ("QK", "PV")):
+        if s1 > reach:
+            tc_busy += s1 - max(s0, reach)
+            reach = s1
     agents = []
     for a, name in enumerate(tl.agents):
         mine = [sp for sp in tl.spans if sp.agent == a]
