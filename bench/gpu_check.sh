@@ -113,6 +113,20 @@ if [[ $DRY == 0 ]] && command -v compute-sanitizer >/dev/null; then
   done
 fi
 
+# 7. the timeline of the default preset from clock64 stamps (attngen timeline --gpu, docs/timeline.md):
+#    the stamped build, its overhead against the plain kernel, and the chart; a dry run only builds it
+TL_RC=0
+if [[ $DRY == 1 ]]; then
+  stage "timeline: build the stamped kernel" 120 150 "${PY[@]}" -c \
+    "from attngen.timeline.gpu import build_stamped; print(build_stamped('examples/default.toml'))" 2>&1 | tail -n 3
+  TL_RC=${PIPESTATUS[0]}
+else
+  stage "timeline --gpu (default preset, 1x2x2048x2048)" 90 120 "${PY[@]}" -c \
+    "import sys; from attngen.cli import main; sys.exit(main(sys.argv[1:]))" timeline examples/default.toml \
+    --kv-heads 2 --q-len 2048 --kv-len 2048 --gpu -o "$OUTDIR/timeline.html" 2>&1 | grep -v "TileLang begins\|TileLang completes" | tail -n 5
+  TL_RC=${PIPESTATUS[0]}
+fi
+
 # 5. the benchmark; it stops starting rows 30 s before its limit so the table is always printed
 BENCH_T=$((BUDGET - SECONDS - 5))
 ((BENCH_T > 180)) && BENCH_T=180
@@ -131,6 +145,7 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
   echo "- smoke (one launch per preset): exit $SMOKE_RC${HUNG:+, hung: $HUNG}"
   echo "- pytest -m gpu: exit $TEST_RC, $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUTDIR/pytest.log" | tail -n 1)"
   echo "- compute-sanitizer: exit $SAN_RC$([[ $DRY == 1 ]] && echo ' (dry run: not run)')"
+  echo "- timeline$([[ $DRY == 1 ]] && echo ' (dry run: stamped build only)'): exit $TL_RC"
   echo "- benchmark: exit $BENCH_RC"
   echo "- total ${SECONDS} s"
   echo
@@ -142,4 +157,4 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
 } > "$OUTDIR/summary.md"
 echo
 cat "$OUTDIR/summary.md"
-((BUILD_RC == 0 && SMOKE_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && BENCH_RC == 0))
+((BUILD_RC == 0 && SMOKE_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && TL_RC == 0 && BENCH_RC == 0))

@@ -105,5 +105,8 @@ def command(args) -> int:
         s = c["summary"]
         print(f"{c['title']} ({c['origin']}): block {tuple(c['block'])}, {s['cycles']:.0f} cycles, "
               f"tensor cores busy {100 * s['tensor_core_busy']:.1f}%, {s['cycles_per_tile']:.0f} cycles per KV tile")
+        if c["measured"]:
+            m = c["measured"]
+            print(f"  model {m['model_cycles']:.0f} cycles vs measured {m['cycles']:.0f} cycles; stamps cost {m['overhead']}")
     print(f"wrote {args.output} ({len(page) / 1024:.0f} KiB) in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -169,3 +169,16 @@ def run_stamped(plan, args, block, repeats: int = 20):
     counts = [sum(1 for x in r if x) for r in rows]
     overhead = f"{100 * (t_stamped / t_plain - 1):+.1f}% (plain {t_plain * 1000:.1f} us, stamped {t_stamped * 1000:.1f} us, median of {repeats})"
     return [r[:c] for r, c in zip(rows, counts)], overhead
+
+
+def build_stamped(spec_path: str, block=(0, 0, 0)) -> dict:
+    """Lower and nvcc-compile the stamped variant (no GPU needed): the GPU check's dry run."""
+    from attngen.build import build_source
+    from attngen.plan import make_plan
+    from attngen.render import render_source
+    from attngen.spec import load
+    from attngen.timeline.instrument import instrument
+
+    plan = make_plan(load(spec_path))
+    r = build_source(instrument(render_source(plan), block), plan.name + "_stamped", plan.compile_flags)
+    return {k: r.report[k] for k in ("kernel", "registers", "spill_store_bytes", "dynamic_smem_bytes", "setmaxnreg_applied")}
