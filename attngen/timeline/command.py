@@ -57,7 +57,7 @@ def model_charts(plan, args, lat):
         chosen = max(blocks, key=lambda b: (b[1], -linear(b[0], rec.grid)))[0]
     tl = timelines[chosen]
     shape = f"B={args.batch} H={args.kv_heads * plan.spec.gqa_group} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
-    note = (f"{len(rec.ctas)} block(s) emulated in {rec.seconds:.2f} s (head 0, batch 0: other heads and batches repeat "
+    note = (f"{len(rec.ctas)} block(s) emulated (head 0, batch 0: other heads and batches repeat "
             f"their timing); latency model {Path(lat.path).name}")
     data = chart_data(tl, title=plan.name, source_lines=rec.source.splitlines(), lat=lat, blocks=blocks, grid=rec.grid,
                       shape=shape, note=note)
