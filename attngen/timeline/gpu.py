@@ -138,8 +138,11 @@ def run_stamped(plan, args, block, repeats: int = 20):
 
     spec = plan.spec
     heads = args.kv_heads * spec.gqa_group
-    q, k, v = (t.cuda() for t in random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads,
-                                                 args.q_len, args.kv_len, args.seed))
+    from attngen.runtime import torch_dtype
+
+    q, k, v = (torch.from_numpy(x).to(torch_dtype(spec.dtype)).cuda()  # random_inputs gives float32 numpy arrays
+               for x in random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads,
+                                      args.q_len, args.kv_len, args.seed))
     out = torch.empty_like(q)
     plain = compile_kernel(plan)
     module = load_module(instrument(render_source(plan), block), plan.name + "_stamped")

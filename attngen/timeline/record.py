@@ -50,7 +50,8 @@ def sample_blocks(grid, chosen: int | None, limit: int) -> set | None:
 
 def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="random", source=None,
            filename=None, blocks="auto", limit=64) -> Recording:
-    """Emulate the plan's kernel (or `source`) on zero-free random inputs and record every sampled block."""
+    """Emulate the plan's kernel (or `source`) on random inputs and record the blocks asked for (a set of
+    (x, y, z), or "auto": every block up to `limit`, else `limit` spread evenly)."""
     from attngen.reference import random_inputs
     from attngen.render import render_source
 
