@@ -1,7 +1,10 @@
-"""`attngen` command line: generate, show, diff, build, emulate, timeline.
+"""`attngen` command line: generate, show, diff, build, check, tune, emulate, timeline.
 
-Every user error (a bad spec, a bad shape, a missing file) is printed as one
-line naming the field, the value and what would be valid, with exit code 2.
+Every user error (a bad spec, a bad shape or option, a missing file, a run too big for
+memory) is printed as one line, `attngen: error: ...`, naming the field or option, the
+value and what would be valid, with exit code 2; argparse's own errors (an unknown option,
+a missing value) are one such line too. Every option of a command is checked before the
+command does any work. Exit 1: the toolchain or the file system refused, or a check failed.
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 
 from attngen.plan import Shape, make_plan
 from attngen.render import generate, render_source
+from attngen.reference import InputError
 from attngen.spec import SpecError, load
+from attngen.version import __version__
 
 
 def plan_of(path: str, shape: Shape | None = None):
@@ -21,7 +27,14 @@ def plan_of(path: str, shape: Shape | None = None):
     return make_plan(load(path), shape)
 
 
+def check_dir_option(option: str, path: str | None) -> None:
+    """A directory the command will create or write into must not be an existing file."""
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(option, path, "a directory (to create or write into), but it is a file")
+
+
 def cmd_generate(args) -> int:
+    check_dir_option("--output", args.output)
     print(generate(plan_of(args.spec), args.output))
     return 0
 
@@ -43,6 +56,7 @@ def cmd_diff(args) -> int:
 def cmd_build(args) -> int:
     from attngen.build import build, format_report
 
+    check_dir_option("--cache-dir", args.cache_dir)
     plan = plan_of(args.spec, Shape.parse(args.shape) if args.shape else None)
     result = build(plan, cache_dir=args.cache_dir)
     if args.cuda:
@@ -69,7 +83,10 @@ def cmd_check(args) -> int:
     """The main job: generate, build, and run the kernel on the CPU model against the fp64 reference."""
     from attngen.build import build, format_report
 
+    check_dir_option("--output", args.output)
+    check_dir_option("--cache-dir", args.cache_dir)
     plan = plan_of(args.spec)
+    check_run_args(plan, args)  # the CPU run's options, before generating or building anything
     print(f"generated  {generate(plan, args.output)}")
     result = build(plan, cache_dir=args.cache_dir)
     print(format_report(result.report))
@@ -82,17 +99,31 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def run_shape(plan, args) -> tuple:
+    """The CPU run of `check`: (heads, kv_heads, q_len, kv_len), lengths rounded up to tiles when aligned."""
+    spec = plan.spec
+    q_len, kv_len = args.q_len, args.kv_len
+    if spec.aligned and q_len > 0 and kv_len > 0:  # an aligned kernel is only defined on tile multiples
+        q_len = -(-q_len // spec.block_m) * spec.block_m
+        kv_len = -(-kv_len // spec.block_n) * spec.block_n
+    return 2 * spec.gqa_group, 2, q_len, kv_len
+
+
+def check_run_args(plan, args) -> None:
+    from attngen.emulator import check_run
+
+    heads, kv_heads, q_len, kv_len = run_shape(plan, args)
+    check_run(plan.spec, Shape(1, heads, kv_heads, q_len, kv_len), args.seed,
+              {"q_len": ("--q-len", 200), "kv_len": ("--kv-len", 333)})
+
+
 def emulate_verdict(plan, args) -> tuple:
     """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
     from attngen.emulator import EmulationError, emulate_stats
     from attngen.reference import check_close, random_inputs
 
     spec = plan.spec
-    q_len, kv_len = args.q_len, args.kv_len
-    if spec.aligned:  # an aligned kernel is only defined on tile multiples
-        q_len = -(-q_len // spec.block_m) * spec.block_m
-        kv_len = -(-kv_len // spec.block_n) * spec.block_n
-    heads, kv_heads = 2 * spec.gqa_group, 2
+    heads, kv_heads, q_len, kv_len = run_shape(plan, args)
     q, k, v = random_inputs(spec.dtype, spec.head_dim, 1, heads, kv_heads, q_len, kv_len, args.seed)
     what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
     try:
@@ -150,42 +181,54 @@ def cmd_tune(args) -> int:
 def cmd_emulate(args) -> int:
     from attngen.emulator import command
 
-    return command(args)
+    return command(args, plan_of(args.spec))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error: `attngen: error: ...` and exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"attngen: error: {message} (see `{self.prog} --help`)\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attngen", description="FlashAttention-3 forward kernels for Hopper, from a spec.")
-    sub = p.add_subparsers(dest="command", required=True)
+    from attngen.emulator import POLICIES
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = Parser(prog="attngen", description="FlashAttention-3 forward kernels for Hopper, from a spec.", formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"attngen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=lambda **kw: Parser(formatter_class=fmt, **kw))
 
     g = sub.add_parser("generate", help="write the emitted kernel source and print its path")
     g.add_argument("spec", help="spec TOML file")
-    g.add_argument("-o", "--output", default="generated", help="output directory (default: generated/)")
+    g.add_argument("-o", "--output", default="generated", help="output directory")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("show", help="print the emitted kernel source")
-    s.add_argument("spec")
+    s.add_argument("spec", help="spec TOML file")
     s.set_defaults(func=cmd_show)
 
     d = sub.add_parser("diff", help="unified diff of two emitted sources")
-    d.add_argument("a")
-    d.add_argument("b")
+    d.add_argument("a", help="first spec TOML file")
+    d.add_argument("b", help="second spec TOML file")
     d.set_defaults(func=cmd_diff)
 
     b = sub.add_parser("build", help="lower for sm_90a, compile to a cubin with nvcc, report resources")
-    b.add_argument("spec")
+    b.add_argument("spec", help="spec TOML file")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
-    b.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV")
+    b.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV (default: dynamic shapes)")
     b.add_argument("--cuda", metavar="FILE", help="also write the lowered CUDA source to FILE")
-    b.add_argument("--cache-dir", default=None, help="build cache (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    b.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     b.set_defaults(func=cmd_build)
 
     c = sub.add_parser("check", help="generate, build and emulate a kernel; one verdict (the main job)")
-    c.add_argument("spec")
+    c.add_argument("spec", help="spec TOML file")
     c.add_argument("-o", "--output", default="generated", help="where the emitted kernel is written")
-    c.add_argument("--cache-dir", default=None)
-    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (default 200: not a tile multiple)")
+    c.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (not a tile multiple)")
     c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="input and scheduler seed of the CPU run (>= 0)")
     c.set_defaults(func=cmd_check)
 
     t = sub.add_parser("tune", help="search the spec's schedules: build and prune here, time and record on an sm_90 GPU")
@@ -200,14 +243,14 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("emulate", help="run the emitted kernel on the CPU model and compare with the fp64 reference")
-    e.add_argument("spec")
-    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("spec", help="spec TOML file")
+    e.add_argument("--batch", type=int, default=1, help="batch size")
     e.add_argument("--heads", type=int, default=None, help="query heads (default: kv-heads * gqa_group)")
-    e.add_argument("--kv-heads", type=int, default=1)
-    e.add_argument("--q-len", type=int, default=128)
-    e.add_argument("--kv-len", type=int, default=128)
-    e.add_argument("--seed", type=int, default=0, help="scheduler and input seed")
-    e.add_argument("--policy", default="random", help="agent scheduling policy")
+    e.add_argument("--kv-heads", type=int, default=1, help="KV heads")
+    e.add_argument("--q-len", type=int, default=128, help="query length")
+    e.add_argument("--kv-len", type=int, default=128, help="key length")
+    e.add_argument("--seed", type=int, default=0, help="scheduler and input seed (>= 0)")
+    e.add_argument("--policy", default="random", choices=POLICIES, help="agent scheduling policy")
     e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec")
     e.set_defaults(func=cmd_emulate)
 
@@ -224,7 +267,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as e:  # the user's input: fix the spec or the shape
+    except (SpecError, InputError) as e:  # the user's input: fix the spec, the shape or the option
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
     except (BuildError, LowerError, OSError) as e:  # the toolchain or the file system said no

@@ -27,19 +27,12 @@ from typing import Callable
 from attngen.hw import CAPABILITY, DTYPES, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
+from attngen.reference import InputError  # noqa: F401  (re-exported: attngen.runtime.InputError)
 from attngen.render import render_source
-from attngen.spec import Spec
+from attngen.spec import Spec, check_keys
 from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
 NAMES = ("q", "k", "v", "out")
-
-
-class InputError(ValueError):
-    """An input the kernel cannot take: names the argument, the value and what was expected."""
-
-    def __init__(self, argument: str, value, expected: str):
-        self.argument, self.value, self.expected = argument, value, expected
-        super().__init__(f"{argument} = {value}: expected {expected}")
 
 
 # -- input checks (no GPU needed) -------------------------------------------------
@@ -121,7 +114,7 @@ def check_tensors(spec_or_plan: Spec | Plan, q, k, v, out=None, *, shape: Shape 
         raise InputError("v.shape", list(v.shape), f"{list(k.shape)}, the shape of k")
     if out is not None and tuple(out.shape) != tuple(q.shape):
         raise InputError("out.shape", list(out.shape), f"{list(q.shape)}, the shape of q")
-    for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len),
+    for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len), ("q.shape[2] (heads)", heads),
                         ("k.shape[1] (kv_len)", kv_len), ("k.shape[2] (kv_heads)", kv_heads)):
         if size < 1:  # an empty grid is a launch error; kv_len 0 would leave consumers waiting forever
             raise InputError(label, size, "at least 1")
@@ -332,6 +325,11 @@ def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
     Without a schedule override (consumers, k_stages, v_stages, block_n, pingpong) the tuned
     table (attngen/tuned/h200.json) picks the schedule; without an entry, the plan's defaults.
     """
+    return _spec_for(q, k, causal, overrides, "attngen.runtime.spec_for(...)")
+
+
+def _spec_for(q, k, causal, overrides: dict, call: str) -> Spec:
+    check_keys(overrides, call)  # a misspelt keyword names the call that got it, before any tensor check
     torch = _torch()
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
@@ -342,10 +340,13 @@ def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
     if dtype is None:
         raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
     heads, kv_heads = q.shape[2], k.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
+    if kv_heads < 1:
+        raise InputError("k.shape[2] (kv_heads)", kv_heads, "at least 1")
+    if heads < 1 or heads % kv_heads:
+        raise InputError("q.shape[2] (heads)", heads, f"a positive multiple of k.shape[2] (kv_heads) = {kv_heads}")
     fields = {"head_dim": int(q.shape[3]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
-    spec = Spec(**fields, **overrides)
+    fields.update(overrides)  # an override of a derived field (head_dim, ...) wins, not a TypeError
+    spec = Spec(**fields)
     if not any(f in overrides for f in SCHEDULE_FIELDS):  # the caller named no schedule: the tuned one, if any
         tuned = tuned_fields(spec, max(int(q.shape[1]), int(k.shape[1])))
         if tuned:
@@ -360,7 +361,7 @@ def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
     fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords.
     The kernel is compiled once per spec and memoized.
     """
-    plan = as_plan(spec_for(q, k, causal=causal, **spec_overrides))
+    plan = as_plan(_spec_for(q, k, causal, spec_overrides, "attngen.attention(...)"))
     # Check before compiling: a bad input should not cost an nvcc run first.
     check_tensors(plan, q, k, v, out)
     check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})

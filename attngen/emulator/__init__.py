@@ -10,10 +10,10 @@ hazards (in-flight operations), agents (scheduler and barriers), driver (emulate
 """
 
 from attngen.emulator.agents import POLICIES
-from attngen.emulator.driver import Stats, command, emulate, emulate_stats
+from attngen.emulator.driver import Stats, check_run, command, emulate, emulate_stats
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
 
 __all__ = [
-    "emulate", "emulate_stats", "command", "Stats", "POLICIES",
+    "emulate", "emulate_stats", "command", "check_run", "Stats", "POLICIES",
     "EmulationError", "HazardError", "DeadlockError", "UnsupportedConstruct", "KernelError",
 ]

@@ -11,6 +11,7 @@ import builtins
 import dataclasses
 import functools
 import hashlib
+import os
 import random
 import sys
 import time
@@ -26,7 +27,7 @@ from attngen.emulator.hazards import Tracker
 from attngen.emulator.memory import Buffer
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TLang
-from attngen.reference import check_close, random_inputs, round_to, to_numpy
+from attngen.reference import InputError, check_close, random_inputs, round_to, to_numpy
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -208,19 +209,42 @@ class Runtime:
 
 
 # -- public API ----------------------------------------------------------------------------
+FLOAT_INPUTS = ("float16", "bfloat16", "float32", "float64")  # what emulate takes; 16-bit ones must be the spec's
+
+
+def _input_array(name: str, x, spec_dtype: str) -> np.ndarray:
+    """A q/k/v argument as a numpy array the kernel can read, or an InputError saying why not."""
+    if not (hasattr(x, "detach") or isinstance(x, np.ndarray)):
+        raise InputError(name, type(x).__name__, "a torch.Tensor or a numpy array (not a Python list or scalar)")
+    kind = str(x.dtype).removeprefix("torch.")
+    if kind not in FLOAT_INPUTS:
+        raise InputError(f"{name}.dtype", kind, f"{spec_dtype} (the spec's dtype), or float32/float64 holding values to round")
+    if kind in ("float16", "bfloat16") and kind != spec_dtype:
+        raise InputError(f"{name}.dtype", kind, f"{spec_dtype}, the spec's dtype (or float32/float64 holding values to round)")
+    return to_numpy(x)
+
+
+def check_seed(seed, argument: str = "seed") -> int:
+    """A schedule and input seed: a non-negative integer (numpy's generators take no negatives)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(argument, repr(seed), "a non-negative integer")
+    return int(seed)
+
+
 def _prepare(plan, q, k, v):
     from attngen.plan import Shape, check_shape
 
     spec = plan.spec
-    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    qn, kn, vn = (_input_array(n, t, spec.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
     if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
-        raise ValueError(f"emulate: expected BSHD tensors q [B, Sq, H, D], k and v [B, Skv, HKV, D]; got {qn.shape}, {kn.shape}, {vn.shape}")
+        raise InputError("q, k, v shapes", f"{list(qn.shape)}, {list(kn.shape)}, {list(vn.shape)}",
+                         "BSHD tensors q [B, Sq, H, D], k and v [B, Skv, HKV, D]")
     b, sq, h, d = qn.shape
     _, skv, hkv, _ = kn.shape
     if kn.shape != vn.shape or kn.shape[0] != b or kn.shape[3] != d:
-        raise ValueError(f"emulate: k {kn.shape} and v {vn.shape} must be [B, Skv, HKV, D] with q {qn.shape}")
+        raise InputError("k, v shapes", f"{list(kn.shape)}, {list(vn.shape)}", f"[B, Skv, HKV, D] both, with q {list(qn.shape)}")
     if d != spec.head_dim:
-        raise ValueError(f"emulate: head dim {d} but the spec has head_dim = {spec.head_dim}")
+        raise InputError("q.shape[3] (head_dim)", d, f"{spec.head_dim}, the spec's head_dim")
     check_shape(spec, Shape(b, h, hkv, sq, skv))  # SpecError: H = HKV * gqa_group, aligned multiples
     dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
     return [np.asarray(x, np.float32) for x in (qn, kn, vn)], dims
@@ -234,10 +258,13 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     from attngen.spec import Spec
 
     if not isinstance(spec_or_plan, (Spec, Plan)):
-        raise TypeError(f"emulate: expected an attngen.Spec or attngen.Plan, got {type(spec_or_plan).__name__}")
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan)
+    seed = check_seed(seed)
     if policy not in POLICIES:
-        raise ValueError(f"unknown schedule policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    if source is not None and not isinstance(source, str):
+        raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
     inputs, dims = _prepare(plan, q, k, v)
     text = render_source(plan) if source is None else source
     filename = filename or f"<emitted {plan.name}>"
@@ -262,8 +289,11 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
     """
-    from attngen.plan import as_plan
+    from attngen.plan import Plan, as_plan
+    from attngen.spec import Spec
 
+    if not isinstance(spec_or_plan, (Spec, Plan)):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan)
     out, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences)
     if hasattr(q, "detach"):
@@ -273,21 +303,102 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     return out
 
 
-def command(args) -> int:
-    """`attngen emulate`: random inputs, one emulation, the error against the reference."""
-    from attngen.plan import make_plan
+# A CPU run past this many bytes is refused even when the machine has them: it would take hours.
+MAX_RUN_BYTES = 16 * 2**30
+
+
+def available_bytes() -> int | None:
+    """Memory the system can give a new allocation now (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def run_bytes(head_dim: int, gqa_group: int, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> int:
+    """About what one CPU run needs: drawn inputs, emulator buffers, the fp64 reference and its twin.
+
+    Per q/k/v/out element about 64 bytes (float64 draws, float32 buffers, float64 copies);
+    per score (group x Sq x Skv for each batch and KV head, one at a time) about 64 bytes
+    (the reference's float64 scores and weights, the twin's float32 ones).
+    """
+    elems = batch * head_dim * (q_len * heads + 2 * kv_len * kv_heads)
+    return 64 * elems + 64 * gqa_group * q_len * kv_len
+
+
+def check_run(spec, shape, seed, options: dict) -> None:
+    """Check a CPU run's shape and seed before any input is drawn: InputError naming the option.
+
+    `shape` is the run's plan.Shape; `options` maps each shape field the user set to
+    (option, default), e.g. {"q_len": ("--q-len", 128)}. A size past a launch limit or past
+    memory names the option to shrink (for memory, the one furthest above its default).
+    """
+    from attngen.plan import check_shape
+    from attngen.spec import SpecError
+
+    for field, (option, _) in options.items():
+        if getattr(shape, field) < 1:
+            raise InputError(option, getattr(shape, field), "a positive integer")
+    check_seed(seed, "--seed")
+
+    def biggest():
+        field = max(options, key=lambda f: getattr(shape, f) / max(options[f][1], 1))
+        return options[field][0], getattr(shape, field)
+
+    try:
+        check_shape(spec, shape)  # grid and int32 limits, H = HKV * gqa_group, aligned multiples
+    except SpecError as e:
+        field = e.field.removeprefix("shape.")
+        option, value = (options[field][0], getattr(shape, field)) if field in options else biggest()
+        valid = e.valid.removeprefix("expected ") if e.valid.startswith("expected ") else f"a smaller value: {e.valid}"
+        raise InputError(option, value, valid) from None
+    need = run_bytes(spec.head_dim, spec.gqa_group, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
+    avail = available_bytes()
+    limit = min(MAX_RUN_BYTES, int(0.8 * avail)) if avail else MAX_RUN_BYTES
+    if need > limit:
+        option, value = biggest()
+        have = f"{avail / 2**30:.1f} GiB available, " if avail else ""
+        raise InputError(option, value,
+                         f"a smaller value: this CPU run needs about {need / 2**30:.1f} GiB (inputs, emulator and the fp64 "
+                         f"reference) and the limit is {limit / 2**30:.1f} GiB ({have}at most {MAX_RUN_BYTES // 2**30} GiB)")
+
+
+def command(args, plan=None) -> int:
+    """`attngen emulate`: random inputs, one emulation, the error against the reference.
+
+    Every option is checked before an input is drawn; a bad one raises InputError/SpecError
+    (the CLI prints one line and exits 2).
+    """
+    from attngen.plan import Shape, make_plan
     from attngen.spec import load
 
-    plan = make_plan(load(args.spec))
+    plan = plan or make_plan(load(args.spec))
     spec = plan.spec
     heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
+    options = {"batch": ("--batch", 1), "kv_heads": ("--kv-heads", 1), "heads": ("--heads", spec.gqa_group),
+               "q_len": ("--q-len", 128), "kv_len": ("--kv-len", 128)}
+    if args.heads is None:  # derived from --kv-heads: that is the option to change
+        options["heads"] = ("--kv-heads", spec.gqa_group)
+    check_run(spec, Shape(args.batch, heads, args.kv_heads, args.q_len, args.kv_len), args.seed, options)
+    if args.policy not in POLICIES:
+        raise InputError("--policy", args.policy, f"one of {', '.join(POLICIES)}")
     source, filename = None, None
     if args.source:
         try:
-            source = Path(args.source).read_text()
+            source = Path(args.source).read_bytes().decode("utf-8")
+        except IsADirectoryError:
+            raise InputError("--source", args.source, "an emitted kernel file, not a directory") from None
+        except UnicodeDecodeError as e:
+            raise InputError("--source", args.source, f"an emitted kernel file (Python text); byte {e.start} is not UTF-8") from None
         except OSError as e:
-            print(f"attngen: error: --source {args.source}: {e.strerror}", file=sys.stderr)
-            return 2
+            raise InputError("--source", args.source, f"a readable file ({e.strerror or e})") from None
         filename = str(args.source)
     q, k, v = random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, args.seed)
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
@@ -298,11 +409,8 @@ def command(args) -> int:
     except EmulationError as e:
         print(e.report)
         return 1
-    except ValueError as e:
-        print(f"attngen: error: {e}", file=sys.stderr)
-        return 2
     print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads, {stats.seconds:.2f} s")
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
-    print(f"  {res} (bound = 2 x max|lowprec - ref| + eps)")
+    print(f"  {res} (bound = 2 x max|lowprec - ref| + ulp x max|ref|)")
     return 0 if res.ok else 1
