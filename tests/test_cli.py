@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import attngen
 from attngen.cli import main
 
@@ -111,3 +113,124 @@ def test_build_verdicts_flag_each_broken_promise():
     ]
     for change in broken:
         assert sum(not ok for ok, _ in build_verdicts({**good, **change})) == 1, change
+
+
+# -- bad input: one line on stderr, exit 2, and no work done first ---------------------------------------
+def one_line_error(proc_or_err, rc, *fragments):
+    """The run exited `rc` with exactly one stderr line, `attngen: error: ...`, containing `fragments`."""
+    lines = proc_or_err.splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("attngen: error: "), proc_or_err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def run_main(capsys, *argv):
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["emulate", "{spec}", "--q-len", "-5"], ["--q-len = -5", "positive integer"]),
+    (["emulate", "{spec}", "--kv-len", "0"], ["--kv-len = 0", "positive integer"]),
+    (["emulate", "{spec}", "--kv-heads", "-1"], ["--kv-heads = -1", "positive integer"]),
+    (["emulate", "{spec}", "--batch", "-2"], ["--batch = -2", "positive integer"]),
+    (["emulate", "{spec}", "--heads", "0"], ["--heads = 0", "positive integer"]),
+    (["emulate", "{spec}", "--seed", "-1"], ["--seed = -1", "non-negative integer"]),
+    (["emulate", "{spec}", "--q-len", "1000000000"], ["--q-len = 1000000000", "int32"]),
+    (["emulate", "{spec}", "--batch", "1000000000"], ["--batch = 1000000000", "at most 65535"]),
+    (["emulate", "{spec}", "--q-len", "60000", "--kv-len", "60000"], ["--q-len = 60000", "GiB", "a smaller value"]),
+    (["emulate", "{spec}", "--heads", "3"], ["--heads = 3", "kv_heads * gqa_group"]),
+    (["emulate", "{spec}", "--policy", "fastest"], ["--policy", "invalid choice", "producer-first"]),
+    (["emulate", "{spec}", "--q-len", "abc"], ["--q-len", "invalid int value"]),
+    (["emulate", "{spec}", "--source", "{tmp}"], ["--source", "directory"]),
+    (["emulate", "{spec}", "--source", "{latin1}"], ["--source", "not UTF-8"]),
+    (["emulate", "{spec}", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["check", "{spec}", "--q-len", "0"], ["--q-len = 0"]),
+    (["check", "{spec}", "--seed", "-1"], ["--seed = -1"]),
+    (["check", "{spec}", "--kv-len", "3000000"], ["--kv-len = 3000000", "GiB"]),
+    (["check", "{spec}", "--cache-dir", "{spec}"], ["--cache-dir", "it is a file"]),
+    (["build", "{spec}", "--cache-dir", "{spec}"], ["--cache-dir", "it is a file"]),
+    (["generate", "{spec}", "-o", "{spec}"], ["--output", "it is a file"]),
+    (["build", "{spec}", "--shape", "1,1,70000,128,128"], ["shape.heads"]),
+    (["build", "{spec}", "--shape", "70000,1,1,128,128"], ["shape.batch", "65535"]),
+    (["build", "{spec}", "--shape", "1,1,1,3000000000,128"], ["int32"]),
+    (["build", "{spec}", "--shape", "1,1,1,12345678901234567890123,128"], ["12345678901234567890123", "at most 2147483647"]),
+    (["show", "{tmp}"], ["is a directory"]),
+    (["show", "{latin1}"], ["not UTF-8"]),
+    (["show", "{missing}"], ["no such spec file"]),
+    (["emulate", "{casual}"], ["did you mean `causal`"]),
+    ([], ["required: COMMAND"]),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_path, capsys, monkeypatch):
+    import attngen.build
+    import attngen.reference
+
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("# caf\xe9\nhead_dim = 128\n".encode("latin-1"))
+    casual = tmp_path / "casual.toml"
+    casual.write_text("casual = true\n")
+    paths = {"{spec}": str(DEFAULT), "{tmp}": str(tmp_path), "{latin1}": str(latin1), "{missing}": str(tmp_path / "no.toml"),
+             "{casual}": str(casual)}
+
+    def no_work(*a, **k):
+        raise AssertionError("did work before rejecting the input")
+
+    monkeypatch.setattr(attngen.build, "build", no_work)  # nothing built ...
+    monkeypatch.setattr(attngen.reference, "random_inputs", no_work)  # ... and no input drawn
+    monkeypatch.setattr("attngen.emulator.driver.random_inputs", no_work)
+    monkeypatch.setattr("attngen.cli.generate", no_work)  # ... and nothing generated
+    rc, out, err = run_main(capsys, *[paths.get(a, a) for a in argv])
+    one_line_error(err, rc, *fragments)
+    assert out == ""
+
+
+def test_the_checker_of_one_line_errors_rejects_tracebacks_and_usage_blocks():
+    with pytest.raises(AssertionError):
+        one_line_error("Traceback (most recent call last):\n  ...\nValueError: x\n", 2)
+    with pytest.raises(AssertionError):
+        one_line_error("usage: attngen emulate [-h]\nattngen emulate: error: x\n", 2)
+    with pytest.raises(AssertionError):
+        one_line_error("attngen: error: x\n", 1)
+    one_line_error("attngen: error: x\n", 2)
+
+
+def test_subprocess_matches_in_process(tmp_path, capsys):
+    """The real command (python -m attngen) prints what main() does in-process, with the same exit code."""
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfehead_dim = 128\n")
+    for argv in (["emulate", str(DEFAULT), "--seed", "-1"], ["show", str(bad)], ["emulate", str(DEFAULT), "--nope"],
+                 ["emulate", str(DEFAULT), "--q-len", "1", "--kv-len", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "attngen", *argv], capture_output=True, text=True)
+        rc, out, err = run_main(capsys, *argv)
+        assert (proc.returncode, proc.stderr) == (rc, err), argv
+        assert "Traceback" not in proc.stderr
+        assert proc.stdout.splitlines()[:1] == out.splitlines()[:1]  # timings differ after the first line
+
+
+def test_help_shows_every_default_and_the_policy_choices(capsys):
+    for command in ("generate", "build", "check", "emulate"):
+        rc, out, _ = run_main(capsys, command, "--help")
+        assert rc == 0
+    rc, out, _ = run_main(capsys, "emulate", "--help")
+    text = " ".join(out.split())
+    for default in ("(default: 1)", "(default: 128)", "(default: 0)", "(default: random)", "{random,producer-first,consumers-first}"):
+        assert default in text, default
+    rc, out, _ = run_main(capsys, "check", "--help")
+    text = " ".join(out.split())
+    assert "(default: 200)" in text and "(default: 333)" in text and "(default: generated)" in text
+    rc, out, _ = run_main(capsys, "--version")
+    assert rc == 0 and out.strip() == f"attngen {attngen.__version__}"
+
+
+def test_python_dash_m_attngen_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "attngen", "show", str(DEFAULT)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == attngen.render_source(attngen.load_spec(DEFAULT))
+
+
+def test_emulate_of_a_tiny_shape_runs(capsys):
+    rc, out, err = run_main(capsys, "emulate", str(DEFAULT), "--q-len", "1", "--kv-len", "1", "--seed", "5")
+    assert rc == 0 and err == "" and "PASS" in out

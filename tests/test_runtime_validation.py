@@ -15,10 +15,12 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import attngen
 from attngen import runtime
 from attngen.plan import Shape, make_plan
 from attngen.runtime import InputError, check_device, check_tensors, check_written, spec_for
@@ -392,3 +394,82 @@ def test_failed_build_is_remembered_and_shown_as_a_tail(monkeypatch, tmp_path):
     assert len(calls) == 1  # the second call did not build again
     (log,) = tmp_path.glob("*.log")
     assert log.read_text().count("// CUDA source line") == 5000  # the whole error is kept on disk
+
+
+# -- typos, zero heads, and attngen.emulate's inputs -------------------------------------------------
+
+
+def test_misspelt_keyword_names_the_call_that_got_it():
+    from attngen.spec import SpecError
+
+    q, k, v = tensors()
+    with pytest.raises(SpecError, match=r"unknown key in attngen\.attention\(\.\.\.\); did you mean `causal`"):
+        attngen.attention(q, k, v, casual=True)
+    with pytest.raises(SpecError, match=r"attngen\.Spec\(\.\.\.\); did you mean `causal`"):
+        attngen.Spec(casual=True)
+    with pytest.raises(SpecError, match=r"spec_for\(\.\.\.\); did you mean `k_stages`"):
+        spec_for(q, k, k_stage=2)
+    with pytest.raises(SpecError, match="did you mean `causal`"):  # found before the tensors are looked at
+        attngen.attention([1], [2], [3], casual=True)
+
+
+def test_zero_kv_heads_says_at_least_one():
+    q, k, v = tensors(hkv=4)
+    with raises("k.shape[2] (kv_heads)", "= 0", "at least 1"):
+        spec_for(q, k[:, :, :0])
+    with raises("k.shape[2] (kv_heads)", "= 0", "at least 1"):
+        check_tensors(SPEC, q, k[:, :, :0], v[:, :, :0])
+    with raises("q.shape[2] (heads)", "= 0", "at least 1"):
+        check_tensors(SPEC, q[:, :, :0], k, v)
+
+
+def test_runtime_input_error_is_the_emulators():
+    from attngen import reference
+
+    assert runtime.InputError is reference.InputError and issubclass(InputError, ValueError)
+
+
+EMU = Spec(head_dim=64, consumers=1)
+
+
+def emu_inputs():
+    return [torch.randn(s).half() for s in ((1, 5, 1, 64), (1, 7, 1, 64), (1, 7, 1, 64))]
+
+
+@pytest.mark.parametrize("change, argument, fragments", [
+    (lambda q, k, v: (q.bool(), k, v), "q.dtype", ["bool", "float16"]),
+    (lambda q, k, v: (q, k.long(), v), "k.dtype", ["int64"]),
+    (lambda q, k, v: (q, k, v.numpy().astype(complex)), "v.dtype", ["complex128"]),
+    (lambda q, k, v: (q.tolist(), k, v), "q", ["list", "numpy array"]),
+    (lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), "q.dtype", ["bfloat16", "float16, the spec's dtype"]),
+    (lambda q, k, v: (q.numpy().astype(np.int32), k, v), "q.dtype", ["int32"]),
+    (lambda q, k, v: (q, k[..., :32], v[..., :32]), "k, v shapes", ["[B, Skv, HKV, D]"]),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q.shape[3] (head_dim)", ["= 32", "64"]),
+    (lambda q, k, v: (q[0], k, v), "q, k, v shapes", ["BSHD"]),
+])
+def test_emulate_rejects_inputs_it_cannot_take(change, argument, fragments):
+    with raises(argument, *fragments):
+        attngen.emulate(EMU, *change(*emu_inputs()))
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"seed": "abc"}, "seed"), ({"seed": None}, "seed"), ({"seed": -1}, "seed"), ({"seed": True}, "seed"),
+    ({"seed": 1.5}, "seed"), ({"policy": "fastest"}, "policy"), ({"source": b"x"}, "source"),
+])
+def test_emulate_rejects_bad_seeds_policies_and_sources(kwargs, argument):
+    from attngen.emulator import emulate_stats
+
+    with raises(argument):
+        attngen.emulate(EMU, *emu_inputs(), **kwargs)
+    with raises(argument):
+        emulate_stats(EMU, *emu_inputs(), **kwargs)
+    with raises("spec"):
+        attngen.emulate("head_dim = 64", *emu_inputs())
+
+
+def test_emulate_takes_what_it_documents():
+    q, k, v = emu_inputs()
+    attngen.emulate(EMU, q, k, v, seed=np.int64(3))  # torch float16
+    attngen.emulate(EMU, q.float(), k.double(), v.numpy())  # float32/float64 tensors, numpy float16
+    bf = Spec(head_dim=64, consumers=1, dtype="bfloat16")
+    attngen.emulate(bf, q.bfloat16(), k.bfloat16(), v.float())

@@ -370,17 +370,10 @@ def check_run(spec, shape, seed, options: dict) -> None:
                          f"reference) and the limit is {limit / 2**30:.1f} GiB ({have}at most {MAX_RUN_BYTES // 2**30} GiB)")
 
 
-def command(args, plan=None) -> int:
-    """`attngen emulate`: random inputs, one emulation, the error against the reference.
+def _command_options(args, spec):
+    """`attngen emulate`'s options, checked: (source text or None, its file name, query heads)."""
+    from attngen.plan import Shape
 
-    Every option is checked before an input is drawn; a bad one raises InputError/SpecError
-    (the CLI prints one line and exits 2).
-    """
-    from attngen.plan import Shape, make_plan
-    from attngen.spec import load
-
-    plan = plan or make_plan(load(args.spec))
-    spec = plan.spec
     heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
     options = {"batch": ("--batch", 1), "kv_heads": ("--kv-heads", 1), "heads": ("--heads", spec.gqa_group),
                "q_len": ("--q-len", 128), "kv_len": ("--kv-len", 128)}
@@ -400,6 +393,24 @@ def command(args, plan=None) -> int:
         except OSError as e:
             raise InputError("--source", args.source, f"a readable file ({e.strerror or e})") from None
         filename = str(args.source)
+    return source, filename, heads
+
+
+def command(args, plan=None) -> int:
+    """`attngen emulate`: random inputs, one emulation, the error against the reference.
+
+    Every option is checked before an input is drawn; a bad one is one line on stderr and exit 2.
+    """
+    from attngen.plan import make_plan
+    from attngen.spec import load
+
+    plan = plan or make_plan(load(args.spec))
+    try:
+        source, filename, heads = _command_options(args, plan.spec)
+    except InputError as e:
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return 2
+    spec = plan.spec
     q, k, v = random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, args.seed)
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
     print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
@@ -409,6 +420,9 @@ def command(args, plan=None) -> int:
     except EmulationError as e:
         print(e.report)
         return 1
+    except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return 2
     print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads, {stats.seconds:.2f} s")
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
