@@ -184,6 +184,15 @@ def cmd_emulate(args) -> int:
     return command(args, plan_of(args.spec))
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show each default, except where there is none to show or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line like every other error: `attngen: error: ...` and exit 2."""
 
@@ -194,7 +203,7 @@ class Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     from attngen.emulator import POLICIES
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = Parser(prog="attngen", description="FlashAttention-3 forward kernels for Hopper, from a spec.", formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"attngen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
