@@ -33,6 +33,14 @@ def check_dir_option(option: str, path: str | None) -> None:
         raise InputError(option, path, "a directory (to create or write into), but it is a file")
 
 
+def check_positive(args, *options: str) -> None:
+    """Integer options that must be at least 1 (argparse has already made them ints)."""
+    for option in options:
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            raise InputError(option, value, "a positive integer")
+
+
 def cmd_generate(args) -> int:
     check_dir_option("--output", args.output)
     print(generate(plan_of(args.spec), args.output))
@@ -140,6 +148,8 @@ def cmd_tune(args) -> int:
     from attngen import tune
     from attngen.tuning_table import TABLE
 
+    check_positive(args, "--seq-len", "--max-candidates", "--jobs")
+    check_dir_option("--cache-dir", args.cache_dir)
     user_spec = load(args.spec)
     base = make_plan(user_spec).spec
     shape = Shape.parse(args.shape) if args.shape else tune.tuning_shape(base, args.seq_len)

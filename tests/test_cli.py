@@ -164,6 +164,15 @@ def run_main(capsys, *argv):
     (["show", "{missing}"], ["no such spec file"]),
     (["emulate", "{casual}"], ["did you mean `causal`"]),
     ([], ["required: COMMAND"]),
+    (["tune", "{spec}", "--dry-run", "--max-candidates", "0"], ["--max-candidates = 0", "positive integer"]),
+    (["tune", "{spec}", "--dry-run", "-j", "-1"], ["--jobs = -1", "positive integer"]),
+    (["tune", "{spec}", "--dry-run", "--seq-len", "0"], ["--seq-len = 0", "positive integer"]),
+    (["tune", "{spec}", "--dry-run", "--cache-dir", "{spec}"], ["--cache-dir", "it is a file"]),
+    (["timeline", "{spec}", "--q-len", "-3"], ["--q-len = -3", "positive integer"]),
+    (["timeline", "{spec}", "--q-len", "60000", "--kv-len", "60000"], ["GiB", "a smaller value"]),
+    (["timeline", "{spec}", "--seed", "-1"], ["--seed = -1"]),
+    (["timeline", "{spec}", "--max-blocks", "0"], ["--max-blocks = 0"]),
+    (["timeline", "{spec}", "--policy", "fastest"], ["--policy", "invalid choice"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_path, capsys, monkeypatch):
     import attngen.build
@@ -183,6 +192,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     monkeypatch.setattr(attngen.reference, "random_inputs", no_work)  # ... and no input drawn
     monkeypatch.setattr("attngen.emulator.driver.random_inputs", no_work)
     monkeypatch.setattr("attngen.cli.generate", no_work)  # ... and nothing generated
+    monkeypatch.setattr("attngen.tune.build_all", no_work)  # ... no tuning candidate built
+    monkeypatch.setattr("attngen.timeline.command.model_charts", no_work)  # ... and no timeline emulated
     rc, out, err = run_main(capsys, *[paths.get(a, a) for a in argv])
     one_line_error(err, rc, *fragments)
     assert out == ""

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from attngen.emulator import POLICIES
 from attngen.timeline.html import chart_data, render_page
 from attngen.timeline.latency import Latency, SourceInfo
 from attngen.timeline.record import linear, record, unlinear
@@ -14,19 +15,19 @@ from attngen.timeline.replay import replay
 
 def add_subcommand(sub):
     t = sub.add_parser("timeline", help="cycle timeline of one thread block as a self-contained HTML chart")
-    t.add_argument("spec")
-    t.add_argument("--batch", type=int, default=1)
-    t.add_argument("--kv-heads", type=int, default=1)
-    t.add_argument("--q-len", type=int, default=1024)
-    t.add_argument("--kv-len", type=int, default=1024)
+    t.add_argument("spec", help="spec TOML file")
+    t.add_argument("--batch", type=int, default=1, help="batch size")
+    t.add_argument("--kv-heads", type=int, default=1, help="KV heads (query heads: kv-heads * gqa_group)")
+    t.add_argument("--q-len", type=int, default=1024, help="query length")
+    t.add_argument("--kv-len", type=int, default=1024, help="key length")
     t.add_argument("--block", type=int, default=None, help="linear block index x + gx*(y + gy*z) (default: the slowest block)")
     t.add_argument("--compare", metavar="SPEC2", action="append", default=[], help="another spec, charted beside the first")
     t.add_argument("--gpu", action="store_true", help="also run a stamped build on the GPU and chart the measured times")
     t.add_argument("--latency", metavar="TOML", default=None, help="latency model (default: attngen/timeline/latency.toml)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--policy", default="random")
+    t.add_argument("--seed", type=int, default=0, help="emulator schedule seed (the cycles do not depend on it)")
+    t.add_argument("--policy", default="random", choices=POLICIES, help="emulator schedule policy")
     t.add_argument("--max-blocks", type=int, default=64, help="record at most this many blocks (sampled evenly)")
-    t.add_argument("-o", "--output", default="timeline.html")
+    t.add_argument("-o", "--output", default="timeline.html", help="the HTML file to write")
     t.set_defaults(func=command)
 
 
@@ -65,8 +66,9 @@ def model_charts(plan, args, lat):
 
 
 def command(args) -> int:
-    from attngen.emulator import EmulationError
-    from attngen.plan import make_plan
+    from attngen.emulator import EmulationError, check_run
+    from attngen.plan import Shape, make_plan
+    from attngen.reference import InputError
     from attngen.spec import load
 
     t0 = time.perf_counter()
@@ -79,6 +81,12 @@ def command(args) -> int:
             return 2
     lat = Latency.load(args.latency)
     plans = [make_plan(load(p)) for p in [args.spec] + list(args.compare)]
+    if args.max_blocks < 1:
+        raise InputError("--max-blocks", args.max_blocks, "a positive integer")
+    for plan in plans:  # sizes, seed and memory, before anything is emulated
+        spec = plan.spec
+        check_run(spec, Shape(args.batch, args.kv_heads * spec.gqa_group, args.kv_heads, args.q_len, args.kv_len), args.seed,
+                  {"batch": ("--batch", 1), "kv_heads": ("--kv-heads", 1), "q_len": ("--q-len", 1024), "kv_len": ("--kv-len", 1024)})
     total_blocks = -(-args.q_len // plans[0].spec.block_m) * args.kv_heads * plans[0].spec.gqa_group * args.batch
     if args.block is not None and not 0 <= args.block < total_blocks:
         print(f"attngen: error: --block {args.block}: the grid has {total_blocks} blocks (0 .. {total_blocks - 1})", file=sys.stderr)
