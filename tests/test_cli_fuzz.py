@@ -85,7 +85,14 @@ OPTIONS = {
     "check": {"-o": "dir", "--cache-dir": "dir", "--q-len": "int", "--kv-len": "int", "--seed": "int"},
     "emulate": {"--batch": "small", "--heads": "small", "--kv-heads": "small", "--q-len": "len", "--kv-len": "len",
                 "--seed": "int", "--policy": "policy", "--source": "file"},
+    "tune": {"--seq-len": "int", "--shape": "shape", "--dry-run": None, "--max-candidates": "small", "-j": "small",
+             "--cache-dir": "dir", "--table": "out"},
+    "timeline": {"--batch": "small", "--kv-heads": "small", "--q-len": "len", "--kv-len": "len", "--block": "small",
+                 "--compare": "file", "--gpu": None, "--latency": "file", "--seed": "int", "--policy": "policy",
+                 "--max-blocks": "small", "-o": "out"},
 }
+BOUNDED = {"emulate": (("--batch", 2), ("--kv-heads", 2), ("--heads", 8), ("--q-len", 200), ("--kv-len", 200)),
+           "timeline": (("--batch", 2), ("--kv-heads", 2), ("--q-len", 200), ("--kv-len", 200))}
 
 
 @st.composite
@@ -110,6 +117,7 @@ def command_line(draw, spec_path: str, tmp: str):
             "policy": st.sampled_from(["random", "producer-first", "consumers-first", "fastest", ""]),
             "dir": st.sampled_from([tmp, spec_path, os.path.join(tmp, "out")]),
             "file": st.sampled_from([spec_path, tmp, os.path.join(tmp, "none.py"), str(DEFAULT)]),
+            "out": st.sampled_from([tmp, os.path.join(tmp, "out.html"), os.path.join(tmp, "no", "dir", "x")]),  # never the repo
             "shape": st.one_of(st.lists(INT_VALUES, min_size=0, max_size=6).map(",".join), st.just("1,1,1,64,64")),
         }[kind]
         argv.append(name)
@@ -117,8 +125,8 @@ def command_line(draw, spec_path: str, tmp: str):
             argv.append(draw(value))
     if command == "check" and "--q-len" not in argv:
         argv += ["--q-len", "0"]  # check builds with nvcc: only draws that fail before the build
-    if command == "emulate":  # bound the emulation: at most 2 x 2 heads of 200 x 200
-        for name, cap in (("--batch", 2), ("--kv-heads", 2), ("--heads", 8), ("--q-len", 200), ("--kv-len", 200)):
+    if command in BOUNDED:  # bound the emulation: at most 2 x 2 heads of 200 x 200
+        for name, cap in BOUNDED[command]:
             for i, a in enumerate(argv[:-1]):
                 if a == name and argv[i + 1].lstrip("-").isdigit() and int(argv[i + 1]) > cap:
                     argv[i + 1] = str(cap) if argv[i + 1] not in ("1000000000", "70000", "12345678901234567890123") else argv[i + 1]
@@ -156,6 +164,7 @@ def no_nvcc(monkeypatch):
         raise attngen.build.BuildError("nvcc not run in the fuzz test (stubbed)")
 
     monkeypatch.setattr(attngen.build, "build", stub)
+    monkeypatch.setattr("attngen.tune.build", stub)  # tune's candidates too
 
 
 # 8x the profile's examples: 160 with the ci profile, 2400 with dev

@@ -156,3 +156,25 @@ def test_2048_causal_renders_fast_and_small(tmp_path, capsys):
     seconds = time.perf_counter() - t0
     assert out.stat().st_size < 2 * 1024 * 1024
     assert seconds < 5.0, seconds
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.replace("clock_ghz = 1.98", "clock_ghz = 0"), "[gpu] clock_ghz"),
+    (lambda t: t.replace("bytes_per_cycle = 32.0", "bytes_per_cycle = -1.0", 1), "[tma] bytes_per_cycle"),
+    (lambda t: t.replace("latency_cycles = 700", "latency_cycles = \"slow\""), "[tma] latency_cycles"),
+    (lambda t: t.replace("exp2_per_cycle = 16.0", ""), "[simt] exp2_per_cycle"),
+    (lambda t: "head_dim = 128\n", "[gpu] name"),
+    (lambda t: "= = not toml", "readable latency TOML"),
+])
+def test_a_users_latency_file_is_checked_against_the_default(tmp_path, edit, why):
+    from attngen.reference import InputError
+    from attngen.timeline.latency import DEFAULT, Latency
+
+    path = tmp_path / "lat.toml"
+    path.write_text(edit(DEFAULT.read_text()))
+    with pytest.raises(InputError) as info:
+        Latency.load(path)
+    assert info.value.argument == "--latency" and why in str(info.value)
+    copy = tmp_path / "copy.toml"
+    copy.write_text(DEFAULT.read_text())
+    assert Latency.load(copy).params == Latency.load().params  # an unedited copy loads

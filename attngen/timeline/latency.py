@@ -23,9 +23,12 @@ class Latency:
 
     @classmethod
     def load(cls, path=None) -> "Latency":
+        """The model in `path` (default latency.toml); a user's file must hold every parameter the default has."""
         p = Path(path) if path else DEFAULT
-        with open(p, "rb") as f:
-            return cls(tomllib.load(f), str(p))
+        params = _read(p)
+        if path:
+            _check_like(params, _read(DEFAULT), p)
+        return cls(params, str(p))
 
     def __getitem__(self, key):
         section, name = key.split(".")
@@ -121,3 +124,34 @@ class SourceInfo:
         if line is None or not 1 <= line <= len(self.lines):
             return ""
         return self.lines[line - 1].strip()
+
+
+def _read(p: Path) -> dict:
+    from attngen.reference import InputError
+
+    try:
+        return tomllib.loads(p.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise InputError("--latency", str(p), f"a readable latency TOML file like {DEFAULT.name} ({why})") from None
+
+
+def _check_like(params: dict, default: dict, p: Path) -> None:
+    """Every section and parameter of the default, with a value of the same kind (numbers positive)."""
+    from attngen.reference import InputError
+
+    for section, entries in default.items():
+        for name, want in entries.items():
+            got = params.get(section, {}).get(name) if isinstance(params.get(section), dict) else None
+            where = f"[{section}] {name}"
+            if got is None:
+                raise InputError("--latency", str(p), f"a latency TOML with {where} (see {DEFAULT})")
+            divisor = name in ("sms", "clock_ghz", "tflops") or name.endswith("_per_cycle")  # rates: > 0; costs: >= 0
+            numbers = list(got.values()) if isinstance(got, dict) else [got]
+            number_like = isinstance(want, (int, float, dict)) and not isinstance(want, bool)
+            ok = isinstance(got, dict) == isinstance(want, dict) and (not number_like or all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and (x > 0 if divisor else x >= 0) for x in numbers))
+            ok = ok and (number_like or type(got) is type(want))
+            if not ok:
+                kind = "positive" if divisor else "non-negative"
+                raise InputError("--latency", str(p), f"{where} like the default's {want!r} ({kind} numbers)")
