@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 
-from attngen import hw
+from attngen import expr, hw
 from attngen.spec import Spec, SpecError
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
@@ -72,6 +72,20 @@ class ConsumerBarriers:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtraTensor:
+    """A kernel parameter beyond Q, K, V, O: the LSE output or a float32 call-time input."""
+
+    name: str  # the call-time keyword (alibi_slopes, sinks, a score_mod/mask_mod tensor) or "lse"
+    param: str  # the prim_func parameter
+    shape: tuple  # per axis: "batch", "heads", "q_len", "kv_len", or None (any extent >= 1)
+    output: bool = False
+
+    def dim(self, axis: int) -> str:
+        """The kernel's name for an axis extent (a T.dynamic for a free axis)."""
+        return self.shape[axis] or f"{self.param}_dim{axis}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     spec: Spec  # resolved: block_m, block_n and pingpong filled in
     shape: Shape | None
@@ -91,9 +105,17 @@ class Plan:
     pingpong_threads: int  # threads that meet at one ping-pong barrier
     primer: int | None  # the consumer that arrives once at the start so that warpgroup 0 issues first
     epilogue_bar: int  # first named barrier of the epilogues (consumer g uses epilogue_bar + g)
-    guard_empty_rows: bool  # some query rows may see no key: guard -inf maxima and 0 sums
     scale_log2: float
     compile_flags: tuple
+    # Variants (docs/variants.md); at the spec defaults they change nothing in the kernel.
+    head_dim_v: int = 0
+    window_left: int | None = None  # keys before row + offset - left are masked (None: unbounded)
+    window_right: int | None = None  # keys after row + offset + right are masked; causal makes it <= 0
+    score_expr: expr.Expr | None = None  # the parsed score_mod
+    mask_expr: expr.Expr | None = None  # the parsed mask_mod
+    extra: tuple = ()  # ExtraTensor per prim_func parameter after O, in order
+    prescaled: bool = False  # a score transform runs: acc_s holds the final score in base-2 units
+    guard_empty_rows: bool = False  # some query rows may see no key: guard -inf maxima and 0 sums
 
     @property
     def smem_bytes(self) -> int:
@@ -119,28 +141,57 @@ def kernel_name(spec: Spec) -> str:
         parts.append("nopp")
     if spec.aligned:
         parts.append("aligned")
+    parts += variant_tags(spec)
     return "_".join(parts)
+
+
+def variant_tags(spec: Spec) -> list:
+    """Name parts of the variant fields that differ from their defaults (none for a plain kernel)."""
+    tags = []
+    if spec.head_dim_v is not None and spec.head_dim_v != spec.head_dim:
+        tags.append(f"dv{spec.head_dim_v}")
+    if spec.window != (-1, -1):
+        tags.append("w" + "_".join("inf" if x < 0 else str(x) for x in spec.window))
+    if spec.softcap:
+        tags.append("sc" + f"{spec.softcap:g}".replace(".", "p").replace("+", ""))
+    if spec.alibi:
+        tags.append("alibi")
+    if spec.sinks:
+        tags.append("sinks")
+    for field, tag in (("score_mod", "smod"), ("mask_mod", "mmod")):
+        text = getattr(spec, field)
+        if text.strip():
+            tags.append(tag + hashlib.sha256(text.strip().encode()).hexdigest()[:6])
+    if spec.lse:
+        tags.append("lse")
+    return tags
 
 
 def spec_hash(spec: Spec) -> str:
     """Content hash of a resolved spec (12 hex digits): equal for a default written out or left implicit."""
-    blob = json.dumps(spec.to_dict(), sort_keys=True).encode()
+    blob = json.dumps(spec.canonical_dict(), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def head_dim_v(spec: Spec) -> int:
+    return spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
 
 
 def smem_layout(spec: Spec, block_n: int) -> dict:
     elem = hw.DTYPES[spec.dtype].bytes
     rows_q = hw.WGMMA_M * spec.consumers
+    dv = head_dim_v(spec)
     return {
         "Q": rows_q * spec.head_dim * elem,
         "K": spec.k_stages * block_n * spec.head_dim * elem,
-        "V": spec.v_stages * block_n * spec.head_dim * elem,
-        "O": rows_q * spec.head_dim * elem,  # output staged in shared memory, then one TMA store
+        "V": spec.v_stages * block_n * dv * elem,
+        "O": rows_q * dv * elem,  # output staged in shared memory, then one TMA store
     }
 
 
 def regs_needed(spec: Spec, block_n: int) -> int:
-    return hw.consumer_regs_needed(spec.head_dim, block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
+    # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
+    return hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
 
 
 def default_block_n(spec: Spec) -> int:
@@ -156,6 +207,7 @@ def resolve(spec: Spec) -> Spec:
     """The spec with every "choose for me" field filled in."""
     return dataclasses.replace(
         spec,
+        head_dim_v=head_dim_v(spec),
         block_m=spec.block_m if spec.block_m is not None else hw.WGMMA_M * spec.consumers,
         block_n=spec.block_n if spec.block_n is not None else default_block_n(spec),
         pingpong=spec.pingpong if spec.pingpong is not None else spec.consumers >= 2,
@@ -193,6 +245,7 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
 
     if shape is not None:
         check_shape(spec, shape)
+    variant = plan_variant(spec, shape)
 
     if spec.pingpong:
         # Named barrier 0 is __syncthreads; the ring uses 1..n: warpgroup g waits on g+1, signals g+2 (mod n).
@@ -221,10 +274,56 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
         pingpong_threads=2 * hw.WARPGROUP_THREADS,
         primer=n - 1 if spec.pingpong else None,
         epilogue_bar=1 + ring,
-        guard_empty_rows=spec.causal and (shape is None or shape.q_len > shape.kv_len),
         scale_log2=(1.0 / spec.head_dim) ** 0.5 * hw.LOG2E,
         compile_flags=COMPILE_FLAGS,
+        **variant,
     )
+
+
+def plan_variant(spec: Spec, shape: Shape | None) -> dict:
+    """The variant fields' derived numbers: window bounds (causal folded in), parsed mods,
+    the extra kernel parameters, whether rows can see no key."""
+    left, right = (None if x < 0 else x for x in spec.window)
+    if spec.causal:  # causal is the window's right edge at the diagonal
+        right = 0 if right is None else min(right, 0)
+    score_expr = expr.parse(spec.score_mod, "score_mod") if spec.score_mod.strip() else None
+    mask_expr = expr.parse(spec.mask_mod, "mask_mod") if spec.mask_mod.strip() else None
+
+    extra = []
+    if spec.lse:
+        extra.append(ExtraTensor("lse", "LSE", ("batch", "heads", "q_len"), output=True))
+    if spec.alibi:
+        extra.append(ExtraTensor("alibi_slopes", "Alibi", ("heads",)))
+    if spec.sinks:
+        extra.append(ExtraTensor("sinks", "Sinks", ("heads",)))
+    used = {}
+    for field, e in (("score_mod", score_expr), ("mask_mod", mask_expr)):
+        for name, axes in (e.tensors if e else ()):
+            if name in used and len(used[name][1]) != len(axes):
+                raise SpecError(field, getattr(spec, field),
+                                f"tensor `{name}` has {len(used[name][1])} indices in {used[name][0]} but {len(axes)} here")
+            if name in used:
+                axes = tuple(a if a == b else None for a, b in zip(axes, used[name][1]))
+            used[name] = (used.get(name, (field,))[0], axes)
+    extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
+
+    # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
+    if mask_expr is not None or left is not None:
+        guard = True  # any row may be masked whole (mask_mod), or its first visited tiles (window)
+    elif right is not None:
+        guard = shape is None or shape.q_len > shape.kv_len + right
+    else:
+        guard = False
+    return {
+        "head_dim_v": spec.head_dim_v,
+        "window_left": left,
+        "window_right": right,
+        "score_expr": score_expr,
+        "mask_expr": mask_expr,
+        "extra": tuple(extra),
+        "prescaled": bool(spec.softcap or spec.alibi or score_expr is not None),
+        "guard_empty_rows": guard,
+    }
 
 
 def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):

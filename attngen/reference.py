@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from attngen import expr as expr_mod
 from attngen.hw import DTYPES, LOG2E
 
 # One ulp at 1.0 of each dtype (hw.DTYPES): the tolerance's floor is this times max|ref|.
@@ -97,8 +98,8 @@ def _check_shapes(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"expected 4-d BSHD tensors, got q {q.shape}, k {k.shape}, v {v.shape}")
     b, _, h, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, Skv, HKV, D] matching q [B, Sq, H, D]: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:  # v's head dim may differ (head_dim_v)
+        raise ValueError(f"k and v must be [B, Skv, HKV, D] and [B, Skv, HKV, DV] matching q [B, Sq, H, D]: q {q.shape}, k {k.shape}, v {v.shape}")
     hkv = k.shape[2]
     if hkv == 0 or h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of KV heads {hkv}")
@@ -124,31 +125,88 @@ def _pv(w, v, visible):
     return out
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
-    """fp64 attention. Returns (out [B, Sq, H, D] float64, lse [B, H, Sq] float64, natural log).
+# -- variants (docs/variants.md) ---------------------------------------------------------
+VARIANT_KEYS = ("window", "softcap", "alibi_slopes", "sinks", "score_mod", "mask_mod", "tensors")
+
+
+def variant_of(spec, alibi_slopes=None, sinks=None, tensors=None) -> dict:
+    """The variant keywords of attention()/attention_lowprec()/check_close() for a spec
+    (read by attribute: this module sits beside spec.py, not above it)."""
+    return {"window": tuple(spec.window), "softcap": spec.softcap, "alibi_slopes": alibi_slopes if spec.alibi else None,
+            "sinks": sinks if spec.sinks else None, "score_mod": spec.score_mod, "mask_mod": spec.mask_mod,
+            "tensors": dict(tensors or {})}
+
+
+def _prescaled(variant: dict) -> bool:
+    """softcap, ALiBi or a score_mod: the kernel transforms the natural-units score first."""
+    return bool(variant.get("softcap") or variant.get("alibi_slopes") is not None or (variant.get("score_mod") or "").strip())
+
+
+def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                    score_mod="", mask_mod="", tensors=None, dtype=np.float64):
+    """Scores s [g, Sq, Skv] (q . k * scale, natural units) of batch bi and query heads `heads`
+    through softcap, ALiBi, score_mod, then the masks (causal, window, mask_mod): masked -> -inf.
+    Returns (scores, visible [g, Sq, Skv], the heads' sink logits [g, 1, 1] or None)."""
+    off = skv - sq
+    qi = np.arange(sq)[None, :, None]
+    kj = np.arange(skv)[None, None, :]
+    hh = np.asarray(heads)[:, None, None]
+    tensors = {n: to_numpy(t).astype(np.float64) for n, t in (tensors or {}).items()}
+    env = {"b": bi, "h": hh, "q_idx": qi, "kv_idx": kj}
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        if alibi_slopes is not None:
+            slopes = to_numpy(alibi_slopes).astype(np.float64)[hh]
+            s = s - slopes * np.abs(qi + off - kj)
+        if score_mod and score_mod.strip():
+            s = expr_mod.evaluate(expr_mod.parse(score_mod, "score_mod"), {**env, "score": s}, tensors)
+        s = np.broadcast_to(np.asarray(s, dtype), (len(heads), sq, skv))
+    visible = np.ones((len(heads), sq, skv), bool)
+    if causal:
+        visible &= kj <= qi + off
+    left, right = window
+    if left >= 0:
+        visible &= kj >= qi + off - left
+    if right >= 0:
+        visible &= kj <= qi + off + right
+    if mask_mod and mask_mod.strip():
+        visible &= np.asarray(expr_mod.evaluate(expr_mod.parse(mask_mod, "mask_mod"), env, tensors), bool)
+    s = np.where(visible, s, dtype(-np.inf))
+    sink = None if sinks is None else to_numpy(sinks).astype(dtype)[hh]
+    return s, visible, sink
+
+
+def attention(q, k, v, causal: bool = False, scale: float | None = None, **variant):
+    """fp64 attention. Returns (out [B, Sq, H, DV] float64, lse [B, H, Sq] float64, natural log).
 
     Non-finite inputs propagate to the outputs that read them: a NaN in q row i gives NaN in
     output row i; a score that is NaN or +inf makes its row NaN (a -inf score is a key of
     weight 0); a non-finite v[j, d] reaches column d of the rows that see key j.
+    `variant`: window, softcap, alibi_slopes, sinks, score_mod, mask_mod, tensors (docs/variants.md;
+    `variant_of(spec, ...)` builds them from a spec). With sinks the LSE includes the sink's term.
     """
     q, k, v = (to_numpy(t).astype(np.float64) for t in (q, k, v))
     group = _check_shapes(q, k, v)
     b, sq, h, d = q.shape
     skv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = np.zeros((b, sq, h, d))
+    out = np.zeros((b, sq, h, v.shape[3]))
     lse = np.full((b, h, sq), -np.inf)
-    visible = causal_visible(sq, skv) if causal else np.ones((sq, skv), bool)
     for bi in range(b):
         for hk in range(k.shape[2]):
             heads = slice(hk * group, (hk + 1) * group)
             with np.errstate(invalid="ignore", over="ignore"):
                 s = np.einsum("qgd,kd->gqk", q[bi, :, heads], k[bi, :, hk]) * scale  # [group, Sq, Skv]
-                s = np.where(visible, s, -np.inf)
+                s, visible, sink = _variant_scores(s, bi, range(hk * group, (hk + 1) * group), sq, skv, causal, **variant)
                 m = s.max(axis=-1, keepdims=True)
+                if sink is not None:
+                    m = np.maximum(m, sink)
                 m_safe = np.where(np.isfinite(m), m, 0.0)  # a row with no key: exp(-inf) = 0, not NaN
                 p = np.exp(s - m_safe)
                 den = p.sum(axis=-1, keepdims=True)
+                if sink is not None:  # the sink joins the denominator only
+                    den = den + np.exp(sink - m_safe)
                 w = p / np.where(den > 0, den, 1.0)
             out[bi, :, heads] = _pv(w, v[bi, :, hk], visible)
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -156,7 +214,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     return out, lse
 
 
-def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", scale: float | None = None) -> np.ndarray:
+def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", scale: float | None = None, **variant) -> np.ndarray:
     """The kernel's arithmetic on the CPU: the twin whose error against `attention` sets the bound.
 
     Inputs rounded to `dtype`; s = q @ k^T in float32 (tensor cores accumulate in float32);
@@ -167,25 +225,42 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
     alpha = exp2(m_old * c - m_new * c); those factors telescope to the one-shot max used here,
     and P is rounded with the same relative error wherever the max sits, so this one-shot form
     has the kernel's roundings (docs/emulator.md, "The tolerance rule"). Returns float64.
+
+    Variants as the kernel computes them: with softcap, ALiBi or a score_mod the float32 score
+    is transformed first, z = mods(s * scale) * log2(e), and P = exp2(z - max z); masks set
+    -inf; a sink enters the max and the row sum in the same units.
     """
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
     group = _check_shapes(q, k, v)
     b, sq, h, d = q.shape
     skv = k.shape[1]
-    c = np.float32((1.0 / math.sqrt(d) if scale is None else scale) * LOG2E)
-    out = np.zeros((b, sq, h, d))
-    visible = causal_visible(sq, skv) if causal else np.ones((sq, skv), bool)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    c = np.float32(scale * LOG2E)
+    prescaled = _prescaled(variant)
+    out = np.zeros((b, sq, h, v.shape[3]))
     ninf = np.float32(-np.inf)
     for bi in range(b):
         for hk in range(k.shape[2]):
             heads = slice(hk * group, (hk + 1) * group)
             with np.errstate(invalid="ignore", over="ignore"):
                 s = q[bi, :, heads].transpose(1, 0, 2) @ k[bi, :, hk].T  # [group, Sq, Skv] float32
-                s = np.where(visible, s, ninf)
+                head_ids = range(hk * group, (hk + 1) * group)
+                if prescaled:  # the kernel's transform, then base-2 units (no further scale)
+                    s, _, sink = _variant_scores(s * np.float32(scale), bi, head_ids, sq, skv, causal, dtype=np.float32, **variant)
+                    s, cc = s * np.float32(LOG2E), np.float32(1)
+                    sink = None if sink is None else sink * np.float32(LOG2E)
+                else:  # masks only: the raw score, scaled in the exponent
+                    s, _, sink = _variant_scores(s, bi, head_ids, sq, skv, causal, dtype=np.float32, **variant)
+                    cc = c
+                    sink = None if sink is None else sink * np.float32(LOG2E) / c
                 m = s.max(axis=-1, keepdims=True)
-                mc = np.where(m == ninf, np.float32(0), m * c)  # a row that sees no key: P = 0, not NaN
-                p = np.exp2(s * c - mc)
+                if sink is not None:
+                    m = np.maximum(m, sink)
+                mc = np.where(m == ninf, np.float32(0), m * cc)  # a row that sees no key: P = 0, not NaN
+                p = np.exp2(s * cc - mc)
                 den = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+                if sink is not None:
+                    den = den + np.exp2(sink * cc - mc)
                 acc = round_to(p, dtype) @ v[bi, :, hk]
                 o = np.where(den == 0, np.float32(0), acc / np.where(den == 0, np.float32(1), den))
             out[bi, :, heads] = round_to(o, dtype).transpose(1, 0, 2)
@@ -224,7 +299,8 @@ def tolerance(ref: np.ndarray, low: np.ndarray, dtype: str, eps: float | None = 
     return 2.0 * twin + eps
 
 
-def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: float | None = None, scale: float | None = None) -> Check:
+def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: float | None = None, scale: float | None = None,
+                **variant) -> Check:
     """Compare a kernel output with the fp64 reference under the tolerance rule above.
 
     The reference is computed from the inputs rounded to `dtype` (what the kernel reads);
@@ -237,10 +313,10 @@ def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: fl
         raise ValueError(f"check_close: pass dtype='float16' or 'bfloat16' (q has dtype {getattr(q, 'dtype', None)})")
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
     out = to_numpy(out).astype(np.float64)
-    ref, _ = attention(q, k, v, causal, scale)
+    ref, _ = attention(q, k, v, causal, scale, **variant)
     if out.shape != ref.shape:
         raise ValueError(f"check_close: out has shape {out.shape}, expected {ref.shape}")
-    low = attention_lowprec(q, k, v, causal, dtype, scale)
+    low = attention_lowprec(q, k, v, causal, dtype, scale, **variant)
     finite = np.isfinite(ref) & np.isfinite(out)
     if nonfinite_agree(out, ref):
         err = float(np.abs(out[finite] - ref[finite]).max(initial=0.0))
@@ -248,3 +324,24 @@ def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: fl
         err = float("inf")
     bound = tolerance(ref, low, dtype, eps)
     return Check(err <= bound, err, bound)
+
+
+LSE_ATOL, LSE_RTOL = 2e-3, 1e-3  # the kernel's LSE is fp32 math on the exact scores: ~1e-5 off; log(2) is 0.69
+
+
+def check_lse(lse, q, k, v, causal: bool, *, dtype: str | None = None, scale: float | None = None, **variant) -> Check:
+    """The kernel's log-sum-exp [B, H, Sq] against the fp64 one: -inf exactly where the reference
+    has -inf (rows that see no key), else within LSE_ATOL + LSE_RTOL * |ref|."""
+    dtype = dtype or dtype_of(q)
+    q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
+    _, ref = attention(q, k, v, causal, scale, **variant)
+    lse = to_numpy(lse).astype(np.float64)
+    if lse.shape != ref.shape:
+        raise ValueError(f"check_lse: lse has shape {lse.shape}, expected {ref.shape}")
+    empty = np.isneginf(ref)
+    if np.any(np.isneginf(lse) != empty) or np.any(np.isnan(lse)):
+        return Check(False, float("inf"), 0.0)
+    diff = np.abs(lse[~empty] - ref[~empty])
+    excess = diff - LSE_RTOL * np.abs(ref[~empty])
+    err = float(excess.max(initial=0.0))
+    return Check(err <= LSE_ATOL, err, LSE_ATOL)

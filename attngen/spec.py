@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from attngen import expr
 from attngen.hw import DTYPES, WGMMA_M
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -75,19 +76,46 @@ class Spec:
     block_n: int | None = None  # None: the largest tile within the budgets (plan.py)
     pingpong: bool | None = None  # None: on when there are 2+ consumers
     aligned: bool = False
+    # Variants (docs/variants.md). At their defaults they leave the kernel, its name, hash and
+    # header byte-identical to a kernel of a spec without these fields.
+    lse: bool = False  # also return the natural-log log-sum-exp per row, float32 (batch, heads, q_len)
+    window: tuple = (-1, -1)  # sliding window [left, right] around the bottom-right diagonal; -1: unbounded
+    softcap: float = 0.0  # > 0: score = softcap * tanh(score / softcap), before the masks
+    alibi: bool = False  # score -= slope[h] * |i + kv_len - q_len - j|; slopes float32 (heads,) at call time
+    sinks: bool = False  # a per-head logit sink[h] joins each row's softmax denominator; float32 (heads,)
+    head_dim_v: int | None = None  # V and O head dim; None: head_dim
+    score_mod: str = ""  # expression over score, b, h, q_idx, kv_idx and call-time tensors (attngen/expr.py)
+    mask_mod: str = ""  # boolean expression over b, h, q_idx, kv_idx and call-time tensors
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
         check_keys(fields, "attngen.Spec(...)")
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, fields.get(f.name, f.default))
+            value = fields.get(f.name, f.default)
+            if f.name == "window" and isinstance(value, list):
+                value = tuple(value)  # TOML arrays: a tuple keeps the spec hashable
+            if f.name == "softcap" and type(value) is int:
+                value = float(value)  # 30 and 30.0 are one spec
+            object.__setattr__(self, f.name, value)
         check_fields(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def canonical_dict(self) -> dict[str, Any]:
+        """The fields that identify the kernel: variant fields at their defaults are left out,
+        so kernels that use no variant keep their names, hashes and headers."""
+        out = {}
+        for key, value in self.to_dict().items():
+            if key in VARIANT_DEFAULTS and (value == VARIANT_DEFAULTS[key] or (key == "head_dim_v" and value == self.head_dim)):
+                continue
+            out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
+VARIANT_DEFAULTS = {"lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
+                    "head_dim_v": None, "score_mod": "", "mask_mod": ""}
 
 
 def check_keys(data: dict, source: str) -> None:
@@ -144,8 +172,36 @@ def check_fields(s: Spec) -> None:
         _need_int("block_n", s.block_n, valid)
         if not (BLOCK_N_STEP <= s.block_n <= MAX_BLOCK_N and s.block_n % BLOCK_N_STEP == 0):
             raise SpecError("block_n", s.block_n, f"expected {valid}")
+    check_variant_fields(s)
     if s.pingpong and s.consumers < 2:
         raise SpecError("pingpong", s.pingpong, "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
+
+
+def check_variant_fields(s: Spec) -> None:
+    for field in ("lse", "alibi", "sinks"):
+        _need_bool(s, field)
+    w = s.window
+    valid = "expected [left, right], two integers >= -1 (-1: unbounded on that side)"
+    if not isinstance(w, tuple) or len(w) != 2 or any(type(x) is not int for x in w):
+        raise SpecError("window", w, valid)
+    if any(x < -1 for x in w):
+        raise SpecError("window", w, valid)
+    if type(s.softcap) is not float or not math.isfinite(s.softcap) or s.softcap < 0:
+        raise SpecError("softcap", s.softcap, "expected a finite number >= 0 (0 turns softcapping off)")
+    if s.head_dim_v is not None:
+        head_dims = ", ".join(map(str, HEAD_DIMS))
+        _need_int("head_dim_v", s.head_dim_v, f"one of {head_dims}")
+        if s.head_dim_v not in HEAD_DIMS:
+            raise SpecError("head_dim_v", s.head_dim_v, f"expected one of {head_dims} (the PV wgmma's N)")
+    for field in ("score_mod", "mask_mod"):
+        text = getattr(s, field)
+        if not isinstance(text, str):
+            raise SpecError(field, text, f"expected a string expression, got {type_name(text)}")
+        if text.strip():
+            try:
+                expr.parse(text, field)
+            except expr.ExprError as e:
+                raise SpecError(field, text, str(e)) from None
 
 
 def from_dict(data: dict[str, Any], *, source: str = "spec") -> Spec:
@@ -176,4 +232,4 @@ def load(path: str | Path) -> Spec:
 
 def to_toml(spec: Spec) -> str:
     """The spec as TOML (what the emitted header and presets carry); None fields are left out."""
-    return "".join(f"{key} = {toml_value(value)}\n" for key, value in spec.to_dict().items() if value is not None)
+    return "".join(f"{key} = {toml_value(value)}\n" for key, value in spec.canonical_dict().items() if value is not None)

@@ -125,13 +125,18 @@ class Runtime:
             raise self.wrap_error(KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func"))
         return ns, prim
 
-    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False) -> np.ndarray:
+    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False):
+        """`inputs` holds one array per prim_func parameter in order, None for an output (which
+        starts NaN); a list one short means "the inputs, then one output" (Q, K, V -> O).
+        Returns the output array, or a tuple of them when there are several (O, LSE)."""
         ns, prim = self.load()
-        if len(prim.params) != len(inputs) + 1:
-            raise self.wrap_error(KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected the inputs "
-                                              f"({len(inputs)}) and one output"))
+        if len(prim.params) == len(inputs) + 1:
+            inputs = inputs + [None]
+        if len(prim.params) != len(inputs):
+            raise self.wrap_error(KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected "
+                                              f"{len(inputs)} (inputs and outputs)"))
         bufs = []
-        for (name, ann), x in zip(prim.params, inputs + [None]):
+        for (name, ann), x in zip(prim.params, inputs):
             if x is not None and tuple(x.shape) != ann.shape:
                 raise self.wrap_error(KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} "
                                                   f"but the input is {list(x.shape)}"))
@@ -198,7 +203,8 @@ class Runtime:
         stats.wgmma += counters["wgmma"]
         stats.tma += counters["tma"]
         stats.schedule = digest.hexdigest()[:16]
-        return bufs[-1].data
+        outs = [b.data for b, x in zip(bufs, inputs) if x is None]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _finish_agent(self, agent):
         if agent.wgmma:
@@ -231,28 +237,56 @@ def check_seed(seed, argument: str = "seed") -> int:
     return int(seed)
 
 
-def _prepare(plan, q, k, v):
+def _prepare(plan, q, k, v, tensors=None):
+    """Inputs in the prim_func's parameter order (None for outputs) and the dims T.dynamic reads."""
     from attngen.plan import Shape, check_shape
 
     spec = plan.spec
     qn, kn, vn = (_input_array(n, t, spec.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
     if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
         raise InputError("q, k, v shapes", f"{list(qn.shape)}, {list(kn.shape)}, {list(vn.shape)}",
-                         "BSHD tensors q [B, Sq, H, D], k and v [B, Skv, HKV, D]")
+                         "BSHD tensors q [B, Sq, H, D], k [B, Skv, HKV, D] and v [B, Skv, HKV, DV]")
     b, sq, h, d = qn.shape
     _, skv, hkv, _ = kn.shape
-    if kn.shape != vn.shape or kn.shape[0] != b or kn.shape[3] != d:
-        raise InputError("k, v shapes", f"{list(kn.shape)}, {list(vn.shape)}", f"[B, Skv, HKV, D] both, with q {list(qn.shape)}")
+    if kn.shape[:3] != vn.shape[:3] or kn.shape[0] != b or kn.shape[3] != d:  # v's head dim is head_dim_v
+        raise InputError("k, v shapes", f"{list(kn.shape)}, {list(vn.shape)}", f"[B, Skv, HKV, D] and [B, Skv, HKV, DV], with q {list(qn.shape)}")
     if d != spec.head_dim:
         raise InputError("q.shape[3] (head_dim)", d, f"{spec.head_dim}, the spec's head_dim")
     check_shape(spec, Shape(b, h, hkv, sq, skv))  # SpecError: H = HKV * gqa_group, aligned multiples
     dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
-    return [np.asarray(x, np.float32) for x in (qn, kn, vn)], dims
+    if vn.shape[3] != plan.head_dim_v:
+        raise InputError("v.shape[3] (head_dim_v)", vn.shape[3], f"{plan.head_dim_v}, the spec's head_dim_v")
+    inputs = [np.asarray(x, np.float32) for x in (qn, kn, vn)] + [None]
+    tensors = dict(tensors or {})
+    for t in plan.extra:  # the LSE output and the call-time tensors (docs/variants.md), in parameter order
+        if t.output:
+            inputs.append(None)
+            continue
+        if tensors.get(t.name) is None:
+            raise InputError(t.name, None, f"a float32 tensor of shape {_shape_text(t, dims)}: the spec uses it")
+        given = tensors.pop(t.name)
+        if not (hasattr(given, "detach") or isinstance(given, np.ndarray)):
+            raise InputError(t.name, type(given).__name__, "a torch.Tensor or a numpy array")
+        x = np.asarray(to_numpy(given), np.float32)
+        if x.ndim != len(t.shape) or any(a is not None and x.shape[i] != dims[a] for i, a in enumerate(t.shape)) or 0 in x.shape:
+            raise InputError(f"{t.name}.shape", list(x.shape), _shape_text(t, dims))
+        dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
+        inputs.append(x)
+    if tensors:
+        name = sorted(tensors)[0]
+        takes = ", ".join(t.name for t in plan.extra if not t.output) or "no extra tensors"
+        raise InputError(name, type(tensors[name]).__name__, f"no such tensor: the spec takes {takes}")
+    return inputs, dims
+
+
+def _shape_text(t, dims) -> str:
+    return "[" + ", ".join("any" if a is None else f"{a} = {dims[a]}" for a in t.shape) + "]"
 
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
-                  filename: str | None = None, proxy_fences: bool = PROXY_FENCES):
-    """Like `emulate`, returning (out as float32 numpy, Stats)."""
+                  filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None):
+    """Like `emulate`, returning (out as float32 numpy, Stats); out is (out, lse) for a spec with lse.
+    `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors)."""
     from attngen.plan import Plan, as_plan
     from attngen.render import render_source
     from attngen.spec import Spec
@@ -265,7 +299,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
-    inputs, dims = _prepare(plan, q, k, v)
+    inputs, dims = _prepare(plan, q, k, v, tensors)
     text = render_source(plan) if source is None else source
     filename = filename or f"<emitted {plan.name}>"
     stats = Stats()
@@ -277,7 +311,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
 
 
 def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
-            proxy_fences: bool = PROXY_FENCES):
+            proxy_fences: bool = PROXY_FENCES, alibi_slopes=None, sinks=None, **tensors):
     """Run the kernel emitted for a spec (or plan) on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
@@ -287,6 +321,9 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     `seed` and `policy` ("random", "producer-first", "consumers-first") pick the schedule.
     `proxy_fences` also requires fence.proxy.async + a named barrier between ordinary
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
+    Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
+    score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
+    [B, H, Sq]). A missing, unknown or misshapen tensor is an InputError naming it.
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
     """
     from attngen.plan import Plan, as_plan
@@ -295,12 +332,66 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan)
-    out, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences)
+    tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
+    tensors = {n: t for n, t in tensors.items() if t is not None}
+    result, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences,
+                              tensors=tensors)
+    out, lse = result if plan.spec.lse else (result, None)
     if hasattr(q, "detach"):
         import torch
 
-        return torch.from_numpy(out.copy()).to(getattr(torch, plan.spec.dtype))
-    return out
+        out = torch.from_numpy(out.copy()).to(getattr(torch, plan.spec.dtype))
+        lse = None if lse is None else torch.from_numpy(lse.copy())
+    return (out, lse) if plan.spec.lse else out
+
+
+def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, seed: int = 0):
+    """Random q, k, v (v with head_dim_v) and every call-time tensor the plan takes, by name.
+
+    ALiBi slopes follow the usual 2**(-8 (h + 1) / H); sinks are standard normal; score_mod and
+    mask_mod tensors hold small non-decreasing integers along their last axis (document ids, a
+    bias table), with free axes max(q_len, kv_len) + 8 long.
+    """
+    spec = plan.spec
+    q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
+    _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
+    rng = np.random.default_rng(seed + 1)
+    dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    tensors = {}
+    for t in plan.extra:
+        if t.output:
+            continue
+        if t.name == "alibi_slopes":
+            tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
+        elif t.name == "sinks":
+            tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
+        else:
+            shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
+            tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.float32)
+    return q, k, v, tensors
+
+
+def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
+                   run=None):
+    """Emulate the plan's kernel on variant_inputs and compare out (and lse) with the fp64 reference.
+
+    Returns (ok, text, stats); raises EmulationError for a hazard or deadlock. `run` replaces
+    emulate_stats (the CLI passes the package's, which its tests may wrap)."""
+    from attngen.reference import check_lse, variant_of
+
+    spec = plan.spec
+    q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, q_len, kv_len, seed)
+    result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
+                                           tensors=tensors)
+    out, lse = result if spec.lse else (result, None)
+    variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
+                         {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **variant)
+    ok, text = res.ok, str(res)
+    if lse is not None:
+        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
+        ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {'PASS' if r2.ok else 'FAIL'}"
+    return ok, text, stats
 
 
 # A CPU run past this many bytes is refused even when the machine has them: it would take hours.
@@ -410,13 +501,12 @@ def command(args, plan=None) -> int:
     except InputError as e:
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
-    spec = plan.spec
-    q, k, v = random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, args.seed)
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
     print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
           f"seed {args.seed}, policy {args.policy}")
-    try:
-        out, stats = emulate_stats(plan, q, k, v, seed=args.seed, policy=args.policy, source=source, filename=filename)
+    try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
+        ok, text, stats = check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
+                                         seed=args.seed, policy=args.policy, source=source, filename=filename)
     except EmulationError as e:
         print(e.report)
         return 1
@@ -425,6 +515,5 @@ def command(args, plan=None) -> int:
         return 2
     print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads, {stats.seconds:.2f} s")
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
-    print(f"  {res} (bound = 2 x max|lowprec - ref| + ulp x max|ref|)")
-    return 0 if res.ok else 1
+    print(f"  {text} (bound = 2 x max|lowprec - ref| + ulp x max|ref|)")
+    return 0 if ok else 1

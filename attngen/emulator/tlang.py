@@ -339,6 +339,14 @@ class TLang:
     def sqrt(self, x):
         return np.sqrt(_f32(x))
 
+    def tanh(self, x):
+        return np.tanh(_f32(x))
+
+    def Cast(self, dtype, x):
+        if dtype not in ("float32", "float"):
+            raise UnsupportedConstruct(f"T.Cast({dtype!r}, ...): only casts to float32 are modeled")
+        return _f32(x)
+
     def abs(self, x):
         return np.abs(x)
 

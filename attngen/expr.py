@@ -1,0 +1,326 @@
+"""The score_mod / mask_mod expression language: one parser for the kernel, the reference and the emulator.
+
+An expression is Python syntax read with `ast` and checked against a whitelist:
+
+    score (score_mod only)   q . k / sqrt(head_dim), as in FlexAttention
+    b, h, q_idx, kv_idx      batch, query head, query row, key column (integers)
+    numeric literals         2, 0.5, 1e-3
+    name[index, ...]         a float32 call-time tensor (bias[h], doc[b, q_idx], table[q_idx - kv_idx + 64]);
+                             indices are integer expressions, clamped to the tensor's extent
+    + - * /  unary -         arithmetic (/ is true division)
+    tanh exp log abs min max where(cond, a, b)
+    == != < <= > >=  and or not   comparisons and boolean logic
+
+`parse` returns an `Expr` (or raises ExprError naming the column and what is allowed);
+`evaluate` runs it with numpy in float64 (the reference); `emit` prints it as TileLang
+(the template). This module imports nothing from attngen: spec, plan, render and reference
+all sit above it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import keyword
+import math
+
+import numpy as np
+
+INT, FLOAT, BOOL = "int", "float", "bool"
+INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+FUNCS = {"tanh": 1, "exp": 1, "log": 1, "abs": 1, "min": 2, "max": 2, "where": 3}
+# A tensor axis indexed by exactly one of these has that extent (the runtime checks it);
+# any other index makes the axis free (any extent >= 1).
+AXIS_OF = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
+# Names a call-time tensor may not take: the variables, the functions, the arguments of
+# attngen.attention/emulate, and Python keywords.
+RESERVED = frozenset(INDEX_VARS) | {"score"} | set(FUNCS) | {
+    "q", "k", "v", "out", "spec", "seed", "policy", "source", "causal", "window", "softcap",
+    "alibi_slopes", "sinks", "return_lse", "lse", "T",
+}
+
+ALLOWED = ("allowed: score (score_mod only), b, h, q_idx, kv_idx, numeric literals, call-time tensors "
+           "indexed like bias[h], + - * /, tanh exp log abs min max where, comparisons, and or not")
+
+
+class ExprError(ValueError):
+    """A bad expression: the column (1-based) and what went wrong."""
+
+    def __init__(self, col: int, message: str):
+        self.col, self.message = col, message
+        super().__init__(f"at column {col}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Expr:
+    text: str
+    kind: str  # "score_mod" or "mask_mod"
+    tree: ast.expr = dataclasses.field(compare=False, repr=False)
+    types: dict = dataclasses.field(compare=False, repr=False)  # id(node) -> INT/FLOAT/BOOL
+    tensors: tuple  # ((name, (axis extent or None, ...)), ...) in order of first use
+    uses: frozenset  # the variables it reads
+
+
+def _col(node) -> int:
+    return getattr(node, "col_offset", 0) + 1
+
+
+def _is_name(node, name) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def parse(text: str, kind: str) -> Expr:
+    """Check `text` as a score_mod (numeric, may read `score`) or mask_mod (boolean)."""
+    if not isinstance(text, str):
+        raise ExprError(1, f"expected a string expression, got {type(text).__name__}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ExprError(e.offset or 1, f"not a valid expression ({e.msg}); {ALLOWED}") from None
+    types, tensors, uses = {}, {}, set()
+
+    def bad(node, what):
+        raise ExprError(_col(node), f"{what} is not allowed; {ALLOWED}")
+
+    def numeric(node, what):
+        t = visit(node)
+        if t not in (INT, FLOAT):
+            raise ExprError(_col(node), f"{what} must be a number, got a boolean")
+        return t
+
+    def boolean(node, what):
+        t = visit(node)
+        if t != BOOL:
+            raise ExprError(_col(node), f"{what} must be a comparison or boolean, got a number")
+        return t
+
+    def visit(node):
+        t = _visit(node)
+        types[id(node)] = t
+        return t
+
+    def _visit(node):
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+                bad(node, f"the literal {node.value!r}")
+            if isinstance(node.value, float) and not math.isfinite(node.value):
+                bad(node, "a non-finite literal")
+            return INT if isinstance(node.value, int) else FLOAT
+        if isinstance(node, ast.Name):
+            if node.id == "score":
+                if kind != "score_mod":
+                    raise ExprError(_col(node), "`score` is only defined in score_mod (a mask_mod sees positions, not scores)")
+                uses.add("score")
+                return FLOAT
+            if node.id in INDEX_VARS:
+                uses.add(node.id)
+                return INT
+            if node.id in FUNCS:
+                bad(node, f"`{node.id}` without a call")
+            bad(node, f"the name `{node.id}` (a tensor must be indexed, like {node.id}[h])")
+        if isinstance(node, ast.Subscript):
+            if not isinstance(node.value, ast.Name):
+                bad(node, "indexing anything but a tensor name")
+            name = node.value.id
+            if name in RESERVED or name.startswith("_") or keyword.iskeyword(name):
+                raise ExprError(_col(node), f"`{name}` cannot name a tensor (reserved); {ALLOWED}")
+            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if any(isinstance(i, (ast.Slice, ast.Starred)) for i in idx):
+                bad(node, "a slice")
+            axes = []
+            for i in idx:
+                if visit(i) != INT:
+                    raise ExprError(_col(i), f"an index of `{name}` must be an integer expression of b, h, q_idx, kv_idx")
+                axes.append(AXIS_OF.get(i.id) if isinstance(i, ast.Name) else None)
+            if name in tensors:
+                old = tensors[name]
+                if len(old) != len(axes):
+                    raise ExprError(_col(node), f"`{name}` is indexed with {len(old)} and {len(axes)} indices")
+                axes = [a if a == o else None for a, o in zip(axes, old)]
+            tensors[name] = tuple(axes)
+            return FLOAT
+        if isinstance(node, ast.UnaryOp):
+            if isinstance(node.op, ast.USub):
+                return numeric(node.operand, "the operand of -")
+            if isinstance(node.op, ast.UAdd):
+                return numeric(node.operand, "the operand of +")
+            if isinstance(node.op, ast.Not):
+                return boolean(node.operand, "the operand of not")
+            bad(node, "this unary operator")
+        if isinstance(node, ast.BinOp):
+            if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+                bad(node, f"the operator {type(node.op).__name__}")
+            a = numeric(node.left, "an operand of arithmetic")
+            b = numeric(node.right, "an operand of arithmetic")
+            if isinstance(node.op, ast.Div):
+                return FLOAT
+            return INT if a == b == INT else FLOAT
+        if isinstance(node, ast.BoolOp):
+            for v in node.values:
+                boolean(v, "an operand of and/or")
+            return BOOL
+        if isinstance(node, ast.Compare):
+            for v in [node.left] + node.comparators:
+                numeric(v, "an operand of a comparison")
+            for op in node.ops:
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)):
+                    bad(node, f"the comparison {type(op).__name__}")
+            return BOOL
+        if isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name) or node.func.id not in FUNCS:
+                name = node.func.id if isinstance(node.func, ast.Name) else "this call"
+                bad(node, f"calling `{name}`")
+            fn, n = node.func.id, FUNCS[node.func.id]
+            if node.keywords or len(node.args) != n:
+                raise ExprError(_col(node), f"{fn}() takes {n} positional argument(s)")
+            if fn == "where":
+                boolean(node.args[0], "the condition of where()")
+                a = numeric(node.args[1], "a branch of where()")
+                b = numeric(node.args[2], "a branch of where()")
+                return INT if a == b == INT else FLOAT
+            ts = [numeric(a, f"an argument of {fn}()") for a in node.args]
+            if fn in ("tanh", "exp", "log"):
+                return FLOAT
+            return INT if all(t == INT for t in ts) else FLOAT
+        if isinstance(node, ast.IfExp):
+            bad(node, "`x if c else y` (use where(c, x, y))")
+        bad(node, f"{type(node).__name__}")
+
+    result = visit(tree)
+    if kind == "score_mod" and result == BOOL:
+        raise ExprError(1, "score_mod must give a number (a new score); a boolean belongs in mask_mod")
+    if kind == "mask_mod" and result != BOOL:
+        raise ExprError(1, "mask_mod must give a boolean (true: the key is visible), for example q_idx >= kv_idx")
+    return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses))
+
+
+# -- float64 evaluation (the reference) ------------------------------------------------
+def evaluate(expr: Expr, env: dict, tensors: dict):
+    """numpy value of `expr`; `env` maps score/b/h/q_idx/kv_idx to broadcastable arrays,
+    `tensors` maps each tensor name to a numpy array. Tensor indices are clamped to the extent."""
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return env[node.id]
+        if isinstance(node, ast.Subscript):
+            arr = np.asarray(tensors[node.value.id], np.float64)
+            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            parts = np.broadcast_arrays(*[np.asarray(ev(i)) for i in idx])
+            return arr[tuple(np.clip(p, 0, n - 1) for p, n in zip(parts, arr.shape))]
+        if isinstance(node, ast.UnaryOp):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else (np.logical_not(v) if isinstance(node.op, ast.Not) else v)
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                return a + b
+            if isinstance(node.op, ast.Sub):
+                return a - b
+            if isinstance(node.op, ast.Mult):
+                return a * b
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.true_divide(a, b)
+        if isinstance(node, ast.BoolOp):
+            vals = [ev(v) for v in node.values]
+            f = np.logical_and if isinstance(node.op, ast.And) else np.logical_or
+            out = vals[0]
+            for v in vals[1:]:
+                out = f(out, v)
+            return out
+        if isinstance(node, ast.Compare):
+            ops = {ast.Eq: np.equal, ast.NotEq: np.not_equal, ast.Lt: np.less, ast.LtE: np.less_equal,
+                   ast.Gt: np.greater, ast.GtE: np.greater_equal}
+            left, out = ev(node.left), True
+            for op, c in zip(node.ops, node.comparators):
+                right = ev(c)
+                out = np.logical_and(out, ops[type(op)](left, right))
+                left = right
+            return out
+        if isinstance(node, ast.Call):
+            fn, args = node.func.id, [ev(a) for a in node.args]
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                if fn == "where":
+                    return np.where(args[0], args[1], args[2])
+                return {"tanh": np.tanh, "exp": np.exp, "log": np.log, "abs": np.abs,
+                        "min": np.minimum, "max": np.maximum}[fn](*args)
+        raise AssertionError(ast.dump(node))
+
+    return ev(expr.tree)
+
+
+# -- TileLang text (the kernel) --------------------------------------------------------
+def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
+    """TileLang source of `expr`.
+
+    names: score/b/h/q_idx/kv_idx -> kernel text; tensor_ref(name) -> the kernel parameter;
+    extent(name, axis) -> the axis extent's kernel text (indices are clamped to [0, extent)).
+    Integer operands of float operations are cast explicitly (TVM does not promote ints in
+    divisions), so the kernel computes what `evaluate` computes.
+    """
+    types = expr.types
+
+    def as_float(node):
+        if types[id(node)] == INT:
+            if isinstance(node, ast.Constant):
+                return repr(float(node.value))
+            return f'T.Cast("float32", {ev(node)})'
+        return ev(node)
+
+    def operands(nodes):
+        if all(types[id(n)] == INT for n in nodes):
+            return [ev(n) for n in nodes]
+        return [as_float(n) for n in nodes]
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return repr(node.value)
+        if isinstance(node, ast.Name):
+            return names[node.id]
+        if isinstance(node, ast.Subscript):
+            name = node.value.id
+            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            out = []
+            for axis, i in enumerate(idx):
+                text, n = ev(i), extent(name, axis)
+                if isinstance(i, ast.Name) and i.id in ("b", "h"):
+                    out.append(text)  # always in range
+                elif isinstance(i, ast.Name):  # q_idx / kv_idx: >= 0, may pass the end in a partial tile
+                    out.append(f"T.min({text}, {n} - 1)")
+                else:
+                    out.append(f"T.min(T.max({text}, 0), {n} - 1)")
+            return f"{tensor_ref(name)}[{', '.join(out)}]"
+        if isinstance(node, ast.UnaryOp):
+            if isinstance(node.op, ast.Not):
+                return f"(not {ev(node.operand)})"
+            sign = "-" if isinstance(node.op, ast.USub) else "+"
+            return f"({sign}{ev(node.operand)})"
+        if isinstance(node, ast.BinOp):
+            op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
+            if isinstance(node.op, ast.Div):
+                a, b = as_float(node.left), as_float(node.right)
+            else:
+                a, b = operands([node.left, node.right])
+            return f"({a} {op} {b})"
+        if isinstance(node, ast.BoolOp):
+            op = " and " if isinstance(node.op, ast.And) else " or "
+            return "(" + op.join(ev(v) for v in node.values) + ")"
+        if isinstance(node, ast.Compare):
+            ops = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+            nodes = [node.left] + node.comparators
+            texts = operands(nodes)
+            parts = [f"({texts[n]} {ops[type(op)]} {texts[n + 1]})" for n, op in enumerate(node.ops)]
+            return parts[0] if len(parts) == 1 else "(" + " and ".join(parts) + ")"
+        if isinstance(node, ast.Call):
+            fn = node.func.id
+            if fn == "where":
+                a, b = operands(node.args[1:])
+                return f"T.if_then_else({ev(node.args[0])}, {a}, {b})"
+            if fn in ("tanh", "exp", "log"):
+                return f"T.{fn}({as_float(node.args[0])})"
+            args = operands(node.args)
+            return f"T.{fn}({', '.join(args)})"
+        raise AssertionError(ast.dump(node))
+
+    return ev(expr.tree)
