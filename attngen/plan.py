@@ -15,7 +15,7 @@ import hashlib
 import json
 
 from attngen import expr, hw
-from attngen.spec import Spec, SpecError
+from attngen.spec import FIELDS, Spec, SpecError
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 SHAPE_FIELDS = ("batch", "heads", "kv_heads", "q_len", "kv_len")
@@ -305,6 +305,10 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
             if name in used:
                 axes = tuple(a if a == b else None for a, b in zip(axes, used[name][1]))
             used[name] = (used.get(name, (field,))[0], axes)
+
+    for name, (field, _) in used.items():
+        if name in FIELDS:  # attngen.attention takes spec fields and tensors as keywords
+            raise SpecError(field, getattr(spec, field), f"tensor `{name}` has the name of a spec field; rename it")
     extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.

@@ -100,20 +100,26 @@ def check_tensors(spec_or_plan: Spec | Plan, q, k, v, out=None, *, shape: Shape 
         if t.dim() != 4:
             raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
     want = torch_dtype(spec.dtype)
+    dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
     for name, t in given.items():
         if t.dtype != want:
             raise InputError(f"{name}.dtype", t.dtype, f"{want} (spec dtype {spec.dtype!r})")
-        if t.shape[3] != spec.head_dim:
+        if name in ("v", "out") and dv != spec.head_dim:
+            if t.shape[3] != dv:
+                raise InputError(f"{name}.shape[3] (head_dim_v)", t.shape[3], f"{dv}, the spec's head_dim_v")
+        elif t.shape[3] != spec.head_dim:
             raise InputError(f"{name}.shape[3] (head_dim)", t.shape[3], f"{spec.head_dim}, the spec's head_dim")
 
     batch, q_len, heads, _ = q.shape
     _, kv_len, kv_heads, _ = k.shape
     if k.shape[0] != batch:
         raise InputError("k.shape[0] (batch)", k.shape[0], f"{batch}, the batch of q")
-    if tuple(v.shape) != tuple(k.shape):
-        raise InputError("v.shape", list(v.shape), f"{list(k.shape)}, the shape of k")
-    if out is not None and tuple(out.shape) != tuple(q.shape):
-        raise InputError("out.shape", list(out.shape), f"{list(q.shape)}, the shape of q")
+    if tuple(v.shape) != (*k.shape[:3], dv):
+        what = "the shape of k" if dv == spec.head_dim else "the shape of k with head_dim_v"
+        raise InputError("v.shape", list(v.shape), f"{[*k.shape[:3], dv]}, {what}")
+    if out is not None and tuple(out.shape) != (*q.shape[:3], dv):
+        what = "the shape of q" if dv == spec.head_dim else "the shape of q with head_dim_v"
+        raise InputError("out.shape", list(out.shape), f"{[*q.shape[:3], dv]}, {what}")
     for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len), ("q.shape[2] (heads)", heads),
                         ("k.shape[1] (kv_len)", kv_len), ("k.shape[2] (kv_heads)", kv_heads)):
         if size < 1:  # an empty grid is a launch error; kv_len 0 would leave consumers waiting forever
@@ -147,6 +153,41 @@ def check_tensors(spec_or_plan: Spec | Plan, q, k, v, out=None, *, shape: Shape 
             if _overlap(out, given[name]):  # other blocks still read what out would overwrite
                 raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
     return batch, heads, kv_heads, q_len, kv_len
+
+
+def check_extra(plan: Plan, dims: tuple, tensors: dict) -> list:
+    """The call-time tensors the plan's kernel takes (alibi_slopes, sinks, score_mod/mask_mod
+    tensors), checked for presence, type, dtype float32, shape and layout; returned in the
+    kernel's parameter order (outputs left out). `dims` is check_tensors's result."""
+    torch = _torch()
+    batch, heads, kv_heads, q_len, kv_len = dims
+    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    wanted = [t for t in plan.extra if not t.output]
+    unknown = sorted(set(tensors) - {t.name for t in wanted})
+    if unknown:
+        takes = ", ".join(t.name for t in wanted) or "no extra tensors"
+        raise InputError(unknown[0], _describe(tensors[unknown[0]]), f"no such tensor: the spec takes {takes}")
+    ordered = []
+    for t in wanted:
+        shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
+        x = tensors.get(t.name)
+        if x is None:
+            raise InputError(t.name, None, f"a float32 tensor of shape {shape_text}: the spec uses it")
+        if not isinstance(x, torch.Tensor):
+            raise InputError(t.name, type(x).__name__, "a torch.Tensor")
+        if x.dtype != torch.float32:
+            raise InputError(f"{t.name}.dtype", x.dtype, "torch.float32")
+        if x.dim() != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
+                or x.numel() == 0:
+            raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
+        if not x.is_contiguous():
+            raise InputError(f"{t.name}.stride()", tuple(x.stride()), f"a contiguous tensor, strides {packed_strides(x.shape)} (call .contiguous())")
+        ordered.append(x)
+    return ordered
+
+
+def _describe(x) -> str:
+    return f"a tensor of shape {list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
 
 
 def _overlap(a, b) -> bool:
@@ -215,26 +256,43 @@ class Kernel:
     def name(self) -> str:
         return self.plan.name if self.shape is None else f"{self.plan.name}_static"
 
-    def check(self, q, k, v, out=None) -> None:
-        """Every check of a call, without launching."""
-        check_tensors(self.plan, q, k, v, out, shape=self.shape)
-        check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
+    def check(self, q, k, v, out=None, **tensors) -> list:
+        """Every check of a call, without launching; returns the extra tensors in kernel order."""
+        dims = check_tensors(self.plan, q, k, v, out, shape=self.shape)
+        extra = check_extra(self.plan, dims, {n: t for n, t in tensors.items() if t is not None})
+        named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
+        named.update({t.name: x for t, x in zip([t for t in self.plan.extra if not t.output], extra)})
+        check_device(named)
+        return extra
 
-    def __call__(self, q, k, v, *, out=None, check: bool = True):
+    def __call__(self, q, k, v, *, out=None, check: bool = True, alibi_slopes=None, sinks=None, **tensors):
         """out[b, i, h] = softmax(q[b, i, h] . k[b, :, h // g] / sqrt(D)) v[b, :, h // g].
 
         `out`, if given, is written in place (a NaN-poisoned buffer shows unwritten
         elements). `check=False` skips the input checks (for timing loops only).
+        Variants: `alibi_slopes`, `sinks` and the score_mod/mask_mod tensors by name (float32);
+        returns (out, lse) when the spec has lse (lse float32 [B, H, Sq]).
         """
+        tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
+        tensors = {n: t for n, t in tensors.items() if t is not None}
         if check:
-            self.check(q, k, v, out)
+            extra = self.check(q, k, v, out, **tensors)
+        else:
+            extra = [tensors[t.name] for t in self.plan.extra if not t.output]
         torch = _torch()
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            dv = self.spec.head_dim_v or self.spec.head_dim
+            out = torch.empty((*q.shape[:3], dv), dtype=q.dtype, device=q.device)
+        lse = None
+        if self.spec.lse:
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        args, inputs = [], iter(extra)
+        for t in self.plan.extra:
+            args.append(lse if t.output else next(inputs))
         with torch.cuda.device(q.device):
             # forward only: DLPack refuses tensors that require grad, and no graph is recorded
-            self.jit(q.detach(), k.detach(), v.detach(), out.detach())
-        return out
+            self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args))
+        return (out, lse) if self.spec.lse else out
 
 
 class KernelBuildError(RuntimeError):
@@ -354,21 +412,49 @@ def _spec_for(q, k, causal, overrides: dict, call: str) -> Spec:
     return spec
 
 
-def attention(q, k, v, *, causal: bool = False, out=None, **spec_overrides):
-    """FlashAttention-3 forward on Hopper: q [B, Sq, H, D], k/v [B, Skv, HKV, D] -> [B, Sq, H, D].
+def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+              return_lse: bool = False, out=None, **kwargs):
+    """FlashAttention-3 forward on Hopper: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
 
-    Causal masks align bottom-right (query i sees keys j <= i + Skv - Sq). Other spec
-    fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords.
+    Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
+    Variants (docs/variants.md): `window=(left, right)`, `softcap`, `alibi_slopes` (float32
+    (heads,)), `sinks` (float32 (heads,)), `return_lse` (then returns (out, lse)), and
+    `score_mod=`/`mask_mod=` expressions whose tensors are passed as keywords by name. Other
+    spec fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords too.
     The kernel is compiled once per spec and memoized.
     """
-    plan = as_plan(_spec_for(q, k, causal, spec_overrides, "attngen.attention(...)"))
+    from attngen import expr
+    from attngen.spec import FIELDS
+
+    overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
+    tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
+    named = set()  # the tensors the call's score_mod/mask_mod read; any other keyword is a typo
+    for field in ("score_mod", "mask_mod"):
+        text = overrides.get(field)
+        if isinstance(text, str) and text.strip():
+            try:
+                named |= {name for name, _ in expr.parse(text, field).tensors}
+            except expr.ExprError:
+                pass  # the Spec reports it, naming the field
+    check_keys({n: x for n, x in tensors.items() if n not in named}, "attngen.attention(...)")
+    variant = {"window": tuple(window) if isinstance(window, list) else window, "softcap": softcap,
+               "alibi": alibi_slopes is not None, "sinks": sinks is not None, "lse": return_lse}
+    if hasattr(v, "shape") and len(v.shape) == 4 and hasattr(q, "shape") and len(q.shape) == 4 and v.shape[3] != q.shape[3]:
+        variant["head_dim_v"] = int(v.shape[3])
+    # a spec field given by name (lse=, alibi=) wins over the one derived from the call
+    plan = as_plan(_spec_for(q, k, causal, {**variant, **overrides}, "attngen.attention(...)"))
     # Check before compiling: a bad input should not cost an nvcc run first.
-    check_tensors(plan, q, k, v, out)
-    check_device({n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None})
-    return compile_kernel(plan)(q, k, v, out=out, check=False)
+    dims = check_tensors(plan, q, k, v, out)
+    tensors.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None})
+    extra = check_extra(plan, dims, tensors)
+    named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
+    named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
+    check_device(named)
+    return compile_kernel(plan)(q, k, v, out=out, check=False, **tensors)
 
 
 __all__ = [
-    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "attention", "check_device", "check_layout", "check_tensors",
+    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "attention", "check_device", "check_extra", "check_layout",
+    "check_tensors",
     "check_written", "compile_kernel", "spec_for", "torch_dtype", "spec_dtype",
 ]

@@ -1,0 +1,118 @@
+"""The score_mod / mask_mod expression language (attngen/expr.py): whitelist, errors, and that
+the TileLang text it emits computes what its float64 evaluation computes."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from attngen import expr
+from attngen.spec import Spec, SpecError
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("score", "score_mod"),
+    ("score * 0.5 + bias[h]", "score_mod"),
+    ("where(q_idx >= kv_idx, score, score - 1e3)", "score_mod"),
+    ("tanh(score / 30) * 30", "score_mod"),
+    ("score + table[h, min(max(q_idx - kv_idx, -8), 8) + 8]", "score_mod"),
+    ("q_idx - kv_idx", "score_mod"),  # an integer score is cast to float
+    ("doc[b, q_idx] == doc[b, kv_idx]", "mask_mod"),
+    ("q_idx >= kv_idx and not (kv_idx < 3 or kv_idx > 100)", "mask_mod"),
+    ("0 <= q_idx - kv_idx < 64", "mask_mod"),
+])
+def test_allowed_expressions_parse(text, kind):
+    e = expr.parse(text, kind)
+    assert e.text == text
+
+
+@pytest.mark.parametrize("text, kind, col, fragment", [
+    ("score + foo", "score_mod", 9, "the name `foo`"),
+    ("score ** 2", "score_mod", 1, "operator Pow"),
+    ("sin(score)", "score_mod", 1, "calling `sin`"),
+    ("score > 0", "mask_mod", 1, "`score` is only defined in score_mod"),
+    ("q_idx > 0", "score_mod", 1, "must give a number"),
+    ("q_idx + 1", "mask_mod", 1, "must give a boolean"),
+    ("bias[0.5]", "score_mod", 6, "must be an integer expression"),
+    ("bias[h] + bias[h, b]", "score_mod", 11, "indexed with 1 and 2 indices"),
+    ("score +", "score_mod", None, "not a valid expression"),  # the column is Python's parser's
+    ("q[h] + score", "score_mod", 1, "cannot name a tensor"),
+    ("score if q_idx else 0", "score_mod", 1, "use where"),
+    ("min(score)", "score_mod", 1, "min() takes 2"),
+    ("True", "mask_mod", 1, "the literal True"),
+    ("__import__('os')", "score_mod", 1, "calling `__import__`"),
+])
+def test_bad_expressions_name_the_column_and_what_is_allowed(text, kind, col, fragment):
+    with pytest.raises(expr.ExprError) as info:
+        expr.parse(text, kind)
+    assert col is None or info.value.col == col, str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_a_bad_expression_is_a_spec_error_naming_the_field():
+    with pytest.raises(SpecError) as info:
+        Spec(score_mod="score + foo")
+    msg = str(info.value)
+    assert msg.startswith('spec field `score_mod` = "score + foo": at column 9') and "allowed:" in msg
+    with pytest.raises(SpecError) as info:
+        Spec(mask_mod=3)
+    assert info.value.field == "mask_mod"
+
+
+def test_tensor_axes_follow_their_indices():
+    e = expr.parse("bias[h] + t[b, q_idx] + u[q_idx - kv_idx] + t[b, q_idx]", "score_mod")
+    assert dict(e.tensors) == {"bias": ("heads",), "t": ("batch", "q_len"), "u": (None,)}
+    e = expr.parse("doc[b, q_idx] == doc[b, kv_idx]", "mask_mod")
+    assert dict(e.tensors) == {"doc": ("batch", None)}  # q_len and kv_len differ: a free axis
+
+
+class FakeT:
+    """The T.* functions the emitted text uses, in numpy (float32 like the kernel)."""
+    tanh, exp, log, abs = staticmethod(np.tanh), staticmethod(np.exp), staticmethod(np.log), staticmethod(np.abs)
+    min, max = staticmethod(np.minimum), staticmethod(np.maximum)
+
+    @staticmethod
+    def if_then_else(c, a, b):
+        return np.where(c, a, b)
+
+    @staticmethod
+    def Cast(dtype, x):
+        return np.asarray(x, np.float64)
+
+
+def _emitted_value(e, env, tensors):
+    text = expr.emit(e, {k: k for k in env}, lambda n: f"tensors[{n!r}]", lambda n, axis: f"tensors[{n!r}].shape[{axis}]")
+    # `and`/`or`/`not` on arrays: the kernel's TileLang (and the emulator's rewrite) make them element-wise
+    text = text.replace(" and ", " & ").replace(" or ", " | ").replace("(not ", "(~")
+    return eval(text, {"T": FakeT, "tensors": tensors, **env})
+
+
+EXPRS = [
+    ("score * 0.5 + bias[h]", "score_mod"),
+    ("where(q_idx >= kv_idx, tanh(score / 3), exp(score) - abs(score))", "score_mod"),
+    ("score + table[min(max(q_idx - kv_idx, -8), 8) + 8] / 2", "score_mod"),
+    ("(q_idx - kv_idx) / 3 + max(score, 0)", "score_mod"),
+    ("q_idx / 2 >= kv_idx / 3 or doc[q_idx] == doc[kv_idx]", "mask_mod"),
+    ("not (kv_idx < 3) and 0 <= q_idx - kv_idx < 20", "mask_mod"),
+]
+
+
+@settings(max_examples=30)
+@given(which=st.sampled_from(EXPRS), seed=st.integers(0, 1000))
+def test_emitted_text_computes_what_evaluate_computes(which, seed):
+    rng = np.random.default_rng(seed)
+    e = expr.parse(*which)
+    env = {"score": rng.standard_normal((1, 9, 11)), "b": 0, "h": np.arange(3)[:, None, None],
+           "q_idx": np.arange(9)[None, :, None], "kv_idx": np.arange(11)[None, None, :]}
+    tensors = {"bias": rng.standard_normal(3), "table": rng.standard_normal(17),
+               "doc": np.sort(rng.integers(0, 3, 12)).astype(float)}
+    want = expr.evaluate(e, env, tensors)
+    got = _emitted_value(e, env, tensors)
+    np.testing.assert_allclose(np.broadcast_to(got, np.shape(want)), want, rtol=1e-12, atol=1e-12)
+
+
+def test_indices_are_clamped_to_the_extent():
+    e = expr.parse("score + table[q_idx - kv_idx]", "score_mod")
+    table = np.array([10.0, 20.0, 30.0])
+    got = expr.evaluate(e, {"score": 0.0, "q_idx": np.array([0, 5]), "kv_idx": np.array([3, 0])}, {"table": table})
+    assert list(got) == [10.0, 30.0]  # -3 -> 0, 5 -> 2
+    assert "T.min(T.max(" in expr.emit(e, {"score": "s", "q_idx": "q", "kv_idx": "k"}, str, lambda n, a: "n")

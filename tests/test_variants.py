@@ -1,0 +1,288 @@
+"""Variants (docs/variants.md): spec fields, plan-derived tile ranges, the emitted kernel on the
+CPU model against the fp64 reference, the reference against independent formulas, and the
+call-time tensor checks of attngen.attention / attngen.emulate."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attngen
+from attngen import render
+from attngen.emulator import POLICIES, emulate
+from attngen.emulator.driver import check_emulated, variant_inputs
+from attngen.plan import make_plan
+from attngen.reference import attention, check_lse, random_inputs, variant_of
+from attngen.runtime import InputError, check_extra, check_tensors
+from attngen.spec import Spec, SpecError, from_dict
+
+VARIANT_FIELDS = dict(lse=True, window=[64, 3], softcap=20.0, alibi=True, sinks=True, head_dim_v=64,
+                      score_mod="score + bias[h]", mask_mod="kv_idx != 5")
+
+
+# -- spec fields ---------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, fragment", [
+    ("lse", 1, "expected true or false"),
+    ("window", [1, 2, 3], "expected [left, right]"),
+    ("window", [-2, 0], "integers >= -1"),
+    ("window", 5, "expected [left, right]"),
+    ("window", [1.5, 0], "expected [left, right]"),
+    ("softcap", -1.0, "finite number >= 0"),
+    ("softcap", float("inf"), "finite number >= 0"),
+    ("softcap", "30", "finite number >= 0"),
+    ("alibi", "yes", "expected true or false"),
+    ("sinks", None, "expected true or false"),
+    ("head_dim_v", 100, "expected one of 64, 96, 128, 192, 256"),
+    ("score_mod", "score +* 2", "not a valid expression"),
+    ("mask_mod", "q_idx", "must give a boolean"),
+])
+def test_bad_variant_fields_name_the_field(field, value, fragment):
+    with pytest.raises(SpecError) as info:
+        Spec(**{field: value})
+    assert info.value.field == field and fragment in str(info.value), str(info.value)
+
+
+def test_defaults_written_out_give_the_same_kernel_name_hash_and_text():
+    for base in ({}, {"causal": True, "gqa_group": 4, "head_dim": 64}):
+        plain = make_plan(Spec(**base))
+        explicit = make_plan(Spec(**base, lse=False, window=[-1, -1], softcap=0, alibi=False, sinks=False,
+                                  head_dim_v=base.get("head_dim", 128), score_mod="", mask_mod=""))
+        assert (plain.name, plain.hash) == (explicit.name, explicit.hash)
+        assert attngen.render_source(plain) == attngen.render_source(explicit)
+
+
+@pytest.mark.parametrize("field", sorted(VARIANT_FIELDS))
+def test_each_variant_changes_name_and_hash(field):
+    base = make_plan(Spec())
+    plan = make_plan(Spec(**{field: VARIANT_FIELDS[field]}))
+    assert plan.name != base.name and plan.hash != base.hash
+    assert plan.name.startswith(base.name)
+
+
+def test_window_from_toml_is_a_tuple(tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_text("window = [128, 0]\ncausal = true\nlse = true\n")
+    spec = attngen.load_spec(path)
+    assert spec.window == (128, 0) and hash(spec)
+    assert "window = [128, 0]" in attngen.spec.to_toml(spec)
+
+
+def test_a_tensor_named_like_a_spec_field_is_refused():
+    with pytest.raises(SpecError) as info:
+        make_plan(Spec(score_mod="score + consumers[h]"))
+    assert info.value.field == "score_mod" and "spec field" in str(info.value)
+
+
+def test_head_dim_v_enters_the_budgets():
+    plan = make_plan(Spec(head_dim=192, head_dim_v=128, causal=True))
+    assert plan.smem["V"] == plan.spec.v_stages * plan.spec.block_n * 128 * 2
+    assert plan.smem["O"] == 128 * 128 * 2
+    from attngen.plan import regs_needed
+    bn = plan.spec.block_n
+    assert plan.consumer_regs_needed == regs_needed(plan.spec, bn) == regs_needed(Spec(head_dim=128), bn)  # O is 128 wide
+
+
+# -- window tile ranges: exact ---------------------------------------------------------
+class _T:
+    """The integer T.* the tile-range expressions use, on Python ints (floor division)."""
+    min, max = staticmethod(min), staticmethod(max)
+    floordiv = staticmethod(lambda a, b: a // b)
+    ceildiv = staticmethod(lambda a, b: -(-a // b))
+
+
+def _tiles(plan, q0, q_len, kv_len):
+    env = {"T": _T, "q0": q0, "q_len": q_len, "kv_len": kv_len, "causal_offset": kv_len - q_len,
+           "BLOCK_M": plan.spec.block_m, "BLOCK_N": plan.spec.block_n}
+    first = eval(render.first_tile_expr(plan), env) if render.first_tile_expr(plan) else 0
+    env["first_tile"] = first
+    n = eval(render.n_tiles_expr(plan).split("  #")[0], env)
+    return first, n
+
+
+@pytest.mark.parametrize("window, causal", [((37, 21), False), ((0, 0), False), ((200, -1), True), ((-1, 5), False),
+                                            ((130, 300), True), ((1, -1), False)])
+def test_window_kernels_visit_exactly_the_tiles_holding_visible_keys(window, causal):
+    plan = make_plan(Spec(window=list(window), causal=causal, head_dim=64, block_n=64))
+    bm, bn = plan.spec.block_m, plan.spec.block_n
+    rng = np.random.default_rng(0)
+    for q_len, kv_len in [(1, 1), (300, 100), (100, 300), (129, 257), *rng.integers(1, 700, (20, 2)).tolist()]:
+        off = kv_len - q_len
+        keys = np.arange(kv_len)
+        for q0 in range(0, q_len, bm):
+            rows = np.arange(q0, q0 + bm)[:, None]  # the block's rows (past q_len too: they are computed, not stored)
+            vis = np.ones((bm, kv_len), bool)
+            if causal:
+                vis &= keys <= rows + off
+            if window[0] >= 0:
+                vis &= keys >= rows + off - window[0]
+            if window[1] >= 0:
+                vis &= keys <= rows + off + window[1]
+            needed = sorted({int(j) // bn for j in np.nonzero(vis.any(axis=0))[0]})
+            first, n = _tiles(plan, q0, q_len, kv_len)
+            visited = list(range(first, first + n))
+            if needed:
+                assert visited == list(range(needed[0], needed[-1] + 1)), (q_len, kv_len, q0)
+            else:
+                assert n == 1 and 0 <= first < -(-kv_len // bn)  # one fully masked tile, inside the tensor
+
+
+# -- the kernel on the CPU model vs the fp64 reference ------------------------------------
+CASES = [
+    (dict(causal=True, window=[100, -1], softcap=30.0, lse=True), (1, 1, 300, 100)),
+    (dict(window=[37, 21], consumers=3, head_dim=64, k_stages=3, lse=True), (2, 1, 129, 257)),
+    (dict(window=[-1, 5], lse=True, consumers=1, dtype="bfloat16"), (1, 2, 333, 200)),
+    (dict(window=[0, 0], sinks=True, lse=True, pingpong=False, v_stages=1), (1, 1, 200, 190)),
+    (dict(head_dim=64, alibi=True, lse=True, causal=True), (1, 2, 77, 301)),
+    (dict(gqa_group=2, sinks=True, lse=True, causal=True), (1, 1, 300, 100)),
+    (dict(head_dim=192, head_dim_v=128, causal=True, dtype="bfloat16"), (1, 1, 129, 257)),
+    (dict(head_dim=128, head_dim_v=64, consumers=3, block_n=64), (1, 1, 200, 333)),
+    (dict(score_mod="score + rel[h, q_idx - kv_idx + 64] * 0.5", lse=True, gqa_group=2), (1, 1, 150, 180)),
+    (dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True), (2, 1, 257, 129)),
+    (dict(softcap=5.0, alibi=True, sinks=True, score_mod="score * 0.5 + bias[h]", mask_mod="kv_idx != q_idx + 3", window=[90, 40], lse=True, head_dim=64, head_dim_v=128, aligned=True),
+     (1, 1, 256, 384)),
+]
+
+
+@pytest.mark.parametrize("fields, shape", CASES, ids=lambda x: make_plan(Spec(**x)).name if isinstance(x, dict) else None)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_variant_kernel_matches_the_reference(fields, shape, policy):
+    plan = make_plan(Spec(**fields))
+    b, hkv, sq, skv = shape
+    ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=5, policy=policy)
+    assert ok, f"{plan.name} {shape} {policy}: {text}"
+
+
+def test_lse_of_rows_that_see_no_key_is_minus_inf_and_their_output_zero():
+    spec = Spec(causal=True, lse=True, head_dim=64)
+    q, k, v = random_inputs("float16", 64, 1, 1, 1, 200, 50)
+    out, lse = emulate(spec, q, k, v)
+    assert np.all(np.isneginf(lse[0, 0, :150])) and np.all(np.isfinite(lse[0, 0, 150:]))
+    assert np.all(out[0, :150] == 0)
+    assert check_lse(lse, q, k, v, True, dtype="float16").ok
+    assert not check_lse(lse + math.log(2), q, k, v, True, dtype="float16").ok
+
+
+def test_emulate_returns_torch_out_and_lse_for_torch_input():
+    spec = Spec(lse=True, head_dim=64, sinks=True)
+    q, k, v = (torch.from_numpy(x).half() for x in random_inputs("float16", 64, 1, 2, 2, 70, 90))
+    out, lse = emulate(spec, q, k, v, sinks=torch.zeros(2))
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32 and tuple(lse.shape) == (1, 2, 70)
+
+
+# -- the reference against independent formulas -------------------------------------------
+def _naive(q, k, v, bias=None, visible=None, sink=None):
+    """One head, fp64, no tricks: softmax over (scores + bias) with masked keys dropped."""
+    s = q @ k.T / math.sqrt(q.shape[1]) + (0 if bias is None else bias)
+    s = np.where(visible if visible is not None else True, s, -np.inf)
+    e = np.exp(s)
+    den = e.sum(1, keepdims=True) + (0 if sink is None else math.exp(sink))
+    return e @ v / den, np.log(den[:, 0])
+
+
+def test_reference_variants_against_naive_formulas():
+    rng = np.random.default_rng(1)
+    sq, skv, d = 7, 11, 16
+    q, k, v = rng.standard_normal((1, sq, 1, d)), rng.standard_normal((1, skv, 1, d)), rng.standard_normal((1, skv, 1, 8))
+    Q, K, V = q[0, :, 0], k[0, :, 0], v[0, :, 0]
+    i, j = np.arange(sq)[:, None] + (skv - sq), np.arange(skv)[None, :]
+    raw = Q @ K.T / math.sqrt(d)
+    checks = [
+        (dict(window=(2, 1)), _naive(Q, K, V, visible=(j >= i - 2) & (j <= i + 1))),
+        (dict(softcap=0.5), _naive(Q, K, V, bias=0.5 * np.tanh(raw / 0.5) - raw)),
+        (dict(alibi_slopes=np.array([0.25])), _naive(Q, K, V, bias=-0.25 * np.abs(i - j))),
+        (dict(sinks=np.array([1.5])), _naive(Q, K, V, sink=1.5)),
+        (dict(score_mod="score * 2 + t[kv_idx]", tensors={"t": np.arange(skv) / 10}), _naive(Q, K, V, bias=raw + j / 10)),
+        (dict(mask_mod="kv_idx != 3"), _naive(Q, K, V, visible=j != 3)),
+    ]
+    for variant, (want_o, want_lse) in checks:
+        out, lse = attention(q, k, v, False, **variant)
+        np.testing.assert_allclose(out[0, :, 0], want_o, atol=1e-12, err_msg=str(variant))
+        np.testing.assert_allclose(lse[0, 0], want_lse, atol=1e-12, err_msg=str(variant))
+    # causal is the window [-1, 0]; softcap runs before the mask (a masked key stays out whatever the cap)
+    np.testing.assert_array_equal(attention(q, k, v, True)[0], attention(q, k, v, False, window=(-1, 0))[0])
+    out, _ = attention(q, k, v, True, softcap=0.5)
+    np.testing.assert_allclose(out[0, :, 0], _naive(Q, K, V, bias=0.5 * np.tanh(raw / 0.5) - raw, visible=j <= i)[0], atol=1e-12)
+
+
+def test_variant_of_reads_the_spec():
+    spec = Spec(window=[3, 4], softcap=2.0, alibi=True, sinks=False, score_mod="score", mask_mod="q_idx >= 0")
+    v = variant_of(spec, alibi_slopes=[1.0], sinks=[2.0], tensors={"x": [1]})
+    assert v == {"window": (3, 4), "softcap": 2.0, "alibi_slopes": [1.0], "sinks": None, "score_mod": "score",
+                 "mask_mod": "q_idx >= 0", "tensors": {"x": [1]}}
+
+
+# -- call-time tensors ----------------------------------------------------------------------
+def _torch_inputs(plan, b=1, hkv=2, sq=5, skv=7):
+    q, k, v, tensors = variant_inputs(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv)
+    dt = getattr(torch, plan.spec.dtype)
+    return [torch.from_numpy(x).to(dt) for x in (q, k, v)], {n: torch.from_numpy(x) for n, x in tensors.items()}
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [
+    (lambda t: t.pop("sinks"), "sinks", "a float32 tensor of shape [heads = 2]: the spec uses it"),
+    (lambda t: t.update(sinks=t["sinks"].half()), "sinks.dtype", "torch.float32"),
+    (lambda t: t.update(sinks=torch.zeros(3)), "sinks.shape", "[heads = 2]"),
+    (lambda t: t.update(sinks=[0.0, 1.0]), "sinks", "a torch.Tensor"),
+    (lambda t: t.update(rel=torch.zeros(2, 3)), "rel", "no such tensor: the spec takes sinks, bias"),
+    (lambda t: t.update(bias=torch.zeros(4, 2)[:, 0]), "bias.shape", "[heads = 2]"),
+    (lambda t: t.update(bias=torch.zeros(4)[::2]), "bias.stride()", "a contiguous tensor"),
+])
+def test_call_time_tensors_are_checked(mutate, argument, fragment):
+    plan = make_plan(Spec(sinks=True, score_mod="score + bias[h]", lse=True))
+    (q, k, v), tensors = _torch_inputs(plan)
+    dims = check_tensors(plan, q, k, v)
+    assert [x.shape for x in check_extra(plan, dims, tensors)] == [(2,), (2,)]
+    mutate(tensors)
+    with pytest.raises(InputError) as info:
+        check_extra(plan, dims, tensors)
+    assert info.value.argument == argument and fragment in str(info.value), str(info.value)
+
+
+def test_head_dim_v_shapes_are_checked():
+    plan = make_plan(Spec(head_dim=192, head_dim_v=128))
+    (q, k, v), _ = _torch_inputs(plan)
+    assert check_tensors(plan, q, k, v, torch.empty(*q.shape[:3], 128, dtype=q.dtype)) == (1, 2, 2, 5, 7)
+    with pytest.raises(InputError) as info:
+        check_tensors(plan, q, k, torch.empty(*k.shape[:3], 192, dtype=q.dtype))
+    assert info.value.argument == "v.shape[3] (head_dim_v)"
+    with pytest.raises(InputError) as info:
+        check_tensors(plan, q, k, v, torch.empty_like(q))
+    assert info.value.argument == "out.shape[3] (head_dim_v)"
+
+
+def test_emulate_checks_call_time_tensors():
+    spec = Spec(head_dim=64, alibi=True)
+    q, k, v = random_inputs("float16", 64, 1, 2, 2, 9, 9)
+    with pytest.raises(ValueError, match="alibi_slopes = None: expected a float32 tensor of shape"):
+        emulate(spec, q, k, v)
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape = \[3\]: expected \[heads = 2\]"):
+        emulate(spec, q, k, v, alibi_slopes=np.zeros(3))
+    with pytest.raises(ValueError, match="bias: the spec reads no tensor of that name"):
+        emulate(spec, q, k, v, alibi_slopes=np.zeros(2), bias=np.zeros(2))
+
+
+def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
+    """attngen.attention maps its keywords to spec fields and tensors (compile stubbed: no GPU)."""
+    from attngen import runtime
+
+    seen = {}
+
+    def fake_compile(plan):
+        seen["plan"] = plan
+        return lambda q, k, v, *, out=None, check=True, **tensors: seen.setdefault("tensors", tensors)
+
+    monkeypatch.setattr(runtime, "compile_kernel", fake_compile)
+    monkeypatch.setattr(runtime, "check_device", lambda tensors: seen.setdefault("devices", sorted(tensors)))
+    q, k, v = (torch.zeros(1, 5, 2, 64, dtype=torch.float16) for _ in range(3))
+    v = torch.zeros(1, 5, 2, 128, dtype=torch.float16)
+    runtime.attention(q, k, v, causal=True, window=(16, 0), softcap=30.0, alibi_slopes=torch.ones(2), sinks=torch.ones(2),
+                      return_lse=True, score_mod="score + bias[h]", bias=torch.zeros(2), consumers=1)
+    spec = seen["plan"].spec
+    assert (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks, spec.lse, spec.head_dim_v, spec.consumers) == \
+        (True, (16, 0), 30.0, True, True, True, 128, 1)
+    assert sorted(seen["tensors"]) == ["alibi_slopes", "bias", "sinks"]
+    assert seen["devices"] == ["alibi_slopes", "bias", "k", "q", "sinks", "v"]
+    with pytest.raises(InputError) as info:
+        runtime.attention(q, k, v, score_mod="score + bias[h]")
+    assert info.value.argument == "bias"
