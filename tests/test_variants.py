@@ -138,7 +138,7 @@ CASES = [
     (dict(head_dim=192, head_dim_v=128, causal=True, dtype="bfloat16"), (1, 1, 129, 257)),
     (dict(head_dim=128, head_dim_v=64, consumers=3, block_n=64), (1, 1, 200, 333)),
     (dict(score_mod="score + rel[h, q_idx - kv_idx + 64] * 0.5", lse=True, gqa_group=2), (1, 1, 150, 180)),
-    (dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True), (2, 1, 257, 129)),
+    (dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True), (2, 1, 190, 257)),
     (dict(softcap=5.0, alibi=True, sinks=True, score_mod="score * 0.5 + bias[h]", mask_mod="kv_idx != q_idx + 3", window=[90, 40], lse=True, head_dim=64, head_dim_v=128, aligned=True),
      (1, 1, 256, 384)),
 ]
@@ -151,6 +151,15 @@ def test_variant_kernel_matches_the_reference(fields, shape, policy):
     b, hkv, sq, skv = shape
     ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=5, policy=policy)
     assert ok, f"{plan.name} {shape} {policy}: {text}"
+
+
+def test_variant_inputs_make_the_document_mask_non_trivial():
+    plan = make_plan(Spec(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True))
+    _, _, _, tensors = variant_inputs(plan, 2, 1, 1, 190, 257, seed=5)
+    doc = tensors["doc"]
+    assert doc.shape == (2, 265) and 1 < len(np.unique(doc[0])) and np.all(np.diff(doc, axis=1) >= 0)
+    out, lse = attention(*random_inputs("float16", 128, 2, 1, 1, 190, 257), True, **variant_of(plan.spec, tensors={"doc": doc}))
+    assert np.isfinite(lse).mean() > 0.5  # most rows see some key of their document
 
 
 def test_lse_of_rows_that_see_no_key_is_minus_inf_and_their_output_zero():
