@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from attngen import runtime
 from attngen.plan import SEED_SHAPE, Shape, make_plan
-from attngen.reference import check_close
+from attngen.emulator.driver import variant_inputs
+from attngen.reference import check_close, check_lse, variant_of
 from attngen.runtime import InputError, check_written, torch_dtype
 from attngen.spec import load
 
@@ -54,7 +55,8 @@ def inputs(spec, b, h, hkv, sq, skv, seed):
     def rnd(*shape):  # fresh random data per check: zeros would hide unwritten or misindexed tiles
         return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
 
-    return rnd(b, sq, h, spec.head_dim), rnd(b, skv, hkv, spec.head_dim), rnd(b, skv, hkv, spec.head_dim)
+    dv = spec.head_dim_v or spec.head_dim
+    return rnd(b, sq, h, spec.head_dim), rnd(b, skv, hkv, spec.head_dim), rnd(b, skv, hkv, dv)
 
 
 def poisoned(q):
@@ -62,14 +64,27 @@ def poisoned(q):
 
 
 def run_and_check(kernel, q, k, v):
-    out = poisoned(q)
-    got = kernel(q, k, v, out=out)
+    """Variants (docs/variants.md): the call-time tensors come from variant_inputs (the CPU model's
+    inputs), O has head_dim_v columns, and a spec with lse also has its LSE checked."""
+    spec = kernel.spec
+    shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
+    _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
+    extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
+    got = kernel(q, k, v, out=out, **extra)
+    lse = None
+    if spec.lse:
+        got, lse = got
     torch.cuda.synchronize()
     assert got is out  # written in place: the poisoned buffer is what we inspect
     check_written(out)
-    result = check_close(out, q, k, v, kernel.spec.causal, dtype=kernel.spec.dtype)
-    shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
+    variant = variant_of(spec, extra.get("alibi_slopes"), extra.get("sinks"),
+                         {n: x for n, x in extra.items() if n not in ("alibi_slopes", "sinks")})
+    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **variant)
     assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape}: {result}"
+    if lse is not None:
+        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
+        assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape}: lse {res}"
     return out
 
 
