@@ -295,3 +295,15 @@ def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
     with pytest.raises(InputError) as info:
         runtime.attention(q, k, v, score_mod="score + bias[h]")
     assert info.value.argument == "bias"
+
+
+def test_builtin_variants_agree_with_the_same_maths_as_mods():
+    """softcap and (with q_len == kv_len) ALiBi written as score_mods give the built-in fields' outputs."""
+    q, k, v = random_inputs("float16", 64, 1, 2, 2, 150, 150)
+    slopes = np.array([0.5, 0.125], np.float32)
+    pairs = [(Spec(head_dim=64, softcap=3.0), Spec(head_dim=64, score_mod="3 * tanh(score / 3)"), {}, {}),
+             (Spec(head_dim=64, alibi=True), Spec(head_dim=64, score_mod="score - slope[h] * abs(q_idx - kv_idx)"),
+              {"alibi_slopes": slopes}, {"slope": slopes})]
+    for builtin, mod, t1, t2 in pairs:
+        a, b = emulate(builtin, q, k, v, **t1), emulate(mod, q, k, v, **t2)
+        assert np.abs(a - b).max() <= 2e-3, (builtin, mod)
