@@ -30,6 +30,12 @@ REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 # spill reports: docs/spec-reference.md, "Register budget".
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 ACCUM_BYTES = 4  # wgmma accumulates in float32
+# Registers a consumer thread needs beyond that for the variants' element-wise score work
+# (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor
+# addresses). Measured with ptxas at the 3-consumer edge (160 registers), every variant at
+# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse,
+# sinks and window fit with the base estimate's 4 spare (docs/variants.md, "Registers").
+VARIANT_REG_OVERHEAD = 28
 
 
 # -- element types ---------------------------------------------------------------------

@@ -189,9 +189,16 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     }
 
 
+def variant_regs(spec: Spec) -> int:
+    """Extra registers per consumer thread for the element-wise score variants (0 without them)."""
+    elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
+    return hw.VARIANT_REG_OVERHEAD if elementwise else 0
+
+
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
-    return hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
+    return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
+            + variant_regs(spec))
 
 
 def default_block_n(spec: Spec) -> int:
@@ -336,7 +343,7 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
     if not fits:
         elem = hw.DTYPES[spec.dtype].bytes
         ok = [c for c, (_, regs) in hw.REG_SPLIT.items()
-              if hw.consumer_regs_needed(spec.head_dim, BLOCK_N_CANDIDATES[-1], c, elem) <= regs]
+              if hw.consumer_regs_needed(head_dim_v(spec), BLOCK_N_CANDIDATES[-1], c, elem) + variant_regs(spec) <= regs]
         raise SpecError(
             "consumers", n,
             f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
@@ -344,8 +351,10 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
         )
     raise SpecError(
         "block_n", spec.block_n,
-        f"a consumer thread would need about {needed} registers (O {spec.head_dim // 2}, S {spec.block_n // 2}, "
-        f"P {spec.block_n // 4}, overhead {hw.CONSUMER_REG_OVERHEAD[n]}) but setmaxnreg gives it {consumer_regs} "
+        f"a consumer thread would need about {needed} registers (O {head_dim_v(spec) // 2}, S {spec.block_n // 2}, "
+        f"P {spec.block_n // 4}, overhead {hw.CONSUMER_REG_OVERHEAD[n]}"
+        + (f", variants {variant_regs(spec)}" if variant_regs(spec) else "")
+        + f") but setmaxnreg gives it {consumer_regs} "
         f"with {n} consumer(s); block_n <= {max(fits)} fits",
     )
 

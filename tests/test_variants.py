@@ -307,3 +307,18 @@ def test_builtin_variants_agree_with_the_same_maths_as_mods():
     for builtin, mod, t1, t2 in pairs:
         a, b = emulate(builtin, q, k, v, **t1), emulate(mod, q, k, v, **t2)
         assert np.abs(a - b).max() <= 2e-3, (builtin, mod)
+
+
+def test_element_wise_variants_enter_the_register_estimate():
+    from attngen import hw
+    from attngen.plan import regs_needed
+
+    base = regs_needed(Spec(consumers=3), 80)
+    for fields in (dict(softcap=30.0), dict(alibi=True), dict(score_mod="score"), dict(mask_mod="kv_idx >= 0")):
+        assert regs_needed(Spec(consumers=3, **fields), 80) == base + hw.VARIANT_REG_OVERHEAD, fields
+    for fields in (dict(lse=True), dict(sinks=True), dict(window=[300, -1])):  # fit with the base estimate (ptxas)
+        assert regs_needed(Spec(consumers=3, **fields), 80) == base, fields
+    assert make_plan(Spec(consumers=3, softcap=30.0)).spec.block_n < make_plan(Spec(consumers=3)).spec.block_n
+    with pytest.raises(SpecError) as info:
+        make_plan(Spec(consumers=3, block_n=80, softcap=30.0))
+    assert info.value.field == "block_n" and f"variants {hw.VARIANT_REG_OVERHEAD}" in str(info.value)
