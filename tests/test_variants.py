@@ -322,3 +322,19 @@ def test_element_wise_variants_enter_the_register_estimate():
     with pytest.raises(SpecError) as info:
         make_plan(Spec(consumers=3, block_n=80, softcap=30.0))
     assert info.value.field == "block_n" and f"variants {hw.VARIANT_REG_OVERHEAD}" in str(info.value)
+
+
+@pytest.mark.parametrize("fields, shape", [
+    (dict(causal=True, window=[100, -1], softcap=30.0, lse=True), (1, 1, 300, 100)),
+    (dict(window=[37, 21], consumers=3, head_dim=64, lse=True, sinks=True), (1, 1, 129, 257)),
+    (dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True, alibi=True), (2, 1, 190, 257)),
+])
+def test_variant_kernels_specialised_to_a_static_shape(fields, shape):
+    spec = Spec(**fields)
+    b, hkv, sq, skv = shape
+    h = hkv * spec.gqa_group
+    static = make_plan(spec, attngen.Shape(b, h, hkv, sq, skv))
+    source = attngen.render_source(static)
+    assert "T.dynamic(\"q_len\")" not in source
+    ok, text, _ = check_emulated(make_plan(spec), b, h, hkv, sq, skv, seed=2, source=source)
+    assert ok, text
