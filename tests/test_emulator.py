@@ -179,7 +179,7 @@ def test_tma_data_is_not_visible_before_its_phase_completes():
     with pytest.raises(HazardError) as e:
         run_mini(32 + 56 + 120 + 1, parity=1)
     report = e.value.report
-    assert "in-flight TMA load of producer" in report and "not yet landed" in report
+    assert "in-flight TMA load of producer" in report and "not landed first" in report and "has not completed yet" in report
     assert f"line {line_of(MINI, '{after_wait}')}" in report and f"line {line_of(MINI, 'T.tma_copy')}" in report
 
 

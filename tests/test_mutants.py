@@ -4,6 +4,10 @@ Each mutant is a textual edit of the *rendered* source, so it follows template c
 test first asserts the edit applied, then that the unmodified kernel passes for the same
 spec, shape and schedule, then that the mutant is caught the way it should be: a hazard
 report, a deadlock report, or a numeric mismatch against the fp64 reference.
+
+Every hazard mutant is an edit of the DEFAULT preset (`attngen.Spec(causal=True)`, which
+is examples/default.toml) and must be reported under every schedule policy and 20 seeds:
+races are found by happens-before, not by a schedule that happens to interleave them.
 """
 
 import dataclasses
@@ -11,7 +15,7 @@ import dataclasses
 import pytest
 
 import attngen
-from attngen.emulator import DeadlockError, HazardError, emulate
+from attngen.emulator import POLICIES, DeadlockError, HazardError, emulate
 from attngen.reference import check_close, random_inputs
 
 WAIT_PV = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
@@ -20,6 +24,13 @@ RELEASE_K = "            T.mbarrier_arrive(k_empty[k_stage])\n"
 RELEASE_V = "            T.mbarrier_arrive(v_empty[v_stage_prev])\n"
 ROW_SUM = "            for i in T.Parallel(WG_ROWS):\n                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]\n"
 COPY_P = "            T.copy(acc_s, p_reg)\n"
+PROLOGUE_WAIT_QK = "        T.wait_wgmma(0)\n        T.mbarrier_arrive(k_empty[0])\n"
+EPILOGUE_FENCE = "        T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...\n"
+EPILOGUE_BARRIER = "        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store\n"
+
+DEFAULT = {"causal": True}  # == examples/default.toml: hd128, causal, 2 consumers, k_stages = v_stages = 2
+SWEEP_SHAPE = (1, 1, 256, 700)  # causal: blocks of 5 and 6 K tiles (a partial last one), so every stage is reused
+SWEEP_SEEDS = range(20)
 
 
 @dataclasses.dataclass
@@ -28,10 +39,11 @@ class Mutant:
     why: str
     edits: list  # (old, new): every occurrence of old is replaced
     expect: str  # "hazard", "deadlock" or "numeric"
-    spec: dict = dataclasses.field(default_factory=lambda: {"causal": True})
+    spec: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT))
     shape: tuple = (1, 1, 256, 700)  # batch, kv heads, q_len, kv_len
-    policy: str = "producer-first"
+    policy: str = "producer-first"  # deadlock and numeric mutants: the schedule they run under
     report: tuple = ()  # strings the hazard/deadlock report must contain
+    corrupts: bool = True  # hazards: with race detection off, the race also shows in the numbers
 
 
 MUTANTS = [
@@ -39,20 +51,38 @@ MUTANTS = [
            "P of tile k is written into p_reg while PV(k-1), which reads p_reg, is still in flight",
            [(WAIT_PV + RELEASE_V + ROW_SUM + COPY_P, COPY_P + WAIT_PV + RELEASE_V + ROW_SUM)],
            "hazard", report=("writes p_reg", "in-flight wgmma", "T.copy(acc_s, p_reg)")),
-    Mutant("k_stage_released_before_qk_waited",
-           "k_empty is arrived on before the QK wgmma reading that K stage retires; with one K stage "
-           "(and two V stages) the producer reloads it under the running wgmma",
-           [(WAIT_QK + RELEASE_K, RELEASE_K + WAIT_QK)],
-           "hazard", spec={"causal": True, "k_stages": 1, "v_stages": 2},
-           report=("producer (TMA load) writes K_shared", "in-flight wgmma")),
+    Mutant("k_stage_released_before_qk_waited_prologue",
+           "the prologue arrives on k_empty[0] before the QK(0) wgmma reading K_shared[0] retires; nothing else "
+           "orders the producer's load of tile 2 into that stage after it",
+           [(PROLOGUE_WAIT_QK, "        T.mbarrier_arrive(k_empty[0])\n        T.wait_wgmma(0)\n")],
+           "hazard", report=("producer (TMA load) writes K_shared[0] while the in-flight wgmma of consumer",
+                             "T.wgmma_gemm(Q_shared[g, :, :], K_shared[0, :, :]")),
     Mutant("v_stage_released_before_pv_waited",
            "v_empty is arrived on before PV(k-1) retires; the producer reloads the V stage under it",
            [(WAIT_PV + RELEASE_V, RELEASE_V + WAIT_PV)],
-           "hazard", report=("producer (TMA load) writes V_shared[", "in-flight wgmma")),
+           "hazard", report=("producer (TMA load) writes V_shared[", "in-flight wgmma", "T.wgmma_gemm(p_reg, V_shared")),
     Mutant("qk_not_waited",
            "wait_wgmma(2) instead of (1): the softmax reads acc_s while QK(k) is still writing it",
            [("T.wait_wgmma(1)  # QK(k) done", "T.wait_wgmma(2)  # QK(k) done")],
            "hazard", report=("reads acc_s", "in-flight wgmma")),
+    Mutant("v_full_wait_dropped",
+           "the steady state issues PV(k-1) without waiting for V(k-1) to land",
+           [("            T.mbarrier_wait_parity(v_full[v_stage_prev], ((k - 1) // V_STAGES) % 2)\n", "")],
+           "hazard", report=("(wgmma) reads V_shared[", "in-flight TMA load of producer", "not landed first"),
+           # The model lands a load when its phase completes, i.e. at the producer's arrive right
+           # after the issue and before it loads K(k), which the consumer did wait for: in the
+           # model's timeline V(k-1) is always there in time. Only happens-before sees this race.
+           corrupts=False),
+    Mutant("epilogue_fence_missing",
+           "O_shared is written by 128 threads and stored by TMA without fence.proxy.async",
+           [(EPILOGUE_FENCE, "")],
+           "hazard", report=("(TMA store) reads O_shared[", "without T.fence_proxy_async()"),
+           corrupts=False),  # one memory for both proxies on the CPU: the numbers cannot show it
+    Mutant("epilogue_barrier_missing",
+           "the elected thread's TMA store is not ordered after the other 127 threads' O_shared writes",
+           [(EPILOGUE_BARRIER, "")],
+           "hazard", report=("(TMA store) reads O_shared[", "a named barrier after its fence"),
+           corrupts=False),  # a warpgroup's statement runs for all its threads at once on the CPU
     Mutant("producer_empty_wait_parity",
            "the producer's first 'empty' waits lose their ^ 1: a fresh barrier's parity-0 phase never completes",
            [("T.mbarrier_wait_parity(k_empty[k_stage], ((k // K_STAGES) % 2) ^ 1)",
@@ -109,7 +139,11 @@ def inputs(spec, b, hkv, sq, skv):
     return random_inputs(spec.dtype, spec.head_dim, b, hkv * spec.gqa_group, hkv, sq, skv, seed=11)
 
 
-@pytest.mark.parametrize("m", MUTANTS, ids=[m.name for m in MUTANTS])
+HAZARDS = [m for m in MUTANTS if m.expect == "hazard"]
+OTHERS = [m for m in MUTANTS if m.expect != "hazard"]
+
+
+@pytest.mark.parametrize("m", OTHERS, ids=[m.name for m in OTHERS])
 def test_mutant_is_caught(m: Mutant):
     spec = attngen.Spec(**m.spec)
     source = attngen.render_source(spec)
@@ -126,11 +160,41 @@ def test_mutant_is_caught(m: Mutant):
         res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
         assert not res.ok, f"{m.name} passed: {res}"
         return
-    error = {"hazard": HazardError, "deadlock": DeadlockError}[m.expect]
-    with pytest.raises(error) as info:
+    with pytest.raises(DeadlockError) as info:
         emulate(spec, q, k, v, source=broken, policy=m.policy)
     for text in m.report:
         assert text in info.value.report, info.value.report
+
+
+@pytest.fixture(scope="module")
+def default_case():
+    spec = attngen.Spec(**DEFAULT)
+    return spec, attngen.render_source(spec), inputs(spec, *SWEEP_SHAPE)
+
+
+def test_unmodified_default_kernel_passes_every_schedule(default_case):
+    """No false positives: the sweep below reports races only where the edit made one."""
+    spec, source, (q, k, v) = default_case
+    for policy in POLICIES:
+        for seed in SWEEP_SEEDS:
+            out = emulate(spec, q, k, v, source=source, policy=policy, seed=seed)
+            res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+            assert res.ok, f"{policy} seed {seed}: {res}"
+
+
+@pytest.mark.parametrize("m", HAZARDS, ids=[m.name for m in HAZARDS])
+def test_hazard_mutant_is_reported_in_every_schedule(m: Mutant, default_case):
+    spec, source, (q, k, v) = default_case
+    assert m.spec == DEFAULT and m.shape == SWEEP_SHAPE, "hazard mutants use the default preset, nothing chosen to expose them"
+    broken = mutate(source, m.edits)
+    for policy in POLICIES:
+        for seed in SWEEP_SEEDS:
+            with pytest.raises(HazardError) as info:
+                emulate(spec, q, k, v, source=broken, policy=policy, seed=seed)
+            report = info.value.report
+            for text in m.report:
+                assert text in report, f"{policy} seed {seed}:\n{report}"
+            assert f"policy={policy}" in report and report.count(", line ") >= 2  # both accesses, located
 
 
 def test_there_are_enough_mutants_of_each_kind():
@@ -139,16 +203,46 @@ def test_there_are_enough_mutants_of_each_kind():
     assert len({m.name for m in MUTANTS}) == len(MUTANTS)
 
 
-@pytest.mark.parametrize("m", [m for m in MUTANTS if m.expect == "hazard"], ids=lambda m: m.name)
+@pytest.mark.parametrize("m", [m for m in HAZARDS if m.corrupts], ids=lambda m: m.name)
 def test_hazard_mutants_also_corrupt_the_output(m: Mutant, monkeypatch):
     """A second, independent line of defence: wgmma operands are read when a wait retires the
-    wgmma and TMA data lands when its phase completes, so with the hazard checks switched off
-    these races still show up as wrong numbers."""
+    wgmma and TMA data lands when its phase completes, so with race detection switched off
+    these races still show up as wrong numbers, in a schedule that lets the racing agent run
+    ahead (m.policy; unlike the race reports, the numbers depend on the schedule). Excluded
+    (corrupts=False, each says why): races whose effect the model's timeline cannot show."""
     from attngen.emulator.hazards import Tracker
 
-    monkeypatch.setattr(Tracker, "check", lambda *args, **kwargs: None)
+    monkeypatch.setattr(Tracker, "enabled", False)
     spec = attngen.Spec(**m.spec)
     broken = mutate(attngen.render_source(spec), m.edits)
     q, k, v = inputs(spec, *m.shape)
     out = emulate(spec, q, k, v, source=broken, policy=m.policy)
     assert not check_close(out, q, k, v, spec.causal, dtype=spec.dtype).ok
+
+
+STEADY_STATE_EARLY_K_RELEASE = [(WAIT_QK + RELEASE_K, RELEASE_K + WAIT_QK)]
+
+
+@pytest.mark.parametrize("fields, races", [
+    (DEFAULT, False),  # k_stages = v_stages = 2: ordered through v_empty, not a race
+    ({"causal": True, "k_stages": 2, "v_stages": 3}, True),
+    ({"causal": True, "k_stages": 1, "v_stages": 2}, True),
+])
+def test_early_k_release_in_the_steady_state_races_only_when_v_stages_exceed_k_stages(fields, races):
+    """Arriving on k_empty[k % K] before wait_wgmma(1) retires QK(k) lets the producer load tile
+    k + K into that stage. Before it does, it loads V(k + K - 1), which waits for the release
+    of V(k + K - 1 - V) at the end of iteration k + K - V, after that iteration's wait_wgmma(0).
+    With K >= V that iteration is k or later, so QK(k) has retired before the load: a chain of
+    happens-before through v_empty, and no race (docs/emulator.md). With V > K there is none."""
+    spec = attngen.Spec(**fields)
+    source = attngen.render_source(spec)
+    broken = mutate(source, STEADY_STATE_EARLY_K_RELEASE)
+    q, k, v = inputs(spec, *SWEEP_SHAPE)
+    for policy in POLICIES:
+        for seed in range(3):
+            if races:
+                with pytest.raises(HazardError, match=r"producer \(TMA load\) writes K_shared\[\d\] while the in-flight wgmma"):
+                    emulate(spec, q, k, v, source=broken, policy=policy, seed=seed)
+            else:
+                out = emulate(spec, q, k, v, source=broken, policy=policy, seed=seed)
+                assert check_close(out, q, k, v, spec.causal, dtype=spec.dtype).ok

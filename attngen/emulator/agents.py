@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 
+from attngen.emulator.clocks import advance, join
 from attngen.emulator.errors import Abort, DeadlockError, KernelError
 
 WARPGROUP = 128
@@ -31,54 +32,91 @@ STALL_SECONDS = 300  # one CTA running this long without a hand-over is stuck, n
 
 
 class MBarrier:
-    """An mbarrier: an expected arrival count and a phase number (starts at 0).
+    """An mbarrier: an expected arrival count, a transaction count and a phase number (starts at 0).
 
-    A phase completes when its arrivals reach the count; arrivals beyond that count toward
-    the next phase (each thread arrives on its own). `wait_parity(p)` returns once the phase
-    with parity p has completed, i.e. it blocks while the *current* phase has parity p: on a
-    fresh barrier (phase 0) a wait on parity 1 returns at once, a wait on parity 0 blocks
-    until phase 0 completes.
+    A phase completes when its pending arrivals reach 0 *and* its transaction count is 0;
+    arrivals beyond the count go to the next phase (each thread arrives on its own). A TMA
+    load adds its box's bytes (expect_tx) and its completion removes them (complete_tx).
+    `wait_parity(p)` returns once the phase with parity p has completed, i.e. it blocks
+    while the *current* phase has parity p: on a fresh barrier (phase 0) a wait on parity 1
+    returns at once, a wait on parity 0 blocks until phase 0 completes.
+
+    For happens-before, `vc` joins the clock of every arrival (arrivals are read-modify-writes
+    of one object, so a later phase's waiters see earlier arrivals too); when a phase
+    completes, `comp` (this barrier's clock component) becomes the number of completed
+    phases and `done_vc` keeps the clock that a waiter acquires.
     """
 
-    __slots__ = ("name", "count", "phase", "pending", "loads")
+    __slots__ = ("name", "count", "phase", "pending", "tx", "loads", "comp", "vc", "done_vc")
 
-    def __init__(self, name: str, count: int):
+    def __init__(self, name: str, count: int, comp: int = -1):
         if count < 1:
             raise KernelError(f"barrier {name} expects {count} arrivals: must be positive")
-        self.name, self.count, self.phase, self.pending = name, count, 0, count
-        self.loads = []  # (phase, op, land) of TMA loads completing on this barrier
+        self.name, self.count, self.phase, self.pending, self.tx = name, count, 0, count, 0
+        self.loads = []  # (phase, op) of TMA loads completing on this barrier
+        self.comp, self.vc, self.done_vc = comp, [], None
 
-    def arrive(self, n: int) -> int:
-        """Add n arrivals; return how many phases completed."""
+    def arrive(self, n: int, vc=None) -> int:
+        """Add n arrivals (releasing clock vc); return how many phases completed."""
+        if vc is not None:
+            join(self.vc, vc)
         done = 0
         while n > 0:
+            if self.pending == 0:
+                raise KernelError(f"{n} more arrival(s) on {self.name} while its phase {self.phase} still waits "
+                                  f"for {self.tx} transaction bytes (the pending arrival count would go below zero)")
             take = min(n, self.pending)
             self.pending -= take
             n -= take
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
+            if self.pending == 0 and self.tx == 0:
+                self._complete()
                 done += 1
         return done
+
+    def expect_tx(self, nbytes: int):
+        self.tx += nbytes
+
+    def complete_tx(self, nbytes: int) -> int:
+        """The TMA engine wrote nbytes; return how many phases completed (0 or 1)."""
+        if nbytes > self.tx:
+            raise KernelError(f"{self.name}: {nbytes} transaction bytes completed but only {self.tx} expected")
+        self.tx -= nbytes
+        if self.pending == 0 and self.tx == 0:
+            self._complete()
+            return 1
+        return 0
+
+    def _complete(self):
+        self.phase += 1
+        self.pending = self.count
+        if self.comp >= 0:
+            advance(self.vc, self.comp, self.phase)
+        self.done_vc = list(self.vc)
 
     def blocks(self, parity: int) -> bool:
         return self.phase % 2 == parity
 
     def state(self) -> str:
+        tx = f", {self.tx} transaction bytes outstanding" if self.tx else ""
         return (f"now in phase {self.phase} (parity {self.phase % 2}), "
-                f"{self.count - self.pending} of {self.count} arrivals")
+                f"{self.count - self.pending} of {self.count} arrivals{tx}")
 
 
 class NamedBarrier:
-    """bar.sync / bar.arrive: arrivals count across agents; at n it releases its waiters and resets."""
+    """bar.sync / bar.arrive: arrivals count across agents; at n it releases its waiters and resets.
 
-    __slots__ = ("id", "arrived", "expected", "generation", "arrivers")
+    `vc` joins the clocks of the current generation's arrivals; `released_vc[g]` is what the
+    syncers released by generation g acquire (bar.arrive only contributes to it).
+    """
+
+    __slots__ = ("id", "arrived", "expected", "generation", "arrivers", "vc", "released_vc")
 
     def __init__(self, bar_id: int):
         self.id, self.arrived, self.expected, self.generation = bar_id, 0, None, 0
         self.arrivers = []  # who arrived in the current generation
+        self.vc, self.released_vc = [], {}
 
-    def arrive(self, n: int, expected: int, who=None) -> list:
+    def arrive(self, n: int, expected: int, who=None, vc=None) -> list:
         """Add n arrivals; return the participants of a release (empty if none happened)."""
         if expected < 1:
             raise KernelError(f"named barrier {self.id} used with thread count {expected}")
@@ -87,11 +125,19 @@ class NamedBarrier:
         self.expected = expected
         self.arrived += n
         self.arrivers.append(who)
+        if vc is not None:
+            join(self.vc, vc)
         released = []
         while self.arrived >= expected:
             self.arrived -= expected
             self.generation += 1
+            self.released_vc[self.generation] = self.vc
             released, self.arrivers = self.arrivers, []
+            self.vc = []
+            if self.arrived:  # the rest of this call's threads start the next generation
+                self.arrivers.append(who)
+                if vc is not None:
+                    self.vc = list(vc)
         return released
 
     def state(self) -> str:
@@ -112,6 +158,13 @@ class Agent:
         self.wgmma = []  # this warpgroup's in-flight wgmma ops, oldest first
         self.alloc_seen = {}  # alloc site -> times executed: the n-th execution names the n-th buffer
         self.line = None
+        self.stores = []  # in-flight asynchronous TMA stores (T.tma_copy to global), oldest first
+        # happens-before state (hazards.Tracker sets the components)
+        self.comp = self.wg_comp = self.store_comp = -1
+        self.vc = []
+        self.wg_issued = self.store_issued = 0
+        self.selfsync = 0  # own clock covered by a synchronization this warpgroup acquired (proxy rule)
+        self.unfenced = []  # generic shared writes not yet followed by T.fence_proxy_async()
 
     def push_active(self, mask):
         self.active.append(mask)

@@ -185,7 +185,7 @@ class Runtime:
                                     f"schedule seed={seed}, policy={policy}")
                     agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
                     sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
-                    tracker = Tracker(where=lambda: (self.agent, self.current_line()))
+                    tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line)
                     tracker.describe_line = self.describe_line
                     tracker.proxy_fences = proxy_fences
                     tracker.context = sched.context = self.context
@@ -207,6 +207,11 @@ class Runtime:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _finish_agent(self, agent):
+        if agent.stores:
+            ops = "\n".join(f"  TMA store issued at {self.describe_line(op.line)}" for op in agent.stores)
+            raise HazardError(f"HAZARD: {agent.name} finished with {len(agent.stores)} TMA store(s) in flight "
+                              f"(no T.tma_store_wait retired them, so their shared-memory source may be released "
+                              f"before it is read)\n{ops}\n  where: {self.context}")
         if agent.wgmma:
             ops = "\n".join(f"  wgmma issued at {self.describe_line(op.line)}" for op in agent.wgmma)
             raise HazardError(f"HAZARD: {agent.name} finished with {len(agent.wgmma)} wgmma(s) in flight "

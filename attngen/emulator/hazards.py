@@ -1,40 +1,88 @@
-"""In-flight asynchronous operations and the races against them.
+"""Happens-before race detection for one CTA: vector clocks over every synchronization.
 
-A wgmma is in flight from its issue until a `T.wait_wgmma` retires it; a TMA load from its
-issue until its mbarrier phase completes. Each records the regions it reads and writes.
-A hazard is an overlap, at the moment something else touches memory, between that access
-and an in-flight operation where at least one side writes:
+A *race* is a pair of accesses to overlapping bytes of a buffer, at least one a write, that
+no chain of synchronization orders. Whether such a chain exists does not depend on how the
+scheduler interleaved the agents (the kernels' control flow depends only on the shape), so
+a race is reported in every schedule, not only in one that happens to interleave the two.
 
-- ordinary code reading a wgmma's accumulator, or writing any of its operands;
-- a TMA load writing a stage that a wgmma (of any agent) still reads, or that an earlier
-  TMA load still writes;
-- a wgmma issued on a buffer whose TMA load has not landed, or reading another wgmma's
-  accumulator.
+Clocks (clocks.py) have one component per
 
-Reading a wgmma's A/B operand from ordinary code is a read-read pair: not a race, not
-reported. Chained wgmmas of one warpgroup on the same accumulator are ordered by the
-hardware and allowed.
+- agent (warpgroup): its program order; it ticks after each release, so accesses made
+  after a release are not covered by it;
+- warpgroup's wgmma stream: how many of its wgmmas `T.wait_wgmma` has retired (they retire
+  oldest first, so a count suffices);
+- warpgroup's stream of asynchronous TMA stores (`T.tma_copy` to global): how many
+  `T.tma_store_wait` has retired;
+- mbarrier: how many of its phases have completed; a TMA load completes with a phase.
 
-Proxy fences (opt-in, `proxy_fences=True`): shared memory written by ordinary code (the
-generic proxy, many threads) may be read by the async proxy (a TMA store, a wgmma operand)
-only after the writers executed `T.fence_proxy_async()` and then a named barrier ordered
-them before the reading thread (one elected thread issues a TMA store).
+Releases publish the agent's clock; acquires join a published clock into the agent's:
+
+- `T.mbarrier_arrive`: release into the barrier (its clock is the join of every arrival so
+  far: arrivals are read-modify-writes of one object). When a phase completes, the barrier
+  records its clock with the phase count; `T.mbarrier_wait_parity` acquires the clock of
+  the latest completed phase (nothing on a fresh barrier).
+- `T.sync_threads(id, n)` (bar.sync): release, and acquire the join of every arrival of the
+  generation that releases it; `T.named_barrier_arrive` (bar.arrive) only releases.
+- `T.wait_wgmma(n)` acquires the retirement of all but the n newest wgmmas of the warpgroup.
+
+Asynchronous operations are agents of their own whose accesses happen somewhere between
+their issue and the event that completes them. An access record carries that completion
+as an epoch (component, value): a wgmma's is (its warpgroup's wgmma stream, its sequence
+number); a TMA load's is (its mbarrier, the phase count after the phase it completes in).
+The issuing agent's clock at issue orders everything before the issue before the access.
+
+Every access is checked against the records of earlier accesses to the buffer: it is
+ordered after a record iff its agent's clock (for an asynchronous access: the issuer's
+clock at issue) has [comp] >= clock. Records that every agent still able to touch the
+buffer has already observed can never race again and are pruned.
+
+What counts as an access: ordinary code (the generic proxy) on shared buffers and
+fragments; TMA loads (writes) and TMA stores (reads) of shared buffers; wgmma operands
+(reads) and accumulators (read-modify-write). Global tensors are not tracked (inputs are
+read-only; the output is written by TMA stores of disjoint rows). Chained wgmmas of one
+warpgroup on the same accumulator are ordered by the hardware and exempt.
+
+Proxy fences (`proxy_fences=True`): shared memory written by ordinary code may be read by
+the async proxy (a TMA store, a wgmma operand) only if the writers then executed
+`T.fence_proxy_async()` and a barrier orders that fence before the read. For a reader in
+another warpgroup that is the clock rule applied to the fence; within the writing
+warpgroup (one elected thread issues a TMA store) the warpgroup must have acquired a
+synchronization that includes its own post-fence release (e.g. a bar.sync of its threads).
 """
 
 from __future__ import annotations
 
+from attngen.emulator.clocks import advance, get, join
 from attngen.emulator.errors import HazardError
+
+PRUNE_AT = 16  # a buffer's history is pruned when it grows past this (or twice what survived)
+ORDINARY = "ordinary code"
 
 
 class Op:
-    """One asynchronous operation in flight."""
+    """One asynchronous operation in flight: its effect is applied when it completes."""
 
-    __slots__ = ("kind", "agent", "line", "reads", "writes", "action", "done")
+    __slots__ = ("kind", "agent", "line", "reads", "writes", "action", "done", "comp", "clock", "bar")
 
     def __init__(self, kind, agent, line, reads, writes, action):
         self.kind, self.agent, self.line, self.reads, self.writes = kind, agent, line, reads, writes
         self.action = action  # applies the effect (wgmma: the product; TMA: the data) when it completes
         self.done = False
+        self.comp, self.clock, self.bar = -1, 0, None  # completion epoch; TMA loads: their mbarrier
+
+
+class Access:
+    """One access in a buffer's history."""
+
+    __slots__ = ("box", "write", "comp", "clock", "agent", "kind", "line", "op", "acc", "generic", "fence", "threads")
+
+    def __init__(self, box, write, comp, clock, agent, kind, line, op=None, acc=False, generic=False, threads=0):
+        self.box, self.write, self.comp, self.clock = box, write, comp, clock
+        self.agent, self.kind, self.line, self.op = agent, kind, line, op  # agent: who made or issued it
+        self.acc = acc  # a wgmma accumulator access (chained wgmmas on it are ordered)
+        self.generic = generic  # an ordinary (generic-proxy) write to shared memory
+        self.fence = None  # generic writes: the writer's clock at its next T.fence_proxy_async()
+        self.threads = threads
 
 
 def overlap(a, b) -> bool:
@@ -47,97 +95,247 @@ def box_text(box) -> str:
     return "[" + ", ".join(f"{a}:{b}" if b - a != 1 else f"{a}" for a, b in zip(lo, hi)) + "]"
 
 
-class Tracker:
-    """The in-flight operations of one CTA, indexed by buffer for cheap checks."""
+def box_name(buf, box) -> str:
+    """K_shared[1] for a whole stage, p_reg for a whole fragment, else the box."""
+    lo, hi = box
+    parts = [str(a) if b - a == 1 else (":" if (a, b) == (0, n) else f"{a}:{b}") for a, b, n in zip(lo, hi, buf.shape)]
+    while parts and parts[-1] == ":":
+        parts.pop()
+    return f"{buf.name}[{', '.join(parts)}]" if parts else buf.name
 
-    def __init__(self, where):
-        self.where = where  # () -> (agent, line) of the access being made now
+
+class Tracker:
+    """Clocks, access histories and in-flight operations of one CTA."""
+
+    enabled = True  # tests switch race detection off to see what the races do to the numbers
+
+    def __init__(self, agents, current, line):
+        self.agents = agents
+        self.current = current  # () -> the running agent
+        self.line = line  # () -> the emitted line being executed
         self.describe_line = lambda line: f"line {line}"
         self.context = ""  # CTA and schedule, appended to reports
-        self.ops: list[Op] = []
-        self.watch: dict = {}  # Buffer -> [(op, region, is_write)]
         self.proxy_fences = False
-        self.generic: dict = {}  # shared Buffer -> [[agent, box, line, threads, fenced]] not yet ordered for the async proxy
+        self.ops: list[Op] = []  # in flight (effects not applied yet)
+        self.hist: dict = {}  # Buffer -> [Access] that some agent able to touch it has not observed
+        self.limit: dict = {}
+        self.components: list[str] = []
+        for a in agents:
+            a.comp = self.component(a.name)
+        for a in agents:
+            a.wg_comp = self.component(f"wgmmas of {a.name} retired")
+            a.store_comp = self.component(f"TMA stores of {a.name} retired")
+        for a in agents:
+            a.vc = [0] * len(self.components)
+            a.vc[a.comp] = 1
 
+    def component(self, name: str) -> int:
+        self.components.append(name)
+        return len(self.components) - 1
+
+    # -- synchronization ------------------------------------------------------------
+    @staticmethod
+    def released(agent):
+        """The agent has published its clock (an arrive): later events are not covered by it."""
+        agent.vc[agent.comp] += 1
+
+    @staticmethod
+    def acquire(agent, vc):
+        if vc:
+            join(agent.vc, vc)
+            own = get(vc, agent.comp)
+            if own > agent.selfsync:  # a synchronization that includes this warpgroup's own release
+                agent.selfsync = own
+
+    def retire(self, agent, comp, upto, bufs=()):
+        """wait_wgmma / tma_store_wait: the agent acquires its first `upto` operations of a stream."""
+        advance(agent.vc, comp, upto)
+        for buf in bufs:  # fragments: only their owner can race with them, and it now has
+            if buf.scope == "fragment" and buf in self.hist:
+                self._prune(buf, self.hist[buf])
+
+    def fence(self, agent):
+        """T.fence_proxy_async(): the warpgroup's earlier generic shared writes are fenced now."""
+        now = agent.vc[agent.comp]
+        for r in agent.unfenced:
+            r.fence = now
+        agent.unfenced = []
+
+    # -- in-flight operations (their effects) ------------------------------------------
     def add(self, op: Op):
         self.ops.append(op)
-        for regions, is_write in ((op.reads, False), (op.writes, True)):
-            for r in regions:
-                self.watch.setdefault(r.buf, []).append((op, r, is_write))
 
     def remove(self, op: Op):
         op.done = True
         self.ops.remove(op)
-        for r in op.reads + op.writes:
-            entries = self.watch.get(r.buf)
-            if entries:
-                entries[:] = [e for e in entries if e[0] is not op]
-                if not entries:
-                    del self.watch[r.buf]
 
-    def check(self, buf, box, write: bool, *, by: str = "", exempt=None):
-        """Raise HazardError if this access conflicts with an in-flight operation."""
-        if write and not by and self.proxy_fences and buf.scope == "shared":
-            agent, line = self.where()
-            self.generic.setdefault(buf, []).append([agent, box, line, agent.nthreads, False])
-        entries = self.watch.get(buf)
-        if not entries:
+    # -- accesses ---------------------------------------------------------------------------
+    def check(self, buf, box, write: bool, by: str = ORDINARY):
+        """An access by the running agent's own threads: ordinary code, or a synchronous copy (`by`)."""
+        if not self.enabled:
             return
-        for op, region, op_writes in entries:
-            if not (write or op_writes) or not overlap(box, region.box):
+        hist = self.hist.get(buf)
+        if buf.scope != "shared":
+            # A fragment is touched only by its warpgroup, whose own accesses are in program
+            # order: only its in-flight wgmmas (recorded) can race with them. Nothing to record.
+            if hist:
+                agent = self.current()
+                self._against(hist, buf, box, write, agent.vc, agent, by, None, None)
+            return
+        agent = self.current()
+        line = self.line()
+        if hist:
+            self._against(hist, buf, box, write, agent.vc, agent, by, line, None)
+        generic = write and by == ORDINARY
+        rec = Access(box, write, agent.comp, agent.vc[agent.comp], agent, by, line, generic=generic, threads=agent.nthreads)
+        if not self._coalesce(buf, rec):
+            self._record(buf, rec)
+            if generic:
+                agent.unfenced.append(rec)
+
+    def issue(self, op: Op, reads=(), writes=(), acc=None):
+        """Check and record the accesses of an asynchronous operation issued now by op.agent."""
+        if not self.enabled:
+            return
+        agent = op.agent
+        vc = agent.vc  # the issue: everything ordered before it is ordered before the accesses
+        for regions, write in ((reads, False), (writes, True)):
+            for r in regions:
+                buf = r.buf
+                if buf.scope == "global":
+                    continue
+                is_acc = r is acc
+                hist = self.hist.get(buf)
+                if hist:
+                    self._against(hist, buf, r.box, write, vc, agent, op.kind, op.line, op, is_acc)
+                self._record(buf, Access(r.box, write, op.comp, op.clock, agent, op.kind, op.line, op, is_acc))
+
+    def _against(self, hist, buf, box, write, vc, agent, kind, line, op, acc=False):
+        n = len(vc)
+        for r in hist:
+            if not (write or r.write):
                 continue
-            if exempt is not None and exempt(op, region, op_writes):
+            c = r.comp
+            if c < n and vc[c] >= r.clock:
+                continue  # r happens-before this access
+            if not overlap(box, r.box):
                 continue
-            raise HazardError(self.report(buf, box, write, op, region, op_writes, by))
+            if acc and r.acc and op is not None and r.comp == op.comp:
+                continue  # chained wgmmas of one warpgroup on one accumulator
+            if line is None:
+                line = self.line()
+            raise HazardError(self.report(buf, box, write, agent, kind, line, op, r))
+
+    def _coalesce(self, buf, rec) -> bool:
+        """A repeat of the agent's last access to the same box replaces it (a later access that
+        is unordered with the old one is unordered with the new one too)."""
+        hist = self.hist.get(buf)
+        if not hist:
+            return False
+        last = hist[-1]
+        if (last.agent is rec.agent and last.op is None and last.kind == rec.kind and last.box == rec.box
+                and last.fence is None and last.generic == rec.generic and (rec.write or not last.write)):
+            last.clock, last.line, last.write, last.threads = rec.clock, rec.line, rec.write, rec.threads
+            return True
+        return False
+
+    def _record(self, buf, rec):
+        hist = self.hist.get(buf)
+        if hist is None:
+            self.hist[buf] = [rec]
+            return
+        hist.append(rec)
+        if len(hist) > self.limit.get(buf, PRUNE_AT):
+            self._prune(buf, hist)
+
+    def _prune(self, buf, hist):
+        """Drop records that every agent still able to touch the buffer has observed."""
+        if buf.scope == "fragment":
+            who = [buf.owner]
+        else:
+            who = [a for a in self.agents if not a.done]
+        keep = [r for r in hist if not self._seen_by_all(r, who)]
+        if keep:
+            hist[:] = keep
+            self.limit[buf] = max(PRUNE_AT, 2 * len(keep))
+        else:
+            del self.hist[buf]
+
+    @staticmethod
+    def _seen_by_all(r, who) -> bool:
+        if r.generic:  # must stay until its fence is ordered before everyone (proxy rule)
+            if r.fence is None:
+                return False
+            return all((a.selfsync if a is r.agent else get(a.vc, r.comp)) >= r.fence for a in who)
+        return all(get(a.vc, r.comp) >= r.clock for a in who)
 
     # -- generic proxy -> async proxy ---------------------------------------------------
-    def fence(self, agent):
-        """T.fence_proxy_async(): this warpgroup's earlier shared writes are fenced."""
-        for entries in self.generic.values():
-            for e in entries:
-                if e[0] is agent:
-                    e[4] = True
-
-    def barrier_passed(self, agents):
-        """A named barrier released with these warpgroups: their fenced writes are now ordered."""
-        for buf in list(self.generic):
-            self.generic[buf] = [e for e in self.generic[buf] if not (e[4] and e[0] in agents)]
-            if not self.generic[buf]:
-                del self.generic[buf]
-
-    def check_async_read(self, region, by: str):
+    def check_async_read(self, region, by: str, reader):
         """A TMA store or wgmma reads shared memory: ordinary writes to it must be fenced and ordered."""
-        for agent, box, line, threads, fenced in self.generic.get(region.buf, ()):
-            if overlap(box, region.box):
-                reader, rline = self.where()
-                missing = "a named barrier after its fence" if fenced else "T.fence_proxy_async() followed by a named barrier"
-                raise HazardError("\n".join([
-                    f"HAZARD: {reader.name} ({by}) reads {region} through the async proxy, but ordinary code wrote it "
-                    f"without {missing}",
-                    f"  buffer:    {region.buf.label}; written {region.buf.name}{box_text(box)}",
-                    f"  access:    {reader.name}, {self.describe_line(rline)}",
-                    f"  written:   by {threads} threads of {agent.name}, {self.describe_line(line)}",
-                    "             (one elected thread issues the async read; the other writers are not ordered before it)",
-                    f"  where:     {self.context}",
-                ]))
+        if not (self.proxy_fences and self.enabled):
+            return
+        hist = self.hist.get(region.buf)
+        if not hist:
+            return
+        vc = reader.vc
+        for r in hist:
+            if not r.generic or not overlap(r.box, region.box):
+                continue
+            if get(vc, r.comp) < r.clock:
+                continue  # not ordered at all: a race, which the race check reports
+            if r.fence is not None and (reader.selfsync if r.agent is reader else get(vc, r.comp)) >= r.fence:
+                continue
+            rline = self.line()
+            missing = "a named barrier after its fence" if r.fence is not None else "T.fence_proxy_async() followed by a named barrier"
+            why = ("(one elected thread issues the async read; the other writers are not ordered before it)"
+                   if r.agent is reader else
+                   f"({reader.name} has not synchronized with {r.agent.name} after its fence)")
+            raise HazardError("\n".join([
+                f"HAZARD: {reader.name} ({by}) reads {region} through the async proxy, but ordinary code wrote it "
+                f"without {missing}",
+                f"  buffer:    {region.buf.label}; written {region.buf.name}{box_text(r.box)}",
+                f"  access:    {reader.name}, {self.describe_line(rline)}",
+                f"  written:   by {r.threads} threads of {r.agent.name}, {self.describe_line(r.line)}",
+                f"             {why}",
+                f"  where:     {self.context}",
+            ]))
 
-    def report(self, buf, box, write, op, region, op_writes, by):
-        agent, line = self.where()
+    # -- reports ------------------------------------------------------------------------------
+    def report(self, buf, box, write, agent, kind, line, op, r) -> str:
         verb = "writes" if write else "reads"
-        theirs = "writes" if op_writes else "reads"
-        if op.kind == "wgmma":
-            pending = "not yet retired: no T.wait_wgmma has covered it"
+        theirs = "writes" if r.write else "reads"
+        if r.op is not None:
+            other = f"the in-flight {r.kind} of {r.agent.name}"
+            other_line = f"  in flight: {r.kind} issued by {r.agent.name}, {self.describe_line(r.line)}"
+            why = self._pending(r)
         else:
-            pending = "not yet landed: its mbarrier phase has not completed"
+            other = f"{r.agent.name} ({r.kind})"
+            other_line = f"  other:     {r.agent.name} ({r.kind}), {self.describe_line(r.line)}"
+            if op is not None:
+                why = f"{r.agent.name}'s access does not happen-before the issue of this {kind}"
+            else:
+                why = f"no synchronization orders {r.agent.name}'s access before this one"
         return "\n".join([
-            f"HAZARD: {agent.name} ({by or 'ordinary code'}) {verb} {region} while the in-flight {op.kind} "
-            f"of {op.agent.name} {theirs} it",
-            f"  buffer:    {buf.label}; in flight on {region}, access covers {buf.name}{box_text(box)}",
+            f"HAZARD: {agent.name} ({kind}) {verb} {box_name(buf, box)} while {other} {theirs} it",
+            f"  buffer:    {buf.label}; {'in flight on' if r.op is not None else 'other access covers'} "
+            f"{box_name(buf, r.box)}, access covers {buf.name}{box_text(box)}",
             f"  access:    {agent.name}, {self.describe_line(line)}",
-            f"  in flight: {op.kind} issued by {op.agent.name}, {self.describe_line(op.line)}",
-            f"             ({pending})",
+            other_line,
+            f"             ({why})",
+            "             (neither access happens-before the other: a race in every schedule)",
             f"  where:     {self.context}",
         ])
+
+    @staticmethod
+    def _pending(r) -> str:
+        if r.kind == "wgmma":
+            return f"not retired first: no T.wait_wgmma of {r.agent.name} that retires it happens-before this access"
+        if r.kind == "TMA load":
+            bar = r.op.bar
+            state = "has completed" if bar is not None and bar.phase >= r.clock else "has not completed yet"
+            return (f"not landed first: it lands with phase {r.clock - 1} of {bar.name if bar else '?'}, which {state}, "
+                    f"and no wait on that phase happens-before this access")
+        return f"not completed first: no T.tma_store_wait of {r.agent.name} that retires it happens-before this access"
 
     def pending_report(self) -> str:
         lines = []

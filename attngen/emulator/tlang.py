@@ -8,11 +8,15 @@ What each construct means here:
   indices of the running warpgroup (a per-thread array; see rewrite.py for `if` on it).
 - Allocation: shared buffers and barriers belong to the CTA (every warpgroup executing the
   same allocation gets the same object); fragments belong to the warpgroup that allocates.
-- T.tma_copy global->shared records a load that lands when its mbarrier's current phase
-  completes (zeros beyond the tensor); shared->global stores drop what lies beyond it.
+- T.tma_copy global->shared adds its box's bytes to the mbarrier's transaction count and
+  completes them at once (the earliest the TMA engine could), so it belongs to the phase
+  current at its issue; its data lands when that phase completes (zeros beyond the
+  tensor). Shared->global stores drop what lies beyond the tensor.
 - T.wgmma_gemm records its operands; a later T.wait_wgmma(n) retires all but the n newest
   of the warpgroup's outstanding wgmmas, and only then are operands read and the
   accumulator written.
+- Every synchronization also moves vector clocks, and every access is checked for a race
+  against the accesses no synchronization orders it with (hazards.py).
 - T.Parallel yields broadcast index arrays once, so each element-wise statement runs as one
   numpy expression in float32.
 """
@@ -28,6 +32,8 @@ from attngen.emulator.agents import WARPGROUP, MBarrier, NamedBarrier
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
 from attngen.emulator.hazards import Op
 from attngen.emulator.memory import Buffer, Lanes, as_region, parallel_indices, same_shape
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes per element, for TMA transaction counts
 
 
 class GridProbe(BaseException):
@@ -306,10 +312,11 @@ class TLang:
         counts = list(arrive_count) if isinstance(arrive_count, (list, tuple)) else [arrive_count]
         cta = self._rt.cta
 
+        tracker = cta.tracker
+
         def make(name):
-            if len(counts) == 1:
-                return [MBarrier(name, int(counts[0]))]
-            return [MBarrier(f"{name}[{i}]", int(c)) for i, c in enumerate(counts)]
+            names = [name] if len(counts) == 1 else [f"{name}[{i}]" for i in range(len(counts))]
+            return [MBarrier(n, int(c), tracker.component(f"phases of {n} completed")) for n, c in zip(names, counts)]
 
         bars, _ = self._per_cta(cta.barriers, make)
         return bars
@@ -388,7 +395,10 @@ class TLang:
             raise KernelError(f"T.copy: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
         self._rt.trace and self._rt.trace.event("copy", self._site(), src=src, dst=dst)
         if src.buf.scope == "global":  # a synchronous TMA load: zeros beyond the tensor
-            dst.write(src.load_zero_filled().reshape(dst.shape))
+            if dst.buf.tracker is not None:
+                dst.check_bounds()
+                dst.buf.tracker.check(dst.buf, dst.box, True, by="TMA load (T.copy)")
+            dst.write(src.load_zero_filled().reshape(dst.shape), check=False)
         elif dst.buf.scope == "global":  # a TMA store: elements beyond the tensor are dropped
             self._tma_store(src, dst)
         else:
@@ -430,26 +440,70 @@ class TLang:
             line = self._site()
             agent = rt.agent
             tracker = rt.cta.tracker
-            tracker.check(dst.buf, dst.box, write=True, by="TMA load")
             data = src.load_zero_filled().reshape(dst.shape)  # global inputs are read-only: read at issue
+            # The box counts in full, rows beyond the tensor (zero-filled) included.
+            nbytes = int(np.prod([b - a for a, b in zip(dst.lo, dst.hi)])) * ITEMSIZE[dst.buf.dtype]
+            bar.expect_tx(nbytes)
             op = Op("TMA load", agent, line, [], [dst], lambda: dst.write(data, check=False))
+            op.comp, op.clock, op.bar = bar.comp, bar.phase + 1, bar  # lands with the current phase
+            tracker.issue(op, writes=(dst,))
             tracker.add(op)
             bar.loads.append((bar.phase, op))
             rt.trace and rt.trace.event("tma_issue", line, bar=bar, dst=dst)
+            # The TMA engine completes its bytes as early as it could (at once): a phase whose
+            # arrivals are in then completes without waiting for loads issued after it, which
+            # is what hardware may do, so an arrive placed before a load is exposed.
+            if bar.complete_tx(nbytes):
+                self._land(bar)
             rt.cta.stats["tma"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
-            self._tma_store(src, dst)
+            self._tma_store(src, dst, wait=False)
         else:
             raise KernelError(f"T.tma_copy from {src.buf.scope} {src} to {dst.buf.scope} {dst}: expected global <-> shared")
 
-    def _tma_store(self, src, dst):
-        """Shared -> global, issued by one elected thread through the async proxy; completes at once."""
-        tracker = self._rt.cta.tracker
-        if tracker.generic and src.buf.scope == "shared":
-            tracker.check_async_read(src, "TMA store")
-        dst.store_clipped(src.read().reshape(dst.shape))
+    def _tma_store(self, src, dst, wait=True):
+        """Shared -> global, issued by one elected thread through the async proxy.
+
+        T.copy waits for it (tma_store_wait<0> follows in the lowering): its read of shared
+        memory is done before the next statement. T.tma_copy does not: the read is in flight
+        until T.tma_store_wait retires it.
+        """
+        rt = self._rt
+        tracker = rt.cta.tracker
+        agent = rt.agent
+        if wait:
+            tracker.check(src.buf, src.box, False, by="TMA store")
+            tracker.check_async_read(src, "TMA store", agent)
+            dst.store_clipped(src.read(check=False).reshape(dst.shape))
+            return
+        line = self._site()
+        agent.store_issued += 1
+        op = Op("TMA store", agent, line, [src], [], lambda: dst.store_clipped(src.read(check=False).reshape(dst.shape)))
+        op.comp, op.clock = agent.store_comp, agent.store_issued
+        tracker.issue(op, reads=(src,))
+        tracker.check_async_read(src, "TMA store", agent)
+        tracker.add(op)
+        agent.stores.append(op)
+
+    def tma_store_arrive(self):
+        return None  # commits the bulk group; T.tma_copy and T.copy imply it
+
+    def tma_store_wait(self, count=0, read=True):
+        rt = self._rt
+        agent = rt.agent
+        keep = int(count)
+        if keep < 0:
+            raise KernelError(f"T.tma_store_wait({keep}): expected a count >= 0")
+        retired = 0
+        while len(agent.stores) > keep:
+            op = agent.stores.pop(0)
+            rt.cta.tracker.remove(op)
+            op.action()
+            retired = op.clock
+        if retired:
+            rt.cta.tracker.retire(agent, agent.store_comp, retired)
 
     # -- mbarriers -----------------------------------------------------------------------
     def _land(self, bar: MBarrier):
@@ -470,8 +524,11 @@ class TLang:
         rt = self._rt
         bar = self._barrier(mbarrier)
         line = self._site()
-        rt.trace and rt.trace.event("mbar_arrive", line, bar=bar, n=rt.agent.nthreads)
-        if bar.arrive(rt.agent.nthreads):
+        agent = rt.agent
+        rt.trace and rt.trace.event("mbar_arrive", line, bar=bar, n=agent.nthreads)
+        done = bar.arrive(agent.nthreads, agent.vc)  # release
+        rt.cta.tracker.released(agent)
+        if done:
             self._land(bar)
         rt.sched.pause(line)
 
@@ -486,6 +543,7 @@ class TLang:
         line = self._site()
         rt.sched.block(lambda: not bar.blocks(parity),
                        lambda: f"{bar.name} to complete its phase of parity {parity} ({bar.state()})", line)
+        rt.cta.tracker.acquire(rt.agent, bar.done_vc)  # the latest completed phase (none on a fresh barrier)
         rt.trace and rt.trace.event("mbar_wait", line, bar=bar, parity=parity)
 
     barrier_wait = mbarrier_wait_parity
@@ -502,28 +560,32 @@ class TLang:
         return nb, count
 
     def sync_threads(self, barrier_id=None, arrive_count=None):
+        """bar.sync: arrive (release), wait for the generation, acquire every arrival of it."""
         rt = self._rt
         nb, count = self._named(barrier_id, arrive_count)
         line = self._site()
+        agent = rt.agent
+        tracker = rt.cta.tracker
         gen = nb.generation
-        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=gen, n=rt.agent.nthreads, count=count, sync=True)
-        released = nb.arrive(rt.agent.nthreads, count, rt.agent)
-        if released:
-            rt.cta.tracker.barrier_passed(released)
+        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=gen, n=agent.nthreads, count=count, sync=True)
+        nb.arrive(agent.nthreads, count, agent, agent.vc)
+        tracker.released(agent)
         if nb.generation == gen:
             rt.sched.block(lambda: nb.generation != gen, nb.state, line)
         else:
             rt.sched.pause(line)
+        tracker.acquire(agent, nb.released_vc[gen + 1])
         rt.trace and rt.trace.event("bar_wait", line, bar=nb, gen=gen)
 
     def named_barrier_arrive(self, barrier_id, thread_count):
+        """bar.arrive: release only; the syncers of the generation acquire it."""
         rt = self._rt
         nb, count = self._named(barrier_id, thread_count)
         line = self._site()
-        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=nb.generation, n=rt.agent.nthreads, count=count, sync=False)
-        released = nb.arrive(rt.agent.nthreads, count, rt.agent)
-        if released:
-            rt.cta.tracker.barrier_passed(released)
+        agent = rt.agent
+        rt.trace and rt.trace.event("bar_arrive", line, bar=nb, gen=nb.generation, n=agent.nthreads, count=count, sync=False)
+        nb.arrive(agent.nthreads, count, agent, agent.vc)
+        rt.cta.tracker.released(agent)
         rt.sched.pause(line)
 
     def fence_proxy_async(self):
@@ -550,15 +612,6 @@ class TLang:
         tracker = rt.cta.tracker
         reads = [A, B] + ([] if clear_accum else [C])
 
-        def chained(op, region, op_writes):  # a warpgroup's wgmmas into one accumulator are ordered
-            return op.kind == "wgmma" and op.agent is agent and any(region is w for w in op.writes)
-
-        for r in (A, B):
-            tracker.check(r.buf, r.box, write=False, by="wgmma issue")
-            if tracker.generic and r.buf.scope == "shared":
-                tracker.check_async_read(r, "wgmma operand")
-        tracker.check(C.buf, C.box, write=True, by="wgmma issue", exempt=chained)
-
         def action():
             x = A.read(check=False)
             y = B.read(check=False)
@@ -566,6 +619,13 @@ class TLang:
             C.write(prod if clear_accum else C.read(check=False) + prod, check=False)
 
         op = Op("wgmma", agent, line, reads, [C], action)
+        agent.wg_issued += 1
+        op.comp, op.clock = agent.wg_comp, agent.wg_issued
+        # The accumulator is read and written: recording the write covers both.
+        tracker.issue(op, reads=(A, B), writes=(C,), acc=C)
+        for r in (A, B):
+            if r.buf.scope == "shared":
+                tracker.check_async_read(r, "wgmma operand", agent)
         tracker.add(op)
         agent.wgmma.append(op)
         rt.trace and rt.trace.event("wgmma", line, a=A, b=B, c=C, m=m, n=n, k=ka)
@@ -580,8 +640,14 @@ class TLang:
             raise KernelError(f"T.wait_wgmma({keep}): expected a count >= 0")
         line = self._site()
         rt.trace and rt.trace.event("wgmma_wait", line, keep=keep)
+        tracker = rt.cta.tracker
+        retired, bufs = 0, set()
         while len(agent.wgmma) > keep:
             op = agent.wgmma.pop(0)
-            rt.cta.tracker.remove(op)
+            tracker.remove(op)
             op.action()
+            retired = op.clock
+            bufs.update(r.buf for r in op.reads + op.writes)
+        if retired:
+            tracker.retire(agent, agent.wg_comp, retired, bufs)
         rt.sched.pause(line)
