@@ -373,3 +373,193 @@ def test_an_endless_loop_is_reported_not_hung(monkeypatch):
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(KernelError, match="no synchronization point reached"):
         emulate(spec, q, k, v, source=src)
+
+
+# -- happens-before race detection --------------------------------------------------------------
+def test_mbarrier_phase_waits_for_transaction_bytes_and_records_its_clock():
+    bar = MBarrier("b", 1, comp=2)
+    bar.expect_tx(32768)  # a TMA load's box
+    assert bar.arrive(1, [5, 0, 0]) == 0 and bar.phase == 0, "arrivals are in but the bytes are not"
+    assert "32768 transaction bytes outstanding" in bar.state()
+    assert bar.complete_tx(32768) == 1 and bar.phase == 1
+    assert bar.done_vc == [5, 0, 1]  # the arrival's clock, and one completed phase of this barrier
+    with pytest.raises(KernelError, match="only 0 expected"):
+        bar.complete_tx(1)
+    bar.expect_tx(8)
+    bar.arrive(1)
+    with pytest.raises(KernelError, match="still waits for 8 transaction bytes"):
+        bar.arrive(1)
+
+
+def test_named_barrier_generation_joins_every_arrival_clock():
+    nb = NamedBarrier(1)
+    nb.arrive(128, 256, "a", [3, 0])
+    nb.arrive(128, 256, "b", [0, 7])
+    assert nb.generation == 1 and nb.released_vc[1] == [3, 7] and nb.vc == []
+
+
+SYNC_MINI = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    @T.prim_func
+    def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+        with T.Kernel(1, 1, 1, threads={threads}) as (bx, by, bz):
+            S = T.alloc_shared([64, 64], "float16")
+            bar = T.alloc_barrier([128])
+            F = T.alloc_fragment([64, 64], "float")
+            with T.ws(0):
+                T.copy(Q[0, 0:64, 0, :], F)
+                T.copy(F, S)  # ordinary stores to shared memory
+                {first}
+            with T.ws(1):
+                {middle}
+            with T.ws({last}):
+                {reader}
+                T.copy(S, F)  # ordinary loads
+                T.copy(F, O[0, 0:64, 0, :])
+
+    return mini
+'''
+
+
+def run_sync_mini(first, reader, middle="pass", three=False, policy="random", seed=0):
+    spec = attngen.Spec(head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    src = SYNC_MINI.format(threads=384 if three else 256, first=first, middle=middle, reader=reader, last=2 if three else 1)
+    return emulate(spec, q, k, v, source=src, policy=policy, seed=seed), q
+
+
+@pytest.mark.parametrize("first, reader", [
+    ("T.named_barrier_arrive(1, 256)", "T.sync_threads(1, 256)"),  # bar.arrive releases to the syncer
+    ("T.sync_threads(1, 256)", "T.sync_threads(1, 256)"),
+    ("T.mbarrier_arrive(bar)", "T.mbarrier_wait_parity(bar, 0)"),  # phase 0 completes with the 128 arrivals
+])
+def test_synchronized_shared_memory_handoff_is_not_a_race(first, reader):
+    for policy in POLICIES:
+        out, q = run_sync_mini(first, reader, policy=policy)
+        np.testing.assert_array_equal(out, q)
+
+
+@pytest.mark.parametrize("first, reader", [
+    ("pass", "pass"),  # no synchronization at all
+    ("T.sync_threads(1, 256)", "T.named_barrier_arrive(1, 256)"),  # bar.arrive does not acquire
+    ("pass", "T.mbarrier_wait_parity(bar, 1)"),  # parity 1 of a fresh barrier returns at once, acquiring nothing
+])
+def test_unsynchronized_shared_memory_handoff_is_a_race_in_every_schedule(first, reader):
+    store = line_of(SYNC_MINI, "T.copy(F, S)")
+    load = line_of(SYNC_MINI, "T.copy(S, F)")
+    for policy in POLICIES:
+        for seed in range(3):
+            with pytest.raises(HazardError) as e:
+                run_sync_mini(first, reader, policy=policy, seed=seed)
+            report = e.value.report
+            # whichever ran first, both accesses and both agents are named
+            assert re.search(r"HAZARD: (producer \(ordinary code\) reads S while consumer 0 \(ordinary code\) writes it"
+                             r"|consumer 0 \(ordinary code\) writes S while producer \(ordinary code\) reads it)", report), report
+            assert f"line {store}:" in report and f"line {load}:" in report
+            assert "a race in every schedule" in report
+
+
+def test_happens_before_is_transitive_through_a_third_warpgroup():
+    relay = "T.sync_threads(1, 256)\n                T.named_barrier_arrive(2, 256)"
+    out, q = run_sync_mini("T.named_barrier_arrive(1, 256)", "T.sync_threads(2, 256)", middle=relay, three=True)
+    np.testing.assert_array_equal(out, q)
+    # The relay signals without having waited for the writer: no chain, a race.
+    broken = "T.named_barrier_arrive(2, 256)\n                T.sync_threads(1, 256)"
+    with pytest.raises(HazardError, match=r"reads S while consumer 0 \(ordinary code\) writes it"):
+        run_sync_mini("T.named_barrier_arrive(1, 256)", "T.sync_threads(2, 256)", middle=broken, three=True,
+                      policy="consumers-first")
+
+
+def test_arrive_before_a_tma_load_completes_the_phase_without_it():
+    """The TMA engine is modeled completing its bytes at once: an arrive placed between two loads
+    on one barrier completes the phase, and the second load lands with the next phase."""
+    spec = attngen.Spec(causal=True)
+    src = attngen.render(spec)
+    second_q = "                T.tma_copy(Q[batch_idx, q0 + 64:q0 + 128, head, :], Q_shared[1, :, :], barrier=q_full)\n"
+    arrive = "                T.mbarrier_arrive(q_full)\n"
+    assert second_q + arrive in src
+    src = src.replace(second_q + arrive, arrive + second_q)
+    q, k, v = inputs(spec, 1, 1, 128, 200)
+    for policy in POLICIES:
+        with pytest.raises(HazardError) as e:
+            emulate(spec, q, k, v, source=src, policy=policy)
+        report = e.value.report
+        assert "consumer 1 (wgmma) reads Q_shared[1] while the in-flight TMA load of producer writes it" in report
+        assert "lands with phase 1 of q_full" in report
+
+
+def test_access_history_is_pruned_once_every_agent_has_seen_it(monkeypatch):
+    from attngen.emulator.hazards import Tracker
+
+    longest = {}
+    record = Tracker._record
+
+    def spy(self, buf, rec):
+        record(self, buf, rec)
+        longest[buf.name] = max(longest.get(buf.name, 0), len(self.hist.get(buf, ())))
+
+    monkeypatch.setattr(Tracker, "_record", spy)
+    spec = attngen.Spec()
+    q, k, v = inputs(spec, 1, 1, 128, 128 * 24)  # 24 K/V tiles through 2 stages each
+    emulate(spec, q, k, v)
+    assert 0 < longest["K_shared"] <= 20 and longest["V_shared"] <= 20, longest
+    # Without pruning the history grows with the tiles (3 records per tile: a load, two wgmma reads).
+    longest.clear()
+    monkeypatch.setattr(Tracker, "_prune", lambda self, buf, hist: None)
+    emulate(spec, q, k, v)
+    assert longest["K_shared"] >= 3 * 24, longest
+
+
+STORE_MINI = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    @T.prim_func
+    def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+        with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
+            S = T.alloc_shared([64, 64], "float16")
+            F = T.alloc_fragment([64, 64], "float")
+            with T.ws(0):
+                T.copy(Q[0, 0:64, 0, :], F)
+                T.copy(F, S)
+                T.fence_proxy_async()
+                T.sync_threads(1, 128)
+                T.tma_copy(S, O[0, 0:64, 0, :])  # asynchronous: reads S until T.tma_store_wait
+                {after}
+
+    return mini
+'''
+
+
+@pytest.mark.parametrize("after, problem", [
+    ("T.tma_store_wait(0)\n                T.fill(S, 0)", None),
+    ("T.fill(S, 0)\n                T.tma_store_wait(0)", "writes S while the in-flight TMA store of consumer 0 reads it"),
+    ("pass", "finished with 1 TMA store(s) in flight"),
+])
+def test_asynchronous_tma_store_reads_shared_memory_until_waited(after, problem):
+    spec = attngen.Spec(head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    src = STORE_MINI.format(after=after)
+    if problem is None:
+        np.testing.assert_array_equal(emulate(spec, q, k, v, source=src), q)
+        return
+    with pytest.raises(HazardError, match=re.escape(problem)):
+        emulate(spec, q, k, v, source=src)
+
+
+def test_fence_then_bar_arrive_does_not_order_the_warpgroups_own_writes():
+    """bar.arrive releases but does not acquire: the elected thread's TMA store is still not
+    ordered after the other 127 threads' stores (the fence-and-sync rule, clock form)."""
+    spec = attngen.Spec(causal=True)
+    src = epilogue_variants(attngen.render(spec), [FENCE, "T.named_barrier_arrive(8 + g, 128)"])
+    q, k, v = inputs(spec, 1, 1, 200, 300)
+    with pytest.raises(HazardError, match="a named barrier after its fence"):
+        emulate(spec, q, k, v, source=src)
