@@ -14,7 +14,8 @@ class EmulationError(Exception):
 
 
 class HazardError(EmulationError):
-    """An access races with an in-flight asynchronous operation (wgmma or TMA)."""
+    """Two accesses race (no synchronization orders them), an async-proxy read lacks its proxy
+    fence, or an asynchronous operation is left in flight."""
 
     kind = "hazard"
 
