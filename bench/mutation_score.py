@@ -55,7 +55,7 @@ def load(path):
 
 
 def render(spec):
-    return attngen.render(spec)
+    return attngen.render_source(spec)
 
 
 class Runner:

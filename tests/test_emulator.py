@@ -479,7 +479,7 @@ def test_arrive_before_a_tma_load_completes_the_phase_without_it():
     """The TMA engine is modeled completing its bytes at once: an arrive placed between two loads
     on one barrier completes the phase, and the second load lands with the next phase."""
     spec = attngen.Spec(causal=True)
-    src = attngen.render(spec)
+    src = attngen.render_source(spec)
     second_q = "                T.tma_copy(Q[batch_idx, q0 + 64:q0 + 128, head, :], Q_shared[1, :, :], barrier=q_full)\n"
     arrive = "                T.mbarrier_arrive(q_full)\n"
     assert second_q + arrive in src
@@ -559,7 +559,7 @@ def test_fence_then_bar_arrive_does_not_order_the_warpgroups_own_writes():
     """bar.arrive releases but does not acquire: the elected thread's TMA store is still not
     ordered after the other 127 threads' stores (the fence-and-sync rule, clock form)."""
     spec = attngen.Spec(causal=True)
-    src = epilogue_variants(attngen.render(spec), [FENCE, "T.named_barrier_arrive(8 + g, 128)"])
+    src = epilogue_variants(attngen.render_source(spec), [FENCE, "T.named_barrier_arrive(8 + g, 128)"])
     q, k, v = inputs(spec, 1, 1, 200, 300)
     with pytest.raises(HazardError, match="a named barrier after its fence"):
         emulate(spec, q, k, v, source=src)

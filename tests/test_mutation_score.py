@@ -29,7 +29,7 @@ def bench_module():
 
 def preset(path):
     spec = attngen.load_spec(ROOT / path)
-    return spec, attngen.render(spec)
+    return spec, attngen.render_source(spec)
 
 
 @pytest.fixture(scope="module")
