@@ -327,7 +327,7 @@ class Progress:
         if self.tty:
             fill = self.width * done // total
             bar = "#" * fill + "-" * (self.width - fill)
-            self.stream.write(f"\r\033[K[{bar}] {done}/{total} built, {self.cached} cached, {self.failed} failed, {elapsed:.0f} s")
+            self.stream.write(f"\r\033[K[{bar}] {done}/{total} done, {self.cached} cached, {self.failed} failed, {elapsed:.0f} s")
             if done == total:
                 self.stream.write("\n")
         self.stream.flush()

@@ -146,7 +146,7 @@ def test_progress_bar_on_a_terminal_plain_lines_elsewhere():
     p(1, 2, ok)
     p(2, 2, bad)
     out = tty.getvalue()
-    assert "\r" in out and "[#####-----] 1/2" in out and "[##########] 2/2 built, 1 cached, 1 failed" in out
+    assert "\r" in out and "[#####-----] 1/2" in out and "[##########] 2/2 done, 1 cached, 1 failed" in out
     plain = io.StringIO()
     p = Progress(plain, tty=False)
     p(0, 2, None)
