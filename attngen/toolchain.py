@@ -42,12 +42,33 @@ class ToolchainError(RuntimeError):
 
 @dataclasses.dataclass
 class Toolchain:
-    kind: str  # "system" (a CUDA toolkit installed outside Python) or "pip" (the nvidia-* wheels)
+    """A CUDA toolkit. Only nvcc's path is looked up eagerly; the rest when first asked for
+    (a cache hit needs nvcc's version alone, and must stay cheap)."""
+
     found_by: str  # "CUDA_HOME", "CUDA_PATH", "PATH" or "pip"
     nvcc: str
-    cuda_home: str
-    cuobjdump: str | None
-    host_compiler: str | None
+    home: str | None = None  # known toolkit root (CUDA_HOME, the wheels); None: ask nvcc (PATH)
+    path: str = ""  # the PATH searched for gcc and cuobjdump
+    pip_home: Path | bool | None = None  # the wheels' folder; None: look it up; False: none
+
+    @functools.cached_property
+    def cuda_home(self) -> str:
+        return self.home if self.home is not None else _home_of_nvcc(self.nvcc)
+
+    @functools.cached_property
+    def kind(self) -> str:
+        """"pip" for a toolkit inside the wheels' folder (however it was found: hand_to_tilelang
+        sets CUDA_HOME to it), else "system"."""
+        pip_home = pip_cuda_home() if self.pip_home is None else self.pip_home
+        return "pip" if pip_home and Path(self.cuda_home).resolve() == Path(pip_home).resolve() else "system"
+
+    @functools.cached_property
+    def cuobjdump(self) -> str | None:
+        return _cuobjdump(Path(self.cuda_home), self.path)
+
+    @functools.cached_property
+    def host_compiler(self) -> str | None:
+        return shutil.which("gcc", path=self.path) or shutil.which("cc", path=self.path)
 
     @functools.cached_property
     def version(self) -> str:
@@ -130,9 +151,6 @@ def find(environ=None, pip_home=None) -> Toolchain:
     the installed nvidia-cuda-nvcc wheel; pass pip_home=False for "no wheel").
     """
     environ = os.environ if environ is None else environ
-    if pip_home is None:
-        pip_home = pip_cuda_home()
-    pip_home = Path(pip_home).resolve() if pip_home else None
     path = environ.get("PATH", "")
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = environ.get(var)
@@ -141,20 +159,15 @@ def find(environ=None, pip_home=None) -> Toolchain:
             if not nvcc.is_file():
                 raise ToolchainError(f"{var}={home} holds no bin/nvcc: point {var} at a CUDA toolkit, or unset it to use nvcc on PATH or the pip wheels")
             found_by = "pip" if home == _handed_home else var
-            nvcc, home = str(nvcc), str(Path(home))
-            break
-    else:
-        on_path = shutil.which("nvcc", path=path)
-        if on_path:
-            found_by, nvcc, home = "PATH", on_path, _home_of_nvcc(on_path)
-        elif pip_home and (pip_home / "bin" / "nvcc").is_file():
-            found_by, nvcc, home = "pip", str(pip_home / "bin" / "nvcc"), str(pip_home)
-        else:
-            raise ToolchainError(f"no CUDA toolkit: no nvcc on PATH, CUDA_HOME unset, and no {NVCC_WHEEL} wheel installed; {INSTALL_HINT}")
-    # A toolkit inside the wheel's folder is the pip one however it was found (hand_to_tilelang sets CUDA_HOME to it).
-    kind = "pip" if pip_home and Path(home).resolve() == pip_home else "system"
-    host = shutil.which("gcc", path=path) or shutil.which("cc", path=path)
-    return Toolchain(kind=kind, found_by=found_by, nvcc=nvcc, cuda_home=home, cuobjdump=_cuobjdump(Path(home), path), host_compiler=host)
+            return Toolchain(found_by, str(nvcc), str(Path(home)), path, pip_home)
+    on_path = shutil.which("nvcc", path=path)
+    if on_path:
+        return Toolchain("PATH", on_path, None, path, pip_home)
+    if pip_home is None:
+        pip_home = pip_cuda_home()
+    if pip_home and (Path(pip_home) / "bin" / "nvcc").is_file():
+        return Toolchain("pip", str(Path(pip_home) / "bin" / "nvcc"), str(pip_home), path, pip_home)
+    raise ToolchainError(f"no CUDA toolkit: no nvcc on PATH, CUDA_HOME unset, and no {NVCC_WHEEL} wheel installed; {INSTALL_HINT}")
 
 
 @functools.lru_cache(maxsize=1)
