@@ -270,7 +270,7 @@ def required_edits(variant: str) -> int:
 
 def rendered(kind: str, variant: str) -> tuple[str, int]:
     from attngen.plan import Shape
-    from attngen.render import render
+    from attngen.render import render_source as render
     from attngen.spec import load
 
     spec = load(ROOT / "examples" / "default.toml")
@@ -337,14 +337,16 @@ def verify(variant: str, cache_dir: Path) -> bool:
     compare the reports, then emulate it at odd shapes (causal offsets both ways)."""
     from attngen.build import build_source
     from attngen.emulator import emulate
+    from attngen.plan import make_plan
     from attngen.reference import check_close, random_inputs
     from attngen.spec import load
 
     spec = load(ROOT / "examples" / "default.toml")
+    plan = make_plan(spec)
     keys = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "dynamic_smem_bytes", "static_smem_bytes", "setmaxnreg_applied", "sass")
     reports = {}
     for v in ("baseline", variant):
-        r = build_source(rendered("dynamic", v)[0], spec.name, cache_dir=cache_dir).report
+        r = build_source(rendered("dynamic", v)[0], plan.name, plan.compile_flags, cache_dir=cache_dir).report
         reports[v] = {k: r[k] for k in keys}
         print(f"  {v}: {reports[v]}")
     same = reports["baseline"] == reports[variant]
