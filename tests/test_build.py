@@ -97,7 +97,7 @@ def test_one_failing_kernel_keeps_the_others(cache_dir, tmp_path, monkeypatch):
     seen = []
     outcomes = build_many([bad, good], cache_dir=cache_dir, jobs=1, progress=lambda d, t, o: seen.append((d, t)))
     assert outcomes[0].error and outcomes[0].user_error and "\n" not in outcomes[0].error and "head_dim" in outcomes[0].error
-    assert outcomes[1].error is None and outcomes[1].report["kernel"] == attngen.load_spec(good).name
+    assert outcomes[1].error is None and outcomes[1].report["kernel"] == attngen.make_plan(attngen.load_spec(good)).name
     assert seen == [(1, 2), (2, 2)]
 
     def broken(*a, **k):
@@ -124,7 +124,7 @@ def test_cli_builds_several_in_worker_processes(cache_dir, tmp_path, capsys):
     assert len(lines) == 3 and all(line.startswith(("[1/3] ", "[2/3] ", "[3/3] ")) for line in lines), captured.err
     assert "\r" not in captured.err
     assert sum("FAILED" in line for line in lines) == 1
-    assert captured.out.count("FAILED") == 1 and all(attngen.load_spec(g).name in captured.out for g in good)
+    assert captured.out.count("FAILED") == 1 and all(attngen.make_plan(attngen.load_spec(g)).name in captured.out for g in good)
 
 
 def test_cli_json_for_several_is_a_list(cache_dir, capsys):
@@ -133,7 +133,7 @@ def test_cli_json_for_several_is_a_list(cache_dir, capsys):
         build(attngen.load_spec(g), cache_dir=cache_dir)
     assert cli.main(["build", *map(str, good), "-j", "1", "--json", "--cache-dir", str(cache_dir)]) == 0
     reports = json.loads(capsys.readouterr().out)
-    assert [r["kernel"] for r in reports] == [attngen.load_spec(g).name for g in good]
+    assert [r["kernel"] for r in reports] == [attngen.make_plan(attngen.load_spec(g)).name for g in good]
     assert all(r["cached"] for r in reports)
 
 
