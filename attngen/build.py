@@ -4,7 +4,11 @@ The report is what an engineer checks before spending GPU time: registers,
 spills, local memory, shared memory, whether setmaxnreg took effect, and a
 SASS census. Builds are cached under a key that hashes the emitted source and
 the tool versions; entries are written atomically, so a second build of the
-same spec is a file read.
+same spec is a file read, and its report says so ("cached": true, with the
+seconds and the toolkit of the build that made the entry).
+
+The CUDA toolkit comes from attngen.toolchain (CUDA_HOME, nvcc on PATH, or the
+nvidia-cuda-nvcc wheels). `build_many` builds several kernels in worker processes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from attngen import toolchain
 from attngen.version import __version__
 from attngen.lower import lower_source
 from attngen.plan import Plan, Shape, as_plan
@@ -53,33 +58,13 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def nvcc_path() -> str:
-    path = shutil.which("nvcc")
-    if path is None:
-        raise BuildError("nvcc not found on PATH: attngen build needs the CUDA toolkit's nvcc (12.4 or newer) for sm_90a")
-    return path
-
-
-def cuobjdump_path() -> str | None:
-    path = shutil.which("cuobjdump")
-    if path:
-        return path
-    try:  # the `nvidia-cuda-cuobjdump` wheel ships the binary inside site-packages
-        import nvidia
-
-        for root in nvidia.__path__:
-            for candidate in Path(root).glob("*/bin/cuobjdump"):
-                return str(candidate)
-    except ImportError:
-        pass
-    return None
+    return toolchain.current().nvcc
 
 
 @functools.lru_cache(maxsize=1)
 def tool_versions() -> dict:
     # importlib.metadata, not `import tilelang`: a cache hit must not pay TileLang's import (seconds)
-    out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True).stdout
-    release = re.search(r"release ([\d.]+), (V[\d.]+)", out)
-    return {"attngen": __version__, "tilelang": importlib.metadata.version("tilelang"), "nvcc": release.group(2) if release else out.strip()[-40:]}
+    return {"attngen": __version__, "tilelang": importlib.metadata.version("tilelang"), "nvcc": "V" + toolchain.current().version}
 
 
 def cache_key(source: str, versions: dict, flags: list) -> str:
@@ -115,12 +100,11 @@ def parse_ptxas(text: str, kernel: str) -> dict:
 
 
 def sass_census(cubin: Path) -> dict:
-    tool = cuobjdump_path()
-    if tool is None:
-        raise BuildError("cuobjdump not found: `pip install nvidia-cuda-cuobjdump` (or put the CUDA toolkit's cuobjdump on PATH)")
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(tool).parent}{os.pathsep}{env.get('PATH', '')}"  # cuobjdump runs nvdisasm found on PATH
-    proc = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True, env=env)
+    tc = toolchain.current()
+    if tc.cuobjdump is None:
+        raise BuildError("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (or put the CUDA toolkit's cuobjdump on PATH)")
+    # cuobjdump runs nvdisasm found on PATH: the toolkit's bin folders come first
+    proc = subprocess.run([tc.cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, env=tc.subprocess_env())
     if proc.returncode != 0:
         raise BuildError(f"cuobjdump --dump-sass {cubin} failed:\n{proc.stderr.strip()}")
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", proc.stdout)
@@ -161,16 +145,16 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
     with _locked(cache_root(cache_dir) / f".{name}-{key}.lock"):
         if (entry / "report.json").exists():  # another process built it while we waited
             return _load_entry(entry, cached=True)
-        t0 = time.perf_counter()
+        tc = toolchain.current()
+        tc.require_host_compiler()
         lowered = lower_source(source, name)
-        t_lower = time.perf_counter() - t0
         work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{name}-"))
         try:
             cu, cubin = work / "kernel.cu", work / "kernel.cubin"
             cu.write_text(lowered.cuda_source)
             cmd = nvcc_command(cu, cubin, flags)
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=tc.subprocess_env())
             t_nvcc = time.perf_counter() - t0
             ptxas_text = proc.stdout + proc.stderr
             if proc.returncode != 0:
@@ -187,7 +171,10 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
                 "setmaxnreg_applied": sass["USETMAXREG"] > 0 and not ptxas["setmaxnreg_ignored"],
                 "sass": sass,
                 "versions": versions,
-                "seconds": {"lower": round(t_lower, 2), "nvcc": round(t_nvcc, 2)},
+                "toolchain": tc.describe(),
+                # import: TileLang's import (0 when already imported); lower: TIR, passes and CUDA codegen
+                "seconds": {**lowered.seconds, "nvcc": round(t_nvcc, 2)},
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "cache_key": key,
             }
             (work / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -200,6 +187,7 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
 
 def _load_entry(entry: Path, cached: bool) -> BuildResult:
     report = json.loads((entry / "report.json").read_text())
+    report["cached"] = cached  # not stored: whether THIS call built it
     return BuildResult(report=report, cuda_source=(entry / "kernel.cu").read_text(), cubin_path=entry / "kernel.cubin", cached=cached)
 
 
@@ -223,7 +211,157 @@ def format_report(r: dict) -> str:
         ("setmaxnreg", "applied" if r["setmaxnreg_applied"] else "IGNORED (ptxas C7508)" if r["setmaxnreg_ignored"] else "absent"),
         ("SASS", ", ".join(f"{op} {s[op]}" for op in SASS_OPS) + f" (HGMMA with A in registers: {s['HGMMA_A_FROM_REGISTERS']})"),
         ("tools", ", ".join(f"{k} {v}" for k, v in r["versions"].items())),
-        ("build seconds", f"lower {r['seconds']['lower']}, nvcc {r['seconds']['nvcc']}"),
+        ("toolchain", format_toolchain(r)),
+        ("build", format_build(r)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def format_toolchain(r: dict) -> str:
+    tc = r.get("toolchain")
+    return f"{tc['kind']} nvcc {tc['version']} ({tc['nvcc']})" if tc else "?"
+
+
+def format_build(r: dict) -> str:
+    """"lower 12.1 s, nvcc 8.0 s" for a build that ran now; "from cache (built in ...)" for a cache hit."""
+    sec = r["seconds"]
+    parts = [f"import {sec['import']} s"] if sec.get("import") else []
+    parts += [f"lower {sec['lower']} s", f"nvcc {sec['nvcc']} s"]
+    ran = ", ".join(parts)
+    if not r.get("cached"):
+        return ran
+    when = r.get("built_at", "an earlier run").replace("T", " ").replace("Z", " UTC")
+    return f"from cache (built in {round(sum(sec.values()), 1)} s on {when}: {ran})"
+
+
+# -- several kernels in parallel ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One kernel of `build_many`: its report, or a one-line error."""
+
+    label: str  # what the user named: the spec file (and shape)
+    report: dict | None = None
+    error: str | None = None
+    user_error: bool = False  # a bad spec or shape (exit 2), not a failed build (exit 1)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message, cut to 300 characters."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _build_job(path: str, shape: str | None, cache_dir) -> Outcome:
+    """Build one spec file; never raises (a worker's failure must not lose the others)."""
+    from attngen.plan import make_plan
+    from attngen.spec import SpecError, load
+
+    label = path if shape is None else f"{path} --shape {shape}"
+    try:
+        result = build(make_plan(load(path), Shape.parse(shape) if shape else None), cache_dir=cache_dir)
+    except SpecError as e:
+        return Outcome(label, error=one_line(e), user_error=True)
+    except Exception as e:  # noqa: BLE001 - reported per kernel, one line
+        return Outcome(label, error=one_line(e))
+    return Outcome(label, report=result.report)
+
+
+def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int = 1, progress=None) -> list[Outcome]:
+    """Build several spec files, `jobs` at a time in worker processes; results in the order given.
+
+    `progress(done, total, outcome)` is called as each kernel finishes (outcome None for a
+    periodic tick while waiting). A kernel that fails is reported, the others still build.
+    """
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    progress = progress or (lambda done, total, outcome: None)
+    outcomes: list[Outcome | None] = [None] * len(paths)
+    if jobs <= 1 or len(paths) == 1:
+        for i, path in enumerate(paths):
+            outcomes[i] = _build_job(str(path), shape, cache_dir)
+            progress(i + 1, len(paths), outcomes[i])
+        return outcomes
+    # spawn, not fork: TVM's thread pools do not survive a fork, and each worker imports TileLang once
+    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(paths)), mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(_build_job, str(p), shape, cache_dir): i for i, p in enumerate(paths)}
+        pending, done = set(futures), 0
+        while pending:
+            finished, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for f in finished:
+                i = futures[f]
+                try:
+                    outcomes[i] = f.result()
+                except Exception as e:  # noqa: BLE001 - a worker died (killed, out of memory): that kernel fails
+                    outcomes[i] = Outcome(str(paths[i]), error=f"worker process failed: {one_line(e)}")
+                done += 1
+                progress(done, len(paths), outcomes[i])
+            if not finished:
+                progress(done, len(paths), None)
+    return outcomes
+
+
+class Progress:
+    """Progress of `build_many` on stderr: a redrawn bar on a terminal, else one line per kernel."""
+
+    def __init__(self, stream, tty: bool | None = None, width: int = 30):
+        self.stream, self.width = stream, width
+        self.tty = stream.isatty() if tty is None else tty
+        self.t0 = time.monotonic()
+        self.failed = self.cached = 0
+
+    def __call__(self, done: int, total: int, outcome: Outcome | None) -> None:
+        elapsed = time.monotonic() - self.t0
+        if outcome is not None:
+            self.failed += outcome.error is not None
+            self.cached += bool(outcome.report and outcome.report.get("cached"))
+            line = f"[{done}/{total}] {self._verdict(outcome)}"
+            if self.tty:
+                self.stream.write("\r\033[K" + line + "\n")
+            else:
+                self.stream.write(line + "\n")
+        if self.tty:
+            fill = self.width * done // total
+            bar = "#" * fill + "-" * (self.width - fill)
+            self.stream.write(f"\r\033[K[{bar}] {done}/{total} done, {self.cached} cached, {self.failed} failed, {elapsed:.0f} s")
+            if done == total:
+                self.stream.write("\n")
+        self.stream.flush()
+
+    @staticmethod
+    def _verdict(o: Outcome) -> str:
+        if o.error is not None:
+            return f"FAILED {o.label}: {o.error}"
+        r = o.report
+        how = "from cache" if r.get("cached") else f"built in {round(sum(r['seconds'].values()), 1)} s"
+        return f"ok {r['kernel']} ({o.label}): {r['registers']} registers, {how}"
+
+
+def format_summary(outcomes: list) -> str:
+    """One row per kernel (the multi-kernel text report)."""
+    rows = [("kernel", "registers", "spills (B)", "smem (B)", "setmaxnreg", "build")]
+    for o in outcomes:
+        if o.error is not None:
+            rows.append((o.label, "FAILED", o.error, "", "", ""))
+            continue
+        r = o.report
+        rows.append((
+            r["kernel"] + ("" if r.get("shape", "dynamic") == "dynamic" else f" [{r['shape']}]"),
+            str(r["registers"]),
+            f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+            str(r["dynamic_smem_bytes"]),
+            "applied" if r["setmaxnreg_applied"] else "IGNORED" if r["setmaxnreg_ignored"] else "absent",
+            "cached" if r.get("cached") else f"{round(sum(r['seconds'].values()), 1)} s",
+        ))
+    widths = [max(len(row[i]) for row in rows if row[1] != "FAILED" or i < 2) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        if row[1] == "FAILED":
+            lines.append(f"{row[0].ljust(widths[0])}  FAILED: {row[2]}")
+        else:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)

@@ -62,11 +62,21 @@ def cmd_diff(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from attngen.build import build, format_report
+    from attngen.build import Progress, build, build_many, format_report, format_summary
 
     check_dir_option("--cache-dir", args.cache_dir)
-    plan = plan_of(args.spec, Shape.parse(args.shape) if args.shape else None)
-    result = build(plan, cache_dir=args.cache_dir)
+    check_positive(args, "--jobs")
+    shape = Shape.parse(args.shape) if args.shape else None  # a bad shape is one error, not one per kernel
+    if len(args.spec) > 1:  # several kernels: worker processes, progress on stderr, one row each
+        if args.cuda:
+            raise InputError("--cuda", args.cuda, "one spec file to write the CUDA of (it was given several)")
+        outcomes = build_many(args.spec, shape=args.shape, cache_dir=args.cache_dir, jobs=args.jobs, progress=Progress(sys.stderr))
+        if args.json:
+            print(json.dumps([o.report if o.error is None else {"spec": o.label, "error": o.error} for o in outcomes], indent=2, sort_keys=True))
+        else:
+            print(format_summary(outcomes))
+        return 2 if any(o.user_error for o in outcomes) else 1 if any(o.error for o in outcomes) else 0
+    result = build(plan_of(args.spec[0], shape), cache_dir=args.cache_dir)
     if args.cuda:
         with open(args.cuda, "w") as f:
             f.write(result.cuda_source)
@@ -232,7 +242,8 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_diff)
 
     b = sub.add_parser("build", help="lower for sm_90a, compile to a cubin with nvcc, report resources")
-    b.add_argument("spec", help="spec TOML file")
+    b.add_argument("spec", nargs="+", help="spec TOML file(s); several build in parallel (-j)")
+    b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="kernels built at once (default: the CPU count)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV (default: dynamic shapes)")
     b.add_argument("--cuda", metavar="FILE", help="also write the lowered CUDA source to FILE")
@@ -280,6 +291,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from attngen.build import BuildError
     from attngen.lower import LowerError
+    from attngen.toolchain import ToolchainError
 
     args = parser().parse_args(argv)
     try:
@@ -287,7 +299,7 @@ def main(argv=None) -> int:
     except (SpecError, InputError) as e:  # the user's input: fix the spec, the shape or the option
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
-    except (BuildError, LowerError, OSError) as e:  # the toolchain or the file system said no
+    except (BuildError, LowerError, ToolchainError, OSError) as e:  # the toolchain or the file system said no
         print(f"attngen: error: {e}", file=sys.stderr)
         return 1
 
