@@ -25,8 +25,9 @@ import numpy as np
 
 from attngen.emulator.clocks import advance, join
 from attngen.emulator.errors import Abort, DeadlockError, KernelError
+from attngen.hw import WARPGROUP_THREADS
 
-WARPGROUP = 128
+WARPGROUP = WARPGROUP_THREADS  # threads per agent (one warpgroup)
 POLICIES = ("random", "producer-first", "consumers-first")
 STALL_SECONDS = 300  # one CTA running this long without a hand-over is stuck, not slow
 
