@@ -1,6 +1,6 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw  ->  spec, reference  ->  plan  ->  render, tuning_table  ->  lower
+    version, hw, expr, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table  ->  lower
                  ->  build | emulator | runtime | gputime  ->  tune | timeline  ->  cli
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 
 LAYERS = {
-    "version": 0, "hw": 0, "expr": 0,
+    "version": 0, "hw": 0, "expr": 0, "toolchain": 0,
     "spec": 1, "reference": 1,
     "plan": 2,
     "render": 3, "tuning_table": 3,
