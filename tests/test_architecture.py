@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 
 LAYERS = {
-    "version": 0, "hw": 0, "expr": 0,
+    "version": 0, "hw": 0, "expr": 0, "toolchain": 0,
     "spec": 1, "reference": 1,
     "plan": 2,
     "render": 3, "tuning_table": 3,
