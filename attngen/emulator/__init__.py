@@ -6,7 +6,8 @@ that land when their phase completes, asynchronous wgmma retired by wait_wgmma, 
 and deadlock reports instead of silent wrong answers or hangs.
 
 Modules: rewrite (ast pass), tlang (the T.* subset), memory (buffers, regions, TMA bounds),
-hazards (in-flight operations), agents (scheduler and barriers), driver (emulate, command).
+clocks and hazards (happens-before race detection with vector clocks), agents (scheduler and
+barriers), mutants (systematic mutants for the mutation score), driver (emulate, command).
 """
 
 from attngen.emulator.agents import POLICIES
