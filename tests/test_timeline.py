@@ -10,7 +10,7 @@ import pytest
 
 from attngen.cli import main
 from attngen.plan import make_plan
-from attngen.spec import Spec, load
+from attngen.spec import load
 from attngen.timeline import Latency, SourceInfo, record, replay
 from attngen.timeline.invariants import check_all, pingpong_alternates, stages_exclusive, wgmma_depth
 from attngen.timeline.latency import DEFAULT

@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 
 from attngen.cli import main
+from attngen.plan import make_plan
+from attngen.render import render_source
+from attngen.spec import load as load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "timeline"
@@ -146,8 +149,12 @@ def test_page_loads_without_errors_and_hover_shows_the_source_line(pages, name):
     lanes = int(re.search(r"^lanes (\d+)$", selftest, re.M).group(1))
     assert lanes == agents_in(page) == (6 if "vs" in name or "off" in name else 3) - (1 if name.startswith("consumers") else 0)
     tip = selftest.split("tooltip:\n", 1)[1]
-    source = page.read_text()
-    assert re.search(r"^line \d+: T\.\w+\(", tip, re.M), tip  # the hovered span's source line, as emitted
+    hovered = re.search(r"^line (\d+): (T\.\w+\(.*)$", tip, re.M)
+    assert hovered, tip
+    # the hovered span is in the first spec's chart: its line is that kernel's emitted line, word for word
+    first = Path(PAGES[name][0].format(tmp=page.parent))
+    emitted = render_source(make_plan(load_spec(first if first.is_absolute() else ROOT / first))).splitlines()
+    assert emitted[int(hovered.group(1)) - 1].strip() == hovered.group(2).strip()
     assert "tile 0" in tip and "cycles" in tip
 
 

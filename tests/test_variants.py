@@ -15,7 +15,7 @@ from attngen.emulator.driver import check_emulated, variant_inputs
 from attngen.plan import make_plan
 from attngen.reference import attention, check_lse, random_inputs, variant_of
 from attngen.runtime import InputError, check_extra, check_tensors
-from attngen.spec import Spec, SpecError, from_dict
+from attngen.spec import Spec, SpecError
 
 VARIANT_FIELDS = dict(lse=True, window=[64, 3], softcap=20.0, alibi=True, sinks=True, head_dim_v=64,
                       score_mod="score + bias[h]", mask_mod="kv_idx != 5")

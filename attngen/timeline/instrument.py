@@ -12,7 +12,6 @@ same lanes and hover texts as the model's.
 from __future__ import annotations
 
 import ast
-import copy
 
 WAITS = {"mbarrier_wait_parity", "sync_threads", "wait_wgmma"}
 ISSUES = {"wgmma_gemm", "tma_copy", "mbarrier_arrive", "named_barrier_arrive"}
