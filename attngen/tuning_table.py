@@ -8,6 +8,7 @@ no longer accept all mean "use the plan's defaults": never an error.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -30,9 +31,22 @@ def table_key(spec: Spec, seq_len: int) -> str:
 
 
 def load_table(path: Path | None = None) -> dict:
-    """{key: entry} of the table at `path` (default TABLE); a missing, empty or malformed table is {}."""
+    """{key: entry} of the table at `path` (default TABLE); a missing, empty or malformed table is {}.
+
+    attention() asks on every call: the file is parsed once per change (path, mtime), not per call.
+    """
+    path = Path(path or TABLE)
     try:
-        data = json.loads(Path(path or TABLE).read_text() or "{}")
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    return dict(_parsed(str(path), stamp))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: str, stamp: int) -> dict:
+    try:
+        data = json.loads(Path(path).read_text() or "{}")
     except (OSError, ValueError):
         return {}
     entries = data.get("entries", {}) if isinstance(data, dict) else {}

@@ -133,3 +133,17 @@ def test_tune_dry_run_builds_and_lists_candidates(build_cache):
     assert "[1/1]" in out and "1 of 1 candidates kept" in out and "the table is unchanged" in out
     row = [line for line in out.splitlines() if line.startswith("fa3_fwd_hd64_f16_full")]
     assert len(row) == 1 and row[0].split()[2] == "0"  # registers, then 0 spill bytes
+
+
+def test_the_table_is_parsed_once_per_change_not_per_call(tmp_path, monkeypatch):
+    path = write_table(tmp_path / "t.json", {"k": {"consumers": 1}})
+    reads = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(self), real(self, *a, **k))[1])
+    for _ in range(5):
+        assert tuning_table.load_table(path) == {"k": {"consumers": 1}}
+    assert len(reads) == 1
+    import os
+    write_table(path, {"k": {"consumers": 2}})
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a new mtime: parsed again
+    assert tuning_table.load_table(path) == {"k": {"consumers": 2}} and len(reads) == 2
