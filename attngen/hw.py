@@ -25,6 +25,9 @@ LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel u
 # setmaxnreg split per consumer count, as FlashAttention-3 uses it: (producer, consumer).
 # The producer only issues TMA, so it gives its registers to the consumers.
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
+# A producer that looks up pages or split ranges per tile spills at 24 registers (measured:
+# 36 bytes on the paged split-KV decode preset); one consumer leaves the pool room for 56.
+SERVING_PRODUCER_REGS = {1: 56}
 # Registers a consumer thread needs beyond its accumulators (row statistics, addresses,
 # loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
 # spill reports: docs/spec-reference.md, "Register budget".

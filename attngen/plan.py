@@ -60,6 +60,10 @@ class Shape:
         return ",".join(str(getattr(self, f)) for f in SHAPE_FIELDS)
 
 
+# A page of 128 keys holds one K tile of every head dim's default block_n but hd256's (80: it
+# then takes 64); vLLM and FlashInfer default to 16, which here would force 16-key tiles.
+DEFAULT_PAGE_SIZE = 128
+
 SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the hand-written seed kernel's static shape (docs/seed-parity.md)
 
 
@@ -116,6 +120,11 @@ class Plan:
     extra: tuple = ()  # ExtraTensor per prim_func parameter after O, in order
     prescaled: bool = False  # a score transform runs: acc_s holds the final score in base-2 units
     guard_empty_rows: bool = False  # some query rows may see no key: guard -inf maxima and 0 sums
+    # Serving (docs/serving.md): packed sequences, a paged KV cache, split-KV.
+    varlen: bool = False  # q, k, v packed (total, heads, D); per-sequence lengths from cu_seqlens / seqused_k
+    page_size: int = 0  # keys per page of the paged K/V cache; 0: K and V are dense
+    split_kv: bool = False  # each block also takes a split of the K tiles; a combine kernel merges the splits
+    pack_gqa: bool = False  # the query heads of one KV head are rows of one tile (decode: 1 query still fills M)
 
     @property
     def smem_bytes(self) -> int:
@@ -141,8 +150,20 @@ def kernel_name(spec: Spec) -> str:
         parts.append("nopp")
     if spec.aligned:
         parts.append("aligned")
-    parts += variant_tags(spec)
+    parts += variant_tags(spec) + serving_tags(spec)
     return "_".join(parts)
+
+
+def serving_tags(spec: Spec) -> list:
+    """Name parts of the serving fields (none for a bshd, dense, unsplit kernel)."""
+    tags = []
+    if spec.layout != "bshd":
+        tags.append(spec.layout)
+    if spec.paged_kv:
+        tags.append(f"paged{spec.page_size}")
+    if spec.splits != 1:
+        tags.append("splitkv")
+    return tags
 
 
 def variant_tags(spec: Spec) -> list:
@@ -181,12 +202,15 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     elem = hw.DTYPES[spec.dtype].bytes
     rows_q = hw.WGMMA_M * spec.consumers
     dv = head_dim_v(spec)
-    return {
+    smem = {
         "Q": rows_q * spec.head_dim * elem,
         "K": spec.k_stages * block_n * spec.head_dim * elem,
         "V": spec.v_stages * block_n * dv * elem,
         "O": rows_q * dv * elem,  # output staged in shared memory, then one TMA store
     }
+    if spec.splits != 1:
+        del smem["O"]  # float32 partial outputs go straight from registers to global memory
+    return smem
 
 
 def variant_regs(spec: Spec) -> int:
@@ -202,16 +226,20 @@ def regs_needed(spec: Spec, block_n: int) -> int:
 
 
 def default_block_n(spec: Spec) -> int:
-    """The largest candidate within both budgets (the smallest if none fits: make_plan then says why)."""
+    """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
+    A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
     _, consumer_regs = hw.REG_SPLIT[spec.consumers]
-    for bn in BLOCK_N_CANDIDATES:
+    fits_page = [bn for bn in BLOCK_N_CANDIDATES if not spec.paged_kv or spec.page_size % bn == 0]
+    for bn in fits_page:
         if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
             return bn
-    return BLOCK_N_CANDIDATES[-1]
+    return fits_page[-1]
 
 
 def resolve(spec: Spec) -> Spec:
     """The spec with every "choose for me" field filled in."""
+    if spec.paged_kv and spec.page_size is None:
+        spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
     return dataclasses.replace(
         spec,
         head_dim_v=head_dim_v(spec),
@@ -233,6 +261,8 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     threads = hw.WARPGROUP_THREADS * (n + 1)
     launch_regs = hw.launch_regs(threads)
     producer_regs, consumer_regs = hw.REG_SPLIT[n]
+    if spec.paged_kv or spec.splits != 1:
+        producer_regs = hw.SERVING_PRODUCER_REGS.get(n, producer_regs)
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
@@ -250,7 +280,12 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
             f"per block; use fewer stages or a smaller block_n",
         )
 
+    if spec.paged_kv and spec.page_size % spec.block_n:
+        raise SpecError("page_size", spec.page_size, f"expected a multiple of block_n = {spec.block_n}: each K/V tile is "
+                        f"one TMA box inside one page (TileLang cannot land a smaller box in the swizzled tile)")
     if shape is not None:
+        if spec.layout != "bshd" or spec.paged_kv:
+            raise SpecError("shape", str(shape), "a varlen or paged kernel reads its lengths at call time; it has no static shape")
         check_shape(spec, shape)
     variant = plan_variant(spec, shape)
 
@@ -297,8 +332,10 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     mask_expr = expr.parse(spec.mask_mod, "mask_mod") if spec.mask_mod.strip() else None
 
     extra = []
+    per_sequence = spec.layout == "varlen" or spec.paged_kv  # lengths differ by sequence: read at run time
     if spec.lse:
-        extra.append(ExtraTensor("lse", "LSE", ("batch", "heads", "q_len"), output=True))
+        lse_axes = ("heads", "total_q") if spec.layout == "varlen" else ("batch", "heads", "q_len")
+        extra.append(ExtraTensor("lse", "LSE", lse_axes, output=True))
     if spec.alibi:
         extra.append(ExtraTensor("alibi_slopes", "Alibi", ("heads",)))
     if spec.sinks:
@@ -316,11 +353,13 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     for name, (field, _) in used.items():
         if name in FIELDS:  # attngen.attention takes spec fields and tensors as keywords
             raise SpecError(field, getattr(spec, field), f"tensor `{name}` has the name of a spec field; rename it")
+    if per_sequence:  # no kernel-wide q_len/kv_len to size a mod's tensor by: those axes are free
+        used = {name: (field, tuple(None if a in ("q_len", "kv_len") else a for a in axes)) for name, (field, axes) in used.items()}
     extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
-    if mask_expr is not None or left is not None:
-        guard = True  # any row may be masked whole (mask_mod), or its first visited tiles (window)
+    if mask_expr is not None or left is not None or per_sequence or spec.splits != 1:
+        guard = True  # also: a sequence may have fewer keys than rows, or none; a split may be empty  # any row may be masked whole (mask_mod), or its first visited tiles (window)
     elif right is not None:
         guard = shape is None or shape.q_len > shape.kv_len + right
     else:
@@ -334,6 +373,10 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         "extra": tuple(extra),
         "prescaled": bool(spec.softcap or spec.alibi or score_expr is not None),
         "guard_empty_rows": guard,
+        "varlen": spec.layout == "varlen",
+        "page_size": spec.page_size if spec.paged_kv else 0,
+        "split_kv": spec.splits != 1,
+        "pack_gqa": spec.splits != 1 and spec.gqa_group > 1,
     }
 
 

@@ -63,8 +63,21 @@ def windowed(plan: Plan) -> bool:
 
 
 def has_first_tile(plan: Plan) -> bool:
-    """The block's first visited K tile is not 0 (the window has a left edge)."""
-    return plan.window_left is not None
+    """The block's first visited K tile is not 0 (the window has a left edge, or the block takes a split)."""
+    return plan.window_left is not None or plan.split_kv
+
+
+def row_pos(plan: Plan, row: str = "q0 + row0 + i") -> str:
+    """The query position of a block's packed row: the row itself, or row // GQA_GROUP when the
+    query heads of one KV head are packed into the tile's rows."""
+    if not plan.pack_gqa:
+        return row
+    return f"({row}) // GQA_GROUP" if row.endswith(" i") else f"T.floordiv({row}, GQA_GROUP)"
+
+
+def row_head(plan: Plan) -> str:
+    """The query head of row i: the block's head, or (packed GQA) the row's place in the group."""
+    return "(head + (q0 + row0 + i) % GQA_GROUP)" if plan.pack_gqa else "head"
 
 
 def key_tile(plan: Plan, tile: str) -> str:
@@ -84,18 +97,19 @@ def mask_condition(plan: Plan, tile: str) -> str:
     """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
     spec = plan.spec
     key = key_index(plan, tile)
+    row = row_pos(plan)
     if not windowed(plan) and plan.mask_expr is None:
         if spec.causal:
             # bottom-right alignment already keeps every real row below kv_len: row i < q_len sees
             # keys up to i + kv_len - q_len < kv_len; rows past q_len are never stored
-            return f"q0 + row0 + i + causal_offset >= {key}"
+            return f"{row} + causal_offset >= {key}"
         return f"{key} < kv_len"  # the partial last tile (not aligned)
     left, right = plan.window_left, plan.window_right
     parts = []
     if left is not None:
-        parts.append(f"{key} >= q0 + row0 + i + causal_offset - {left}")
+        parts.append(f"{key} >= {row} + causal_offset - {left}")
     if right is not None:
-        parts.append(f"q0 + row0 + i + causal_offset + {right} >= {key}" if right else f"q0 + row0 + i + causal_offset >= {key}")
+        parts.append(f"{row} + causal_offset + {right} >= {key}" if right else f"{row} + causal_offset >= {key}")
     if right != 0:  # right == 0 keeps every real row's keys below kv_len (see above)
         parts.append(f"{key} < kv_len")
     if plan.mask_expr is not None:
@@ -106,7 +120,7 @@ def mask_condition(plan: Plan, tile: str) -> str:
 def mod_text(plan: Plan, e, tile: str, score: str | None) -> str:
     """A parsed score_mod/mask_mod as TileLang, at row q0 + row0 + i and key `key_index(tile)`."""
     tensors = {t.name: t for t in plan.extra}
-    names = {"b": "batch_idx", "h": "head", "q_idx": "(q0 + row0 + i)", "kv_idx": f"({key_index(plan, tile)})"}
+    names = {"b": "batch_idx", "h": row_head(plan), "q_idx": f"({row_pos(plan)})", "kv_idx": f"({key_index(plan, tile)})"}
     if score is not None:
         names["score"] = f"({score})"
     return expr.emit(e, names, lambda n: tensors[n].param, lambda n, axis: tensors[n].dim(axis))
@@ -123,7 +137,7 @@ def transform_expr(plan: Plan, tile: str) -> str:
     if spec.softcap:
         s = "SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)"  # SOFTCAP_SCALE = SCALE / SOFTCAP, folded
     if spec.alibi:
-        s = f'{s} - Alibi[head] * T.Cast("float32", T.abs(q0 + row0 + i + causal_offset - ({key_index(plan, tile)})))'
+        s = f'{s} - Alibi[{row_head(plan)}] * T.Cast("float32", T.abs({row_pos(plan)} + causal_offset - ({key_index(plan, tile)})))'
     if plan.score_expr is not None:
         s = mod_text(plan, plan.score_expr, tile, s)
     return f"({s}) * LOG2E"
@@ -141,8 +155,10 @@ def full_tiles_expr(plan: Plan) -> str:
         return "0"  # a custom mask_mod masks every tile
     if not windowed(plan):
         if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset (< kv_len)
-            return "T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)"
-        return "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
+            tiles = f"T.floordiv({row_pos(plan, 'q0 + row0')} + causal_offset + 1, BLOCK_N)"
+        else:
+            tiles = "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
+        return f"{tiles} - first_tile" if has_first_tile(plan) else tiles
     right = plan.window_right
     if right is None:
         tiles = "T.floordiv(kv_len, BLOCK_N)"
@@ -155,7 +171,7 @@ def full_tiles_expr(plan: Plan) -> str:
 
 def lead_tiles_expr(plan: Plan) -> str:
     """Leading visits the window's left edge cuts for some row of this warpgroup (masked)."""
-    if not has_first_tile(plan) or plan.mask_expr is not None:
+    if plan.window_left is None or plan.mask_expr is not None:
         return ""
     return (f"T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
             " - first_tile, 0)")
@@ -163,7 +179,7 @@ def lead_tiles_expr(plan: Plan) -> str:
 
 def first_tile_expr(plan: Plan) -> str:
     """The block's first visited K tile: the window's left edge for its first row."""
-    if not has_first_tile(plan):
+    if plan.window_left is None:  # a split's first tile is laid out with the split (template)
         return ""
     return f"T.floordiv(T.max(q0 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
 
@@ -178,6 +194,12 @@ def n_tiles_expr(plan: Plan) -> str:
             return end + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
         return (f"T.max({end} - first_tile, 1)"
                 "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)")
+    if per_sequence(plan) or plan.split_kv:  # a sequence may have no key at all: kv_len = 0
+        tiles = "T.ceildiv(kv_len, BLOCK_N)"
+        if plan.spec.causal:
+            end = f"{row_pos(plan, 'q0 + BLOCK_M - 1')} + 1" if plan.pack_gqa else "q0 + BLOCK_M"
+            tiles = f"T.min({tiles}, T.ceildiv({end} + causal_offset, BLOCK_N))"
+        return f"T.max({tiles}, 1)  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
     if not plan.spec.causal:
         return "T.ceildiv(kv_len, BLOCK_N)"
     if plan.guard_empty_rows:
@@ -203,7 +225,7 @@ def normalize_stmt(plan: Plan) -> str:
 
 def lse_expr(plan: Plan) -> str:
     """Natural-log log-sum-exp of a row: (m * scale_log2 + log2(row sum)) * ln 2; -inf for a row with no key."""
-    if not plan.spec.lse:
+    if not (plan.spec.lse or plan.split_kv):  # a split always writes its LSE: the combine weighs by it
         return ""
     value = f"({scaled(plan, 'm_cur[i]')} + T.log2(row_sum[i])) * LN2"
     if plan.guard_empty_rows and not plan.spec.sinks:
@@ -225,7 +247,7 @@ def variant_constants(plan: Plan) -> list[str]:
     lines = []
     if plan.head_dim_v != spec.head_dim:
         lines.append(f"HEAD_DIM_V = {plan.head_dim_v}  # V and O head dim")
-    if plan.prescaled or spec.sinks or spec.lse:
+    if plan.prescaled or spec.sinks or spec.lse or plan.split_kv:
         lines.append(f"LOG2E = {hw.LOG2E}")
     if plan.prescaled:
         lines.append(f"SCALE = {(1.0 / spec.head_dim) ** 0.5!r}  # 1 / sqrt(HEAD_DIM): score = q . k * SCALE, as in FlexAttention")
@@ -234,9 +256,234 @@ def variant_constants(plan: Plan) -> list[str]:
         lines.append(f"SOFTCAP_SCALE = {(1.0 / spec.head_dim) ** 0.5 / spec.softcap!r}  # SCALE / SOFTCAP")
     if spec.sinks and not plan.prescaled:
         lines.append(f"SINK_TO_RAW = {hw.LOG2E / plan.scale_log2!r}  # a natural-log logit in the units of q . k (sqrt(HEAD_DIM))")
-    if spec.lse:
+    if spec.lse or plan.split_kv:
         lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
+    return lines + serving_constants(plan)
+
+
+# -- serving: packed sequences, paged K/V, split-KV (docs/serving.md) -----------------------
+# Every function below returns, for a bshd, dense, unsplit plan, exactly the text the template
+# printed before these layouts existed.
+COMBINE_ROWS = 64  # rows of one head per combine block
+COMBINE_THREADS = 128
+
+
+def per_sequence(plan: Plan) -> bool:
+    """Lengths differ by sequence (packed q, or a paged cache's seqused_k): each block reads its own."""
+    return plan.varlen or plan.page_size > 0
+
+
+def kernel_dims(plan: Plan) -> dict:
+    """T.dynamic extents of the main kernel (name -> int for a static shape, else None)."""
+    if plan.shape is not None:
+        return {d: getattr(plan.shape, d) for d in DIMS}
+    names = ["batch"]
+    names += ["total_q"] if plan.varlen else ["q_len"]
+    if not plan.page_size:
+        names += ["total_k"] if plan.varlen else ["kv_len"]
+    names.append("kv_heads")
+    if plan.page_size:
+        names += ["num_pages", "max_pages"]
+    if plan.split_kv:
+        names.append("num_splits")
+    return {n: None for n in names}
+
+
+def q_shape(plan: Plan, dim: str = "HEAD_DIM") -> list:
+    return ["total_q", "heads", dim] if plan.varlen else ["batch", "q_len", "heads", dim]
+
+
+def kv_shape(plan: Plan, dim: str) -> list:
+    if plan.page_size:
+        return ["num_pages", "PAGE_SIZE", "kv_heads", dim]
+    return ["total_k", "kv_heads", dim] if plan.varlen else ["batch", "kv_len", "kv_heads", dim]
+
+
+def lse_shape(plan: Plan) -> list:
+    return ["heads", "total_q"] if plan.varlen else ["batch", "heads", "q_len"]
+
+
+def _tensor(name: str, shape: list, dtype: str, comment: str = "") -> str:
+    return f"{name}: T.Tensor([{', '.join(shape)}], {dtype})," + (f"  # {comment}" if comment else "")
+
+
+def kernel_params(plan: Plan, dv: str) -> list[str]:
+    """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
+    lines = [_tensor("Q", q_shape(plan), "DTYPE"), _tensor("K", kv_shape(plan, "HEAD_DIM"), "DTYPE"),
+             _tensor("V", kv_shape(plan, dv), "DTYPE")]
+    if plan.split_kv:
+        lines.append(_tensor("O_partial", ["num_splits"] + q_shape(plan, dv), '"float32"',
+                             "output: each split's normalised partial O (the combine kernel merges them)"))
+        lines.append(_tensor("LSE_partial", ["num_splits"] + lse_shape(plan), '"float32"',
+                             "output: each split's log-sum-exp per row, natural log (-inf: no key)"))
+    else:
+        lines.append(_tensor("O", q_shape(plan, dv), "DTYPE"))
+    for t in plan.extra:
+        if t.output and plan.split_kv:
+            continue  # the combine kernel writes the LSE
+        dims = [t.dim(a) for a in range(len(t.shape))]
+        lines.append(_tensor(t.param, dims, '"float32"',
+                             "output: log-sum-exp per row, natural log" if t.output else f"call time: {t.name}"))
+    if plan.varlen:
+        lines.append(_tensor("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"))
+        if not plan.page_size:
+            lines.append(_tensor("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k and v"))
+    if plan.page_size:
+        lines.append(_tensor("block_table", ["batch", "max_pages"], '"int32"', "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"))
+        lines.append(_tensor("seqused_k", ["batch"], '"int32"', "keys of sequence b"))
+    if plan.varlen:
+        lines.append("max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grid")
     return lines
+
+
+def grid(plan: Plan) -> str:
+    rows = "max_seqlen_q" if plan.varlen else "q_len"
+    if plan.pack_gqa:
+        rows = f"{rows} * GQA_GROUP"
+    return ", ".join([f"T.ceildiv({rows}, BLOCK_M)", "kv_heads" if plan.pack_gqa else "heads",
+                      "batch * num_splits" if plan.split_kv else "batch"])
+
+
+def block_vars(plan: Plan) -> str:
+    return ", ".join(["q_block", "kv_head" if plan.pack_gqa else "head", "batch_split" if plan.split_kv else "batch_idx"])
+
+
+def block_setup(plan: Plan) -> list[str]:
+    """Lines that give a block its head, sequence and lengths (before q0)."""
+    if plan.pack_gqa:
+        lines = ["head = kv_head * GQA_GROUP  # packed GQA: row r is query r // GQA_GROUP of head head + r % GQA_GROUP"]
+    else:
+        lines = ["kv_head = head // GQA_GROUP"]
+    if plan.split_kv:
+        lines += ["batch_idx = T.truncdiv(batch_split, num_splits)  # truncdiv: both >= 0, no floor fix-up code",
+                  "split_idx = T.truncmod(batch_split, num_splits)  # which share of the K tiles this block visits"]
+    if plan.varlen:
+        lines += ["q_start = cu_seqlens_q[batch_idx]  # this sequence's first row of q and out",
+                  "q_len = cu_seqlens_q[batch_idx + 1] - q_start"]
+        if not plan.page_size:
+            lines += ["k_start = cu_seqlens_k[batch_idx]", "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
+    if plan.page_size:
+        lines += ["kv_len = seqused_k[batch_idx]",
+                  "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
+    if per_sequence(plan) and has_offset(plan):
+        lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
+    return lines
+
+
+def has_offset(plan: Plan) -> bool:
+    return plan.spec.causal or windowed(plan) or plan.spec.alibi
+
+
+def q_box(plan: Plan, g: int) -> str:
+    """The TMA box of consumer g's Q rows."""
+    rows = q_rows(plan, g)
+    if plan.varlen:
+        lo, hi = rows.split(":")
+        return f"q_start + {lo}:q_start + {hi}, head, :"
+    return f"batch_idx, {rows}, head, :"
+
+
+def kv_tile_setup(plan: Plan, tile: str) -> list[str]:
+    if not plan.page_size:
+        return []
+    t = key_tile(plan, tile)
+    return [f"page = block_table[batch_idx, T.min({t} // TILES_PER_PAGE, last_page)]  # the page holding this tile",
+            f"page_row = {t} % TILES_PER_PAGE * BLOCK_N"]
+
+
+def kv_box(plan: Plan, tile: str) -> str:
+    """The TMA box of visit `tile`'s K (or V) rows."""
+    if plan.page_size:
+        return "page, page_row:page_row + BLOCK_N, kv_head, :"
+    t = key_tile(plan, tile)
+    if plan.varlen:
+        return f"k_start + {t} * BLOCK_N:k_start + ({t} + 1) * BLOCK_N, kv_head, :"
+    return f"batch_idx, {t} * BLOCK_N:({t} + 1) * BLOCK_N, kv_head, :"
+
+
+def consumer_args(plan: Plan) -> str:
+    """The consumer macro's parameters after (g, wait_bar, signal_bar); the call passes the same names."""
+    names = ["Q_shared", "K_shared", "V_shared"]
+    if not plan.split_kv:
+        names.append("O_shared")
+    names.append("O_partial" if plan.split_kv else "O")
+    if not plan.pack_gqa:
+        names.append("q_full")
+    names += ["k_full", "k_empty", "v_full", "v_empty", "q0", "n_tiles", "head", "batch_idx"]
+    names += ["LSE_partial" if (t.output and plan.split_kv) else t.param for t in plan.extra]
+    if plan.split_kv and not plan.spec.lse:
+        names.append("LSE_partial")
+    if has_first_tile(plan):
+        names.append("first_tile")
+    if plan.pack_gqa:
+        names.append("Q")
+    if per_sequence(plan):
+        names += ["q_len", "kv_len"] + (["causal_offset"] if has_offset(plan) else [])
+    if plan.varlen:
+        names.append("q_start")
+    if plan.split_kv:
+        names.append("split_idx")
+    return ", ".join(names)
+
+
+def row_valid(plan: Plan) -> str:
+    return f"{row_pos(plan)} < q_len"
+
+
+def out_index(plan: Plan, rows: str, head: str) -> str:
+    """Index of O (or a split's O_partial) at query position `rows`, head `head`, column j."""
+    idx = f"q_start + {rows}, {head}, j" if plan.varlen else f"batch_idx, {rows}, {head}, j"
+    return f"split_idx, {idx}" if plan.split_kv else idx
+
+
+def lse_index(plan: Plan, rows: str, head: str) -> str:
+    idx = f"{head}, q_start + {rows}" if plan.varlen else f"batch_idx, {head}, {rows}"
+    return f"split_idx, {idx}" if plan.split_kv else idx
+
+
+def q_pack_index(plan: Plan) -> str:
+    """Packed GQA: row r's query (clamped: rows past the sequence are computed, never stored)."""
+    pos = "(q0 + row0 + r) // GQA_GROUP"
+    row = f"T.min(q_start + {pos}, total_q - 1)" if plan.varlen else f"batch_idx, T.min({pos}, q_len - 1)"
+    return f"{row}, head + (q0 + row0 + r) % GQA_GROUP, d"
+
+
+def serving_constants(plan: Plan) -> list[str]:
+    if not plan.page_size:
+        return []
+    return [f"PAGE_SIZE = {plan.page_size}  # keys per page of the K/V cache",
+            f"TILES_PER_PAGE = {plan.page_size // plan.spec.block_n}  # a K/V tile is one TMA box inside one page"]
+
+
+def combine_context(plan: Plan, dv: str) -> dict:
+    """Names of the combine kernel (fa3_combine.py.j2): it merges O_partial/LSE_partial per row."""
+    rows = "total_q" if plan.varlen else "q_len"
+    dims = ["total_q"] if plan.varlen else ["batch", "q_len"]
+    params = [_tensor("O_partial", ["num_splits"] + q_shape(plan, dv), '"float32"'),
+              _tensor("LSE_partial", ["num_splits"] + lse_shape(plan), '"float32"'),
+              _tensor("O", q_shape(plan, dv), "DTYPE")]
+    if plan.spec.lse:
+        params.append(_tensor("LSE", lse_shape(plan), '"float32"', "output: log-sum-exp per row, natural log"))
+    row = "r0 + i"
+    clamped = f"T.min(r0 + i, {rows} - 1)"
+    if plan.varlen:
+        o_idx, lse_idx = (lambda r: f"{r}, head, j"), (lambda r: f"head, {r}")
+    else:
+        o_idx, lse_idx = (lambda r: f"batch_idx, {r}, head, j"), (lambda r: f"batch_idx, head, {r}")
+    return {
+        "combine_name": f"{plan.name}_combine",
+        "combine_dims": dims + ["kv_heads", "num_splits"],
+        "combine_params": params,
+        "combine_grid": f"T.ceildiv({rows}, COMBINE_ROWS), heads" + ("" if plan.varlen else ", batch"),
+        "combine_vars": "row_block, head" + ("" if plan.varlen else ", batch_idx"),
+        "combine_rows": rows,
+        "combine_rows_per_block": COMBINE_ROWS,
+        "combine_threads": COMBINE_THREADS,
+        "partial_o": f"O_partial[s, {o_idx(clamped)}]",
+        "partial_lse": f"LSE_partial[s, {lse_idx(clamped)}]",
+        "out_o": f"O[{o_idx(row)}]",
+        "out_lse": f"LSE[{lse_idx(row)}]" if plan.spec.lse else "",
+    }
 
 
 def offset_comment(plan: Plan) -> str:
@@ -276,21 +523,14 @@ def template_context(plan: Plan) -> dict:
     """Every name the template uses (documented at the top of the template)."""
     spec = plan.spec
     has_masked = spec.causal or not spec.aligned or windowed(plan) or plan.mask_expr is not None
-    dims = {d: None for d in DIMS}
-    if plan.shape is not None:
-        dims = {d: getattr(plan.shape, d) for d in DIMS}
-    extra_params = [t.param for t in plan.extra]
-    consumer_extra = "".join(f", {p}" for p in extra_params) + (", first_tile" if has_first_tile(plan) else "")
+    dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
-    tensor_params = [f"{t.param}: T.Tensor([{', '.join(t.dim(a) for a in range(len(t.shape)))}], \"float32\"),"
-                     + ("  # output: log-sum-exp per row, natural log" if t.output else f"  # call time: {t.name}")
-                     for t in plan.extra]
     return {
         "header": header_lines(plan),
         "kernel_name": plan.name,
         "spec_hash": plan.hash,
         "head_dim": spec.head_dim,
-        "dv": "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V",
+        "dv": dv,
         "dtype": spec.dtype,
         "gqa_group": spec.gqa_group,
         "consumers": spec.consumers,
@@ -313,9 +553,9 @@ def template_context(plan: Plan) -> dict:
         "warpgroup_threads": plan.warpgroup_threads,
         "epilogue_bar": plan.epilogue_bar,
         "compile_flags": plan.compile_flags,
-        "dims": dims,
+        "dims": kernel_dims(plan),
         "free_dims": free_dims,
-        "offset": spec.causal or windowed(plan) or spec.alibi,
+        "offset": has_offset(plan) and not per_sequence(plan),
         "offset_comment": offset_comment(plan),
         "has_masked": has_masked,
         "all_masked": plan.mask_expr is not None,
@@ -325,8 +565,28 @@ def template_context(plan: Plan) -> dict:
         "full_tiles": full_tiles_expr(plan) if has_masked else "",
         "lead_tiles": lead_tiles_expr(plan),
         "normalize": normalize_stmt(plan),
-        "tensor_params": tensor_params,
-        "consumer_extra": consumer_extra,
+        "params": kernel_params(plan, dv),
+        "consumer_args": consumer_args(plan),
+        "visits_from_first_tile": has_first_tile(plan),
+        "grid": grid(plan),
+        "block_vars": block_vars(plan),
+        "block_setup": block_setup(plan),
+        "q_box": lambda g: q_box(plan, g),
+        "kv_tile_setup": lambda tile: kv_tile_setup(plan, tile),
+        "kv_box": lambda tile: kv_box(plan, tile),
+        "split_kv": plan.split_kv,
+        "epilogue_store": ("store this split's float32 O and LSE (this block's rows only)" if plan.split_kv else
+                           "stage in shared memory, store this sequence's rows only" if plan.varlen else
+                           "stage in shared memory, one TMA store"),
+        "pack_gqa": plan.pack_gqa,
+        "clip_rows": plan.varlen or plan.split_kv,
+        "varlen": plan.varlen,
+        "row_valid": row_valid(plan),
+        "out_index": out_index(plan, row_pos(plan), row_head(plan)),
+        "lse_param": "LSE_partial" if plan.split_kv else "LSE",
+        "lse_index": lse_index(plan, row_pos(plan), row_head(plan)),
+        "q_pack_index": q_pack_index(plan),
+        **(combine_context(plan, dv) if plan.split_kv else {}),
         "sink_init": sink_init(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,

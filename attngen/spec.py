@@ -26,6 +26,10 @@ MAX_STAGES = 4
 MAX_GQA_GROUP = 1024
 BLOCK_N_STEP = 16  # wgmma N granularity and the PV reduction step
 MAX_BLOCK_N = 256  # wgmma N
+LAYOUTS = ("bshd", "varlen")
+PAGE_SIZE_STEP = 16  # a page holds whole K tiles, and a tile is a multiple of 16 keys
+MAX_PAGE_SIZE = 4096
+MAX_SPLITS = 128
 
 
 class SpecError(ValueError):
@@ -86,6 +90,11 @@ class Spec:
     head_dim_v: int | None = None  # V and O head dim; None: head_dim
     score_mod: str = ""  # expression over score, b, h, q_idx, kv_idx and call-time tensors (attngen/expr.py)
     mask_mod: str = ""  # boolean expression over b, h, q_idx, kv_idx and call-time tensors
+    # Serving (docs/serving.md); at their defaults they too leave the kernel byte-identical.
+    layout: str = "bshd"  # "varlen": q, k, v packed (total, heads, D) with cu_seqlens at call time
+    paged_kv: bool = False  # K and V in a paged cache (num_pages, page_size, kv_heads, D) with a block_table
+    page_size: int | None = None  # keys per page (paged_kv only); None: DEFAULT_PAGE_SIZE
+    splits: int | str = 1  # split-KV: partial outputs per split, merged by a combine kernel; "auto": at call time
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -115,7 +124,8 @@ class Spec:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 VARIANT_DEFAULTS = {"lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
-                    "head_dim_v": None, "score_mod": "", "mask_mod": ""}
+                    "head_dim_v": None, "score_mod": "", "mask_mod": "",
+                    "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1}
 
 
 def check_keys(data: dict, source: str) -> None:
@@ -173,6 +183,7 @@ def check_fields(s: Spec) -> None:
         if not (BLOCK_N_STEP <= s.block_n <= MAX_BLOCK_N and s.block_n % BLOCK_N_STEP == 0):
             raise SpecError("block_n", s.block_n, f"expected {valid}")
     check_variant_fields(s)
+    check_serving_fields(s)
     if s.pingpong and s.consumers < 2:
         raise SpecError("pingpong", s.pingpong, "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
 
@@ -202,6 +213,33 @@ def check_variant_fields(s: Spec) -> None:
                 expr.parse(text, field)
             except expr.ExprError as e:
                 raise SpecError(field, text, str(e)) from None
+
+
+def check_serving_fields(s: Spec) -> None:
+    if not isinstance(s.layout, str) or s.layout not in LAYOUTS:
+        raise SpecError("layout", s.layout, 'expected "bshd" (batch, seq, heads, dim) or "varlen" (packed sequences with cu_seqlens)')
+    _need_bool(s, "paged_kv")
+    if s.page_size is not None:
+        valid = f"a multiple of {PAGE_SIZE_STEP} from {PAGE_SIZE_STEP} to {MAX_PAGE_SIZE}"
+        _need_int("page_size", s.page_size, valid)
+        if not s.paged_kv:
+            raise SpecError("page_size", s.page_size, "only with paged_kv = true (a dense K/V has no pages)")
+        if not (PAGE_SIZE_STEP <= s.page_size <= MAX_PAGE_SIZE and s.page_size % PAGE_SIZE_STEP == 0):
+            raise SpecError("page_size", s.page_size, f"expected {valid}")
+    if s.splits != "auto":
+        _need_int("splits", s.splits, f'1 to {MAX_SPLITS}, or "auto"')
+        if not 1 <= s.splits <= MAX_SPLITS:
+            raise SpecError("splits", s.splits, f'expected an integer from 1 to {MAX_SPLITS}, or "auto" (chosen per call)')
+    serving = s.layout != "bshd" or s.paged_kv
+    if serving and s.aligned:
+        raise SpecError("aligned", s.aligned, "varlen and paged kernels read each sequence's length at call time; "
+                        "aligned = true needs tile-multiple lengths known ahead")
+    if s.splits != 1 and s.sinks:
+        raise SpecError("splits", s.splits, "a sink joins each row's softmax once, but every split would count it; "
+                        "use splits = 1 with sinks")
+    if s.splits != 1 and s.window != (-1, -1):
+        raise SpecError("splits", s.splits, "split-KV with a sliding window is not supported; use splits = 1 "
+                        "(a window already bounds each row's keys)")
 
 
 def from_dict(data: dict[str, Any], *, source: str = "spec") -> Spec:
