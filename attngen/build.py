@@ -49,6 +49,10 @@ class BuildResult:
     cuda_source: str
     cubin_path: Path
     cached: bool
+    combine: "BuildResult | None" = None  # a split-KV kernel's combine kernel
+
+
+COMBINE_REPORT = ("kernel", "registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "cached")
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -133,8 +137,10 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def build_source(source: str, name: str, flags, *, plan_smem: int | None = None, cache_dir=None, extra: dict | None = None) -> BuildResult:
-    """Lower, compile (nvcc `flags`) and report one emitted source; cached by content and tool versions."""
+def build_source(source: str, name: str, flags, *, plan_smem: int | None = None, cache_dir=None, extra: dict | None = None,
+                 builder: str = "build_kernel") -> BuildResult:
+    """Lower, compile (nvcc `flags`) and report one emitted source; cached by content and tool versions.
+    `builder` names the module function that returns the prim_func; `name` is that prim_func's name."""
     flags = list(flags)
     versions = tool_versions()
     key = cache_key(source, versions, flags)
@@ -147,7 +153,7 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
             return _load_entry(entry, cached=True)
         tc = toolchain.current()
         tc.require_host_compiler()
-        lowered = lower_source(source, name)
+        lowered = lower_source(source, name, builder=builder)
         work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{name}-"))
         try:
             cu, cubin = work / "kernel.cu", work / "kernel.cubin"
@@ -195,8 +201,14 @@ def build(spec_or_plan: Spec | Plan, shape: Shape | None = None, cache_dir=None)
     """Build the planned kernel (dynamic shapes, or specialized to the plan's static shape)."""
     plan = as_plan(spec_or_plan, shape)
     extra = {"spec_hash": plan.hash, "shape": str(plan.shape) if plan.shape else "dynamic", "threads": plan.threads}
-    return build_source(render_source(plan), plan.name, plan.compile_flags, plan_smem=plan.smem_bytes,
-                        cache_dir=cache_dir, extra=extra)
+    source = render_source(plan)
+    result = build_source(source, plan.name, plan.compile_flags, plan_smem=plan.smem_bytes, cache_dir=cache_dir, extra=extra)
+    if plan.split_kv:  # the combine kernel lives in the same emitted file
+        combine = build_source(source, f"{plan.name}_combine", plan.compile_flags, cache_dir=cache_dir,
+                               extra={"spec_hash": plan.hash}, builder="build_combine_kernel")
+        result.report["combine"] = {k: combine.report[k] for k in COMBINE_REPORT}
+        result.combine = combine
+    return result
 
 
 def format_report(r: dict) -> str:
@@ -214,6 +226,10 @@ def format_report(r: dict) -> str:
         ("toolchain", format_toolchain(r)),
         ("build", format_build(r)),
     ]
+    if "combine" in r:
+        c = r["combine"]
+        rows.insert(5, ("combine kernel", f"{c['kernel']}: {c['registers']} registers, spills {c['spill_store_bytes']} B stored, "
+                                          f"{c['spill_load_bytes']} B loaded"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

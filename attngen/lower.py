@@ -91,8 +91,9 @@ def _pass_timer():
     return PassTimer()
 
 
-def lower_source(source: str, name: str = "attngen_kernel", *, profile: bool = False) -> Lowered:
-    """Lower emitted TileLang source to CUDA C++ for sm_90a."""
+def lower_source(source: str, name: str = "attngen_kernel", *, profile: bool = False, builder: str = "build_kernel") -> Lowered:
+    """Lower emitted TileLang source to CUDA C++ for sm_90a. `builder`: the module's function that
+    returns the prim_func (build_combine_kernel for a split-KV kernel's combine step)."""
     t_import = import_tilelang()
     from tvm.target import Target
 
@@ -100,7 +101,7 @@ def lower_source(source: str, name: str = "attngen_kernel", *, profile: bool = F
     try:
         module = load_module(source, name)
         with Target(TARGET):  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
-            prim_func = module.build_kernel()
+            prim_func = getattr(module, builder)()
         artifact, passes = lower_prim_func(prim_func, module.PASS_CONFIGS, profile=profile)
     except Exception as e:  # TileLang/TVM raise many types; name the kernel and keep the cause
         raise LowerError(f"TileLang could not lower {name}: {type(e).__name__}: {str(e).strip()[-2000:]}") from e
