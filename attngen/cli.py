@@ -18,7 +18,7 @@ import sys
 from attngen.plan import Shape, make_plan
 from attngen.render import generate, render_source
 from attngen.reference import InputError
-from attngen.spec import SpecError, load
+from attngen.spec import SpecError, load, serving_field
 from attngen.version import __version__
 
 
@@ -160,6 +160,9 @@ def cmd_tune(args) -> int:
     check_dir_option("--cache-dir", args.cache_dir)
     user_spec = load(args.spec)
     base = make_plan(user_spec).spec
+    if base.layout != "bshd" or base.paged_kv or base.splits != 1:
+        raise SpecError(*serving_field(base), "tune times bshd, dense, unsplit kernels; tune the same spec without "
+                        "layout, paged_kv and splits (their schedule carries over)")
     shape = Shape.parse(args.shape) if args.shape else tune.tuning_shape(base, args.seq_len)
     make_plan(user_spec, shape)  # a bad shape is a SpecError before any build
     if not args.dry_run:

@@ -242,6 +242,14 @@ def check_serving_fields(s: Spec) -> None:
                         "(a window already bounds each row's keys)")
 
 
+def serving_field(s: Spec) -> tuple:
+    """(field, value) of the first serving field a spec sets, for errors of tools that do not take them."""
+    for field in ("layout", "paged_kv", "splits"):
+        if getattr(s, field) != VARIANT_DEFAULTS[field]:
+            return field, getattr(s, field)
+    return "layout", s.layout
+
+
 def from_dict(data: dict[str, Any], *, source: str = "spec") -> Spec:
     """Build a Spec from flat keys, rejecting unknown ones with the nearest valid key."""
     if not isinstance(data, dict):

@@ -116,3 +116,14 @@ def test_spec_files_take_the_serving_fields(tmp_path):
     spec = attngen.load_spec(path)
     assert (spec.layout, spec.paged_kv, spec.page_size, spec.splits) == ("varlen", True, 256, "auto")
     assert 'splits = "auto"' in attngen.spec.to_toml(spec)
+
+
+@pytest.mark.parametrize("command", [["timeline"], ["tune", "--dry-run"]])
+def test_tools_that_model_dense_kernels_refuse_serving_specs(command, tmp_path, capsys):
+    from attngen.cli import main
+
+    path = tmp_path / "s.toml"
+    path.write_text('splits = "auto"\ngqa_group = 4\n')
+    assert main([command[0], str(path), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'spec field `splits` = "auto"' in err and "without layout, paged_kv and splits" in err

@@ -69,7 +69,7 @@ def command(args) -> int:
     from attngen.emulator import EmulationError, check_run
     from attngen.plan import Shape, make_plan
     from attngen.reference import InputError
-    from attngen.spec import load
+    from attngen.spec import SpecError, load, serving_field
 
     t0 = time.perf_counter()
     if args.gpu:
@@ -81,6 +81,10 @@ def command(args) -> int:
             return 2
     lat = Latency.load(args.latency)
     plans = [make_plan(load(p)) for p in [args.spec] + list(args.compare)]
+    for plan in plans:
+        if plan.varlen or plan.page_size or plan.split_kv:
+            raise SpecError(*serving_field(plan.spec), "the timeline models one bshd, dense, unsplit kernel; "
+                            "chart the same spec without layout, paged_kv and splits")
     if args.max_blocks < 1:
         raise InputError("--max-blocks", args.max_blocks, "a positive integer")
     for plan in plans:  # sizes, seed and memory, before anything is emulated
