@@ -376,7 +376,10 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         "varlen": spec.layout == "varlen",
         "page_size": spec.page_size if spec.paged_kv else 0,
         "split_kv": spec.splits != 1,
-        "pack_gqa": spec.splits != 1 and spec.gqa_group > 1,
+        # Packing is for decode, where one warpgroup's 64 rows hold the group's heads. With more
+        # consumers TileLang 0.1.15's codegen fails on the paged varlen form ("Let cannot bind
+        # the same var to two different values"), and more rows only add empty ones.
+        "pack_gqa": spec.splits != 1 and spec.gqa_group > 1 and spec.consumers == 1,
     }
 
 

@@ -69,6 +69,7 @@ def test_pack_gqa_only_for_split_kv_with_groups():
     assert make_plan(Spec(gqa_group=8, consumers=1, splits="auto")).pack_gqa
     assert not make_plan(Spec(gqa_group=8, consumers=1)).pack_gqa
     assert not make_plan(Spec(gqa_group=1, splits="auto")).pack_gqa
+    assert not make_plan(Spec(gqa_group=8, consumers=2, splits="auto")).pack_gqa  # decode tiles: one warpgroup
 
 
 def test_a_paging_or_splitting_producer_gets_more_registers_with_one_consumer():
