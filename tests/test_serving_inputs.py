@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from attngen import hw, serving
+from attngen import hw, runtime, serving
 from attngen.reference import InputError, attention, attention_lowprec
 from attngen.serving import (
     check_serving, check_serving_close, choose_splits, random_serving_inputs, serving_fields, serving_reference,
@@ -660,3 +660,125 @@ def test_drawn_batches_reference_matches_each_sequence_alone(batch):
         seq_b0_rows = a["seq_lens_q"][b0]
         if seq_b0_rows:  # a sequence with no query row has no output to be wrong
             assert b0 in res.failed, str(res)
+
+
+# -- the runtime: inferred fields, buffers, argument order, a call that never launches ------------------
+
+
+def test_serving_overrides_infer_the_spec_from_the_call():
+    k_cache = torch.empty(10, 64, 2, 64)
+    assert runtime.serving_overrides(None, k_cache) == {}
+    assert runtime.serving_overrides(None, k_cache, cu_seqlens_q=1) == {"layout": "varlen"}
+    assert runtime.serving_overrides(None, k_cache, block_table=1) == {"paged_kv": True, "page_size": 64}
+    assert runtime.serving_overrides(None, k_cache, num_splits="auto") == {"splits": "auto"}
+    assert runtime.serving_overrides(None, k_cache, num_splits=3) == {"splits": "auto"}
+    assert runtime.serving_overrides(None, k_cache, num_splits=1) == {}
+
+
+def test_spec_for_wants_packed_q_with_cu_seqlens_q():
+    q = torch.empty(2, 5, 4, 64, dtype=torch.float16)
+    with raises("q.shape", "3 dimensions", "[total_q, heads, head_dim]"):
+        runtime.spec_for(q, q, cu_seqlens_q=torch.zeros(3, dtype=torch.int32))
+    with raises("k.shape", "4 dimensions", "[num_pages, page_size, kv_heads, head_dim]"):
+        runtime.spec_for(q[0], q[0], cu_seqlens_q=torch.zeros(3, dtype=torch.int32), block_table=torch.zeros(2, 1))
+    with raises("q.shape", "4 dimensions"):
+        runtime.spec_for(q[0], q[0])
+
+
+def cpu_call(layout, paged, splits=1, lse=False, **kw):
+    spec = fake(layout, paged, 64 if paged else None, splits=splits, lse=lse)
+    x = inputs(layout, paged, **kw)
+    q, k, v = (torch.from_numpy(a).half() for a in (x.q, x.k, x.v))
+    keywords = {n: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for n, a in x.keywords.items()}
+    return spec, q, k, v, keywords
+
+
+@pytest.mark.parametrize("splits, lse", [(1, False), (1, True), (3, False), (3, True)])
+def test_launch_arguments_follow_the_abi(splits, lse):
+    spec, q, k, v, kw = cpu_call("varlen", True, splits=splits, lse=lse)
+    call = check_serving(spec, q, k, v, **kw)
+    bufs = runtime.serving_outputs(spec, call, q)
+    assert bufs["out"].shape == call.out_shape and bufs["out"].dtype == torch.float16
+    assert (bufs["lse"] is not None) == lse and (not lse or bufs["lse"].shape == call.lse_shape)
+    main, combine = runtime.launch_arguments(spec, call, q, k, v, extra=["alibi"], **bufs)
+    ints = [kw["cu_seqlens_q"], kw["block_table"], kw["seqused_k"], call.max_seqlen_q]
+    if splits == 1:
+        assert bufs["o_partial"] is None and combine is None
+        want = [q, k, v, bufs["out"]] + ([bufs["lse"]] if lse else []) + ["alibi"] + ints
+    else:
+        assert bufs["o_partial"].shape == (3, *call.out_shape) and bufs["o_partial"].dtype == torch.float32
+        assert bufs["lse_partial"].shape == (3, *call.lse_shape)
+        want = [q, k, v, bufs["o_partial"], bufs["lse_partial"], "alibi"] + ints
+        assert combine == [bufs["o_partial"], bufs["lse_partial"], bufs["out"]] + ([bufs["lse"]] if lse else [])
+    assert len(main) == len(want) and all(a is b for a, b in zip(main[:-1], want[:-1])) and main[-1] == want[-1]
+    if lse:
+        with pytest.raises(ValueError, match="lse buffer"):
+            runtime.launch_arguments(spec, call, q, k, v, **{**bufs, "lse": None})
+    if splits != 1:
+        with pytest.raises(ValueError, match="O_partial and LSE_partial"):
+            runtime.launch_arguments(spec, call, q, k, v, **{**bufs, "o_partial": None})
+
+
+def kernel_for(plan, launched):
+    return runtime.Kernel(plan=plan, jit=lambda *a: launched.append(("main", a)), cache_path=None, origin="compiled",
+                          compile_seconds=0.0, combine_jit=lambda *a: launched.append(("combine", a)))
+
+
+def test_kernel_call_checks_a_serving_call_before_launching():
+    launched = []
+    spec, q, k, v, kw = cpu_call("varlen", True, splits="auto")
+    kernel = kernel_for(spec, launched)
+    with raises("q.device", "cpu"):
+        kernel(q, k, v, **kw)
+    with raises("block_table[0, 0]"):
+        kernel(q, k, v, **{**kw, "block_table": torch.full_like(kw["block_table"], 99)})
+    with raises("k.dtype", "torch.float32"):
+        kernel(q, k.float(), v, **kw)
+    with raises("out.shape"):
+        kernel(q, k, v, out=torch.empty(1, 4, 64, dtype=torch.float16), **kw)
+    with raises("block_table.stride()", "contiguous"):
+        kernel(q, k, v, **{**kw, "block_table": torch.zeros(kw["block_table"].shape[::-1], dtype=torch.int32).T})
+    assert launched == []
+
+
+def test_a_dense_kernel_rejects_serving_keywords_before_launching():
+    from attngen.plan import make_plan
+
+    launched = []
+    kernel = kernel_for(make_plan(Spec()), launched)
+    q = torch.empty(1, 4, 2, 128, dtype=torch.float16)
+    with raises("block_table", "expected None", "set paged_kv = true"):
+        kernel(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), seqused_k=torch.zeros(1, dtype=torch.int32))
+    with raises("num_splits", "splits = 1"):
+        kernel(q, q, q, num_splits=2, check=False)
+    assert launched == []
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_an_unchecked_serving_call_launches_main_then_combine(monkeypatch, splits):
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
+    launched = []
+    spec, q, k, v, kw = cpu_call("varlen", False, splits=splits, lse=True)
+    out, lse = kernel_for(spec, launched)(q, k, v, check=False, **kw)
+    assert out.shape == (q.shape[0], 4, 64) and lse.shape == (4, q.shape[0])
+    assert [name for name, _ in launched] == (["main"] if splits == 1 else ["main", "combine"])
+    def same(a, b):  # the launch gets detached views of the caller's tensors
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+    main = launched[0][1]
+    assert all(same(a, b) for a, b in zip(main, (q, k, v)))
+    assert same(main[-3], kw["cu_seqlens_q"]) and same(main[-2], kw["cu_seqlens_k"]) and main[-1] == kw["max_seqlen_q"]
+    if splits == 1:
+        assert same(main[3], out) and same(main[4], lse) and len(main) == 8
+    else:
+        assert main[3].shape == (2, *out.shape) and main[4].shape == (2, *lse.shape) and len(main) == 8
+        combine = launched[1][1]
+        assert same(combine[0], main[3]) and same(combine[1], main[4]) and same(combine[2], out) and same(combine[3], lse)
+
+
+def test_an_empty_call_launches_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    launched = []
+    spec, q, k, v, kw = cpu_call("varlen", True, lq=(0, 0), lk=(3, 4))
+    out = kernel_for(spec, launched)(q, k, v, check=False, **kw)
+    assert out.shape == (0, 4, 64) and launched == []
