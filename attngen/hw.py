@@ -15,6 +15,7 @@ WGMMA_M = 64  # rows of one wgmma M tile: the query rows one consumer warpgroup 
 WARP_THREADS = 32  # one producer warp issues every TMA copy and arrives on the "full" barriers
 SMEM_PER_BLOCK = 227 * 1024  # max dynamic shared memory per block (232448 bytes)
 REGS_PER_SM = 65536
+SM_COUNT = 132  # streaming multiprocessors of an H100 SXM / H200: what a grid's waves are counted in
 MAX_REGS_PER_THREAD = 255
 GRID_YZ_MAX = 65535  # grid dimensions y and z (heads and batch)
 GRID_X_MAX = 2**31 - 1

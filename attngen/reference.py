@@ -177,7 +177,7 @@ def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0,
     return s, visible, sink
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, **variant):
+def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batch_offset: int = 0, **variant):
     """fp64 attention. Returns (out [B, Sq, H, DV] float64, lse [B, H, Sq] float64, natural log).
 
     Non-finite inputs propagate to the outputs that read them: a NaN in q row i gives NaN in
@@ -185,6 +185,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, **varia
     weight 0); a non-finite v[j, d] reaches column d of the rows that see key j.
     `variant`: window, softcap, alibi_slopes, sinks, score_mod, mask_mod, tensors (docs/variants.md;
     `variant_of(spec, ...)` builds them from a spec). With sinks the LSE includes the sink's term.
+    `batch_offset`: the batch index of q[0] in the caller's batch (the `b` a score_mod or mask_mod
+    reads), for a caller that passes one sequence of a larger batch (attngen/serving.py).
     """
     q, k, v = (to_numpy(t).astype(np.float64) for t in (q, k, v))
     group = _check_shapes(q, k, v)
@@ -198,7 +200,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, **varia
             heads = slice(hk * group, (hk + 1) * group)
             with np.errstate(invalid="ignore", over="ignore"):
                 s = np.einsum("qgd,kd->gqk", q[bi, :, heads], k[bi, :, hk]) * scale  # [group, Sq, Skv]
-                s, visible, sink = _variant_scores(s, bi, range(hk * group, (hk + 1) * group), sq, skv, causal, **variant)
+                s, visible, sink = _variant_scores(s, bi + batch_offset, range(hk * group, (hk + 1) * group), sq, skv,
+                                                   causal, **variant)
                 m = s.max(axis=-1, keepdims=True)
                 if sink is not None:
                     m = np.maximum(m, sink)
@@ -214,7 +217,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, **varia
     return out, lse
 
 
-def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", scale: float | None = None, **variant) -> np.ndarray:
+def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", scale: float | None = None, *,
+                      batch_offset: int = 0, **variant) -> np.ndarray:
     """The kernel's arithmetic on the CPU: the twin whose error against `attention` sets the bound.
 
     Inputs rounded to `dtype`; s = q @ k^T in float32 (tensor cores accumulate in float32);
@@ -228,7 +232,7 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
 
     Variants as the kernel computes them: with softcap, ALiBi or a score_mod the float32 score
     is transformed first, z = mods(s * scale) * log2(e), and P = exp2(z - max z); masks set
-    -inf; a sink enters the max and the row sum in the same units.
+    -inf; a sink enters the max and the row sum in the same units. `batch_offset` as in `attention`.
     """
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
     group = _check_shapes(q, k, v)
@@ -246,11 +250,11 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
                 s = q[bi, :, heads].transpose(1, 0, 2) @ k[bi, :, hk].T  # [group, Sq, Skv] float32
                 head_ids = range(hk * group, (hk + 1) * group)
                 if prescaled:  # the kernel's transform, then base-2 units (no further scale)
-                    s, _, sink = _variant_scores(s * np.float32(scale), bi, head_ids, sq, skv, causal, dtype=np.float32, **variant)
+                    s, _, sink = _variant_scores(s * np.float32(scale), bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
                     s, cc = s * np.float32(LOG2E), np.float32(1)
                     sink = None if sink is None else sink * np.float32(LOG2E)
                 else:  # masks only: the raw score, scaled in the exponent
-                    s, _, sink = _variant_scores(s, bi, head_ids, sq, skv, causal, dtype=np.float32, **variant)
+                    s, _, sink = _variant_scores(s, bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
                     cc = c
                     sink = None if sink is None else sink * np.float32(LOG2E) / c
                 m = s.max(axis=-1, keepdims=True)

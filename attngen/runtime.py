@@ -19,11 +19,13 @@ nvcc again. The disk cache lives under $TILELANG_CACHE_DIR (default
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
 from typing import Callable
 
+from attngen import serving
 from attngen.hw import CAPABILITY, DTYPES, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
@@ -33,6 +35,8 @@ from attngen.spec import Spec, check_keys
 from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
 NAMES = ("q", "k", "v", "out")
+SERVING_KEYWORDS = serving.KEYWORDS  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits
+INT_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k")
 
 
 # -- input checks (no GPU needed) -------------------------------------------------
@@ -231,6 +235,123 @@ def check_written(out) -> None:
         raise AssertionError(f"{int(bad.sum())} output element(s) are NaN (unwritten or non-finite), first at index {idx}")
 
 
+# -- serving calls (docs/serving.md): varlen, paged KV, split-KV ----------------------------
+
+
+def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=None,
+                          int_tensors: dict | None = None) -> None:
+    """The torch side of a serving call that serving.check_serving (shapes and values) leaves:
+    tensor types, the spec's dtype, out's shape, TMA layouts, contiguous int32 tensors, and an
+    `out` that shares no memory with q, k or v. Device not checked (check_device)."""
+    torch = _torch()
+    spec = plan.spec
+    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    want = torch_dtype(spec.dtype)
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+        if t.dtype != want:
+            raise InputError(f"{name}.dtype", t.dtype, f"{want} (spec dtype {spec.dtype!r})")
+    if out is not None and tuple(out.shape) != tuple(call.out_shape):
+        raise InputError("out.shape", list(out.shape), f"{list(call.out_shape)}, packed like q with head_dim_v")
+    for name, t in (int_tensors or {}).items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor (int32)")
+        if not t.is_contiguous():
+            raise InputError(f"{name}.stride()", tuple(t.stride()),
+                             f"a contiguous tensor, strides {packed_strides(t.shape)} (call .contiguous())")
+    for name, t in given.items():
+        check_layout(name, t)
+    if out is not None:
+        for name in ("q", "k", "v"):
+            if _overlap(out, given[name]):
+                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
+
+
+def check_serving_call(plan: Plan, q, k, v, out=None, *, shape: Shape | None = None, tensors: dict | None = None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None, seqused_k=None,
+                       num_splits=None) -> tuple[serving.ServingCall, list]:
+    """Every check of a serving call (docs/serving.md, "What is validated"), no launch: shapes and
+    values (serving.check_serving, one host copy of each int32 tensor), dtypes and layouts, the
+    extra tensors, devices. Returns (the ServingCall, the extra tensors in kernel order)."""
+    ints = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table, seqused_k=seqused_k)
+    call = serving.check_serving(plan, q, k, v, max_seqlen_q=max_seqlen_q, num_splits=num_splits, **ints)
+    if shape is not None:
+        raise InputError("shape", str(shape), "no static shape: a serving call's extents are dynamic")
+    check_serving_tensors(plan, call, q, k, v, out, ints)
+    extra = check_extra(plan, extra_dims(call), {n: t for n, t in (tensors or {}).items() if t is not None})
+    named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
+    named.update({n: t for n, t in ints.items() if t is not None})
+    named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
+    check_device(named)
+    return call, extra
+
+
+def extra_dims(call: serving.ServingCall) -> tuple:
+    """check_extra's (batch, heads, kv_heads, q_len, kv_len) for a serving call: q_len is the
+    longest query sequence (max_seqlen_q), kv_len the key-length bound of the call."""
+    return (call.batch, call.heads, call.kv_heads, call.max_seqlen_q, call.max_kv_len)
+
+
+def serving_outputs(plan: Plan, call: serving.ServingCall, q, out=None) -> dict:
+    """The buffers a serving launch writes, on q's device: out (packed like q; the caller's when
+    given), lse (float32, with spec.lse), and for a split kernel the float32 partials
+    O_partial [num_splits, *out] and LSE_partial [num_splits, *lse] (none for an empty call)."""
+    torch = _torch()
+    f = call.fields
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device) if f.lse else None
+    o_partial = lse_partial = None
+    if f.split and not call.empty:
+        o_partial = torch.empty(call.o_partial_shape, dtype=torch.float32, device=q.device)
+        lse_partial = torch.empty(call.lse_partial_shape, dtype=torch.float32, device=q.device)
+    return {"out": out, "lse": lse, "o_partial": o_partial, "lse_partial": lse_partial}
+
+
+def launch_arguments(plan: Plan, call: serving.ServingCall, q, k, v, *, out, lse=None, o_partial=None, lse_partial=None,
+                     extra=()) -> tuple[list, list | None]:
+    """The arguments of the main kernel and of the combine kernel (None without splits), in the
+    ABI's order (docs/serving.md): Q, K, V, then O (or O_partial), LSE (or LSE_partial), the
+    variant tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q. The
+    combine kernel takes O_partial, LSE_partial, O and, with spec.lse, LSE."""
+    f = call.fields
+    if f.lse and lse is None:
+        raise ValueError("launch_arguments: the spec has lse, so an lse buffer is needed")
+    if f.split:
+        if o_partial is None or lse_partial is None:
+            raise ValueError("launch_arguments: a split kernel writes O_partial and LSE_partial; pass both")
+        main = [q, k, v, o_partial, lse_partial]
+        combine = [o_partial, lse_partial, out] + ([lse] if f.lse else [])
+    else:
+        main = [q, k, v, out] + ([lse] if f.lse else [])
+        combine = None
+    return main + list(extra) + list(call.args), combine
+
+
+def serving_overrides(q, k, *, cu_seqlens_q=None, block_table=None, num_splits=None) -> dict:
+    """The spec fields a call's keywords imply: layout "varlen" with cu_seqlens_q, paged_kv (page
+    size k.shape[1]) with block_table, and splits "auto" for num_splits other than None and 1
+    ("auto": one kernel serves every count, the call's num_splits fixes it)."""
+    fields = {}
+    if cu_seqlens_q is not None:
+        fields["layout"] = "varlen"
+    if block_table is not None:
+        fields["paged_kv"] = True
+        shape = getattr(k, "shape", ())
+        if len(shape) >= 2:
+            fields["page_size"] = int(shape[1])
+    if num_splits is not None and not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits == 1):
+        fields["splits"] = "auto"
+    return fields
+
+
+def _detach(x):
+    return x.detach() if hasattr(x, "detach") else x
+
+
 # -- compile and run ------------------------------------------------------------
 
 
@@ -243,6 +364,7 @@ class Kernel:
     cache_path: str | None  # TileLang disk-cache entry of this kernel
     origin: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
     compile_seconds: float
+    combine_jit: object = None  # the split-KV combine kernel (build_combine_kernel), for a spec with splits != 1
 
     @property
     def spec(self) -> Spec:
@@ -256,8 +378,18 @@ class Kernel:
     def name(self) -> str:
         return self.plan.name if self.shape is None else f"{self.plan.name}_static"
 
-    def check(self, q, k, v, out=None, **tensors) -> list:
+    @functools.cached_property
+    def serving(self) -> serving.Serving:
+        """The spec's serving fields (docs/serving.md): whether a call takes the serving path."""
+        return serving.serving_fields(self.plan)
+
+    def check(self, q, k, v, out=None, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None,
+              seqused_k=None, num_splits=None, **tensors) -> list:
         """Every check of a call, without launching; returns the extra tensors in kernel order."""
+        keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+        if self.serving.uses_serving or any(x is not None for x in keywords.values()):
+            return self.check_call(q, k, v, out, **keywords, **tensors)[1]
         dims = check_tensors(self.plan, q, k, v, out, shape=self.shape)
         extra = check_extra(self.plan, dims, {n: t for n, t in tensors.items() if t is not None})
         named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
@@ -265,16 +397,31 @@ class Kernel:
         check_device(named)
         return extra
 
-    def __call__(self, q, k, v, *, out=None, check: bool = True, alibi_slopes=None, sinks=None, **tensors):
+    def check_call(self, q, k, v, out=None, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   block_table=None, seqused_k=None, num_splits=None, **tensors) -> tuple[serving.ServingCall, list]:
+        """A serving call's checks (check_serving_call); returns (the ServingCall, the extra tensors)."""
+        keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+        return check_serving_call(self.plan, q, k, v, out, shape=self.shape, tensors=tensors, **keywords)
+
+    def __call__(self, q, k, v, *, out=None, check: bool = True, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, **tensors):
         """out[b, i, h] = softmax(q[b, i, h] . k[b, :, h // g] / sqrt(D)) v[b, :, h // g].
 
         `out`, if given, is written in place (a NaN-poisoned buffer shows unwritten
         elements). `check=False` skips the input checks (for timing loops only).
         Variants: `alibi_slopes`, `sinks` and the score_mod/mask_mod tensors by name (float32);
         returns (out, lse) when the spec has lse (lse float32 [B, H, Sq]).
+        Serving specs (docs/serving.md): `cu_seqlens_q`, `cu_seqlens_k`, `max_seqlen_q` (varlen),
+        `block_table`, `seqused_k` (paged), `num_splits` (split-KV: None, "auto" or an int);
+        out is packed like q, lse (heads, total_q) for varlen.
         """
         tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
         tensors = {n: t for n, t in tensors.items() if t is not None}
+        keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+        if self.serving.uses_serving or any(x is not None for x in keywords.values()):
+            return self._call_serving(q, k, v, out, check, keywords, tensors)
         if check:
             extra = self.check(q, k, v, out, **tensors)
         else:
@@ -293,6 +440,29 @@ class Kernel:
             # forward only: DLPack refuses tensors that require grad, and no graph is recorded
             self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args))
         return (out, lse) if self.spec.lse else out
+
+    def _call_serving(self, q, k, v, out, check: bool, keywords: dict, tensors: dict):
+        """Check (or, with check=False, only read the shapes), then launch."""
+        if check:
+            call, extra = self.check_call(q, k, v, out, **keywords, **tensors)
+        else:
+            call = serving.check_serving(self.plan, q, k, v, read_values=False, **keywords)
+            extra = [tensors[t.name] for t in self.plan.extra if not t.output]
+        return self._launch_serving(call, q, k, v, out, extra)
+
+    def _launch_serving(self, call: serving.ServingCall, q, k, v, out, extra: list):
+        """Allocate the outputs, launch the main kernel and, for a split spec, the combine kernel."""
+        torch = _torch()
+        bufs = serving_outputs(self.plan, call, q, out)
+        if not call.empty:  # no query row: an empty grid would be a launch error
+            main, combine = launch_arguments(self.plan, call, q, k, v, extra=extra, **bufs)
+            if combine is not None and self.combine_jit is None:
+                raise RuntimeError(f"{self.name}: a split-KV kernel without its combine kernel (build_combine_kernel)")
+            with torch.cuda.device(q.device):
+                self.jit(*(_detach(a) for a in main))
+                if combine is not None:
+                    self.combine_jit(*(_detach(a) for a in combine))
+        return (bufs["out"], bufs["lse"]) if call.fields.lse else bufs["out"]
 
 
 class KernelBuildError(RuntimeError):
@@ -369,51 +539,72 @@ def _build(plan: Plan) -> Kernel:
         pass_configs=module.PASS_CONFIGS,
         compile_flags=list(plan.compile_flags),
     )
+    combine_jit = None
+    if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
+        with target:
+            combine_func = module.build_combine_kernel()
+        combine_jit = tilelang.compile(combine_func, out_idx=None, target=target, pass_configs=module.PASS_CONFIGS,
+                                       compile_flags=list(plan.compile_flags))
     seconds = time.time() - start
     path = getattr(jit, "_tilelang_cache_path", None)
     # The cache entry appears by an atomic rename of a directory made during the build,
     # so an entry older than this call was loaded, not built.
     origin = "disk" if path and os.path.isdir(path) and os.stat(path).st_mtime < start else "compiled"
-    return Kernel(plan=plan, jit=jit, cache_path=path, origin=origin, compile_seconds=seconds)
+    return Kernel(plan=plan, jit=jit, cache_path=path, origin=origin, compile_seconds=seconds, combine_jit=combine_jit)
 
 
-def spec_for(q, k, *, causal: bool = False, **overrides) -> Spec:
+def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
     """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides.
 
+    Serving calls (docs/serving.md): `cu_seqlens_q` makes layout "varlen" (q [total_q, H, D]),
+    `block_table` makes paged_kv true with page_size k.shape[1], and `num_splits` other than
+    None and 1 makes splits "auto" (serving_overrides); fields given by name win.
     Without a schedule override (consumers, k_stages, v_stages, block_n, pingpong) the tuned
-    table (attngen/tuned/h200.json) picks the schedule; without an entry, the plan's defaults.
+    table (attngen/tuned/h200.json) picks the schedule; without an entry, the plan's defaults
+    (a serving spec always takes the plan's defaults: the table holds dense kernels only).
     """
-    return _spec_for(q, k, causal, overrides, "attngen.runtime.spec_for(...)")
+    inferred = serving_overrides(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits)
+    return _spec_for(q, k, causal, overrides, "attngen.runtime.spec_for(...)", inferred)
 
 
-def _spec_for(q, k, causal, overrides: dict, call: str) -> Spec:
+def _spec_for(q, k, causal, overrides: dict, call: str, inferred: dict | None = None) -> Spec:
     check_keys(overrides, call)  # a misspelt keyword names the call that got it, before any tensor check
     torch = _torch()
+    chosen = {**(inferred or {}), **overrides}
+    varlen = chosen.get("layout", "bshd") == "varlen"
+    paged = bool(chosen.get("paged_kv", False))
+    ranks = {"q": (3, "[total_q, heads, head_dim]") if varlen else (4, "[batch, seq_len, heads, head_dim]"),
+             "k": (4, "[num_pages, page_size, kv_heads, head_dim]") if paged
+             else ((3, "[total_k, kv_heads, head_dim]") if varlen else (4, "[batch, seq_len, heads, head_dim]"))}
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise InputError(name, type(t).__name__, "a torch.Tensor")
-        if t.dim() != 4:
-            raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
+        rank, text = ranks[name]
+        if t.dim() != rank:
+            raise InputError(f"{name}.shape", list(t.shape), f"{rank} dimensions: {text}")
     dtype = spec_dtype(q.dtype)
     if dtype is None:
         raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
-    heads, kv_heads = q.shape[2], k.shape[2]
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    h_axis, k_axis = q.dim() - 2, k.dim() - 2
     if kv_heads < 1:
-        raise InputError("k.shape[2] (kv_heads)", kv_heads, "at least 1")
+        raise InputError(f"k.shape[{k_axis}] (kv_heads)", kv_heads, "at least 1")
     if heads < 1 or heads % kv_heads:
-        raise InputError("q.shape[2] (heads)", heads, f"a positive multiple of k.shape[2] (kv_heads) = {kv_heads}")
-    fields = {"head_dim": int(q.shape[3]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
-    fields.update(overrides)  # an override of a derived field (head_dim, ...) wins, not a TypeError
+        raise InputError(f"q.shape[{h_axis}] (heads)", heads,
+                         f"a positive multiple of k.shape[{k_axis}] (kv_heads) = {kv_heads}")
+    fields = {"head_dim": int(q.shape[-1]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
+    fields.update(chosen)  # an override of a derived field (head_dim, ...) wins, not a TypeError
     spec = Spec(**fields)
-    if not any(f in overrides for f in SCHEDULE_FIELDS):  # the caller named no schedule: the tuned one, if any
-        tuned = tuned_fields(spec, max(int(q.shape[1]), int(k.shape[1])))
+    if not any(f in overrides for f in SCHEDULE_FIELDS) and not serving.serving_fields(spec).uses_serving:
+        tuned = tuned_fields(spec, max(int(q.shape[1]), int(k.shape[1])))  # the caller named no schedule: the tuned one
         if tuned:
             spec = Spec(**{**spec.to_dict(), **tuned})
     return spec
 
 
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
-              return_lse: bool = False, out=None, **kwargs):
+              return_lse: bool = False, out=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              block_table=None, seqused_k=None, num_splits=None, **kwargs):
     """FlashAttention-3 forward on Hopper: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
 
     Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
@@ -421,6 +612,11 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
     (heads,)), `sinks` (float32 (heads,)), `return_lse` (then returns (out, lse)), and
     `score_mod=`/`mask_mod=` expressions whose tensors are passed as keywords by name. Other
     spec fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords too.
+    Serving (docs/serving.md, FlashAttention-3's names): `cu_seqlens_q`, `cu_seqlens_k` (int32
+    (batch + 1,)) and `max_seqlen_q` for packed q [total_q, H, D] and k/v [total_k, HKV, D];
+    `block_table` (int32 (batch, max_pages)) and `seqused_k` (int32 (batch,)) for a paged cache
+    k/v [num_pages, page_size, HKV, D]; `num_splits` (None, "auto" or an int) for split-KV.
+    The output is packed like q; lse is (heads, total_q) for varlen.
     The kernel is compiled once per spec and memoized.
     """
     from attngen import expr
@@ -439,13 +635,23 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
     check_keys({n: x for n, x in tensors.items() if n not in named}, "attngen.attention(...)")
     variant = {"window": tuple(window) if isinstance(window, list) else window, "softcap": softcap,
                "alibi": alibi_slopes is not None, "sinks": sinks is not None, "lse": return_lse}
-    if hasattr(v, "shape") and len(v.shape) == 4 and hasattr(q, "shape") and len(q.shape) == 4 and v.shape[3] != q.shape[3]:
-        variant["head_dim_v"] = int(v.shape[3])
-    # a spec field given by name (lse=, alibi=) wins over the one derived from the call
-    plan = as_plan(_spec_for(q, k, causal, {**variant, **overrides}, "attngen.attention(...)"))
-    # Check before compiling: a bad input should not cost an nvcc run first.
-    dims = check_tensors(plan, q, k, v, out)
+    q_shape, v_shape = getattr(q, "shape", ()), getattr(v, "shape", ())
+    if len(v_shape) in (3, 4) and len(q_shape) in (3, 4) and v_shape[-1] != q_shape[-1]:
+        variant["head_dim_v"] = int(v_shape[-1])
+    inferred = serving_overrides(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits)
+    # a spec field given by name (lse=, alibi=, splits=) wins over the one derived from the call
+    plan = as_plan(_spec_for(q, k, causal, {**variant, **overrides}, "attngen.attention(...)", inferred))
     tensors.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None})
+    fields = serving.serving_fields(plan)
+    if not fields.split and num_splits == 1 and not isinstance(num_splits, bool):
+        num_splits = None  # one split is the kernel without splits
+    keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+    # Check before compiling: a bad input should not cost an nvcc run first.
+    if fields.uses_serving or any(x is not None for x in keywords.values()):
+        call, extra = check_serving_call(plan, q, k, v, out, tensors=tensors, **keywords)
+        return compile_kernel(plan)._launch_serving(call, q, k, v, out, extra)
+    dims = check_tensors(plan, q, k, v, out)
     extra = check_extra(plan, dims, tensors)
     named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
     named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
@@ -455,6 +661,6 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 __all__ = [
     "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "attention", "check_device", "check_extra", "check_layout",
-    "check_tensors",
-    "check_written", "compile_kernel", "spec_for", "torch_dtype", "spec_dtype",
+    "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
+    "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]

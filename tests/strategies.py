@@ -39,3 +39,62 @@ def valid_specs(draw, head_dims=HEAD_DIMS):
         if fields["head_dim"] == 256:  # needs more registers than 3 consumers can have
             fields["consumers"] = min(fields["consumers"], 2)
         return make_plan(Spec(**fields)).spec
+
+
+# -- serving: ragged batches (issue 11, docs/serving.md) ------------------------------------------
+def _special_lengths(block_m: int, block_n: int, page_size: int | None) -> list:
+    """Empty, length 1, and lengths one either side of the tile (and page) multiples."""
+    steps = {block_m, block_n, 2 * block_n} | ({page_size} if page_size else set())
+    return sorted({0, 1, 2} | {n + d for n in steps for d in (-1, 0, 1)})
+
+
+@st.composite
+def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int = 4, max_tiles: int = 3,
+                   layouts=("varlen", "bshd"), paged=(False, True), head_dims=(64,), dtypes=("float16", "bfloat16")):
+    """One serving call's batch: a dict with `inputs` (attngen.serving.random_serving_inputs's
+    keywords), `block_m`, `block_n` and a `num_splits` from 1 to two more than the KV tiles.
+
+    Lengths mix 0 (an empty sequence; varlen queries, any paged or varlen key length), 1, the
+    multiples of block_m, block_n and the page size plus and minus one, and any length up to
+    max_tiles * block_n; one sequence is drawn with q_len > kv_len when the layout allows it;
+    page tables are shuffled (or not), padding rows and spare pages hold 1e4 (or random values).
+    bshd has one query length (and, with a dense KV, one key length) for the whole batch.
+    """
+    layout = draw(st.sampled_from(layouts))
+    is_paged = draw(st.sampled_from(paged))
+    page_size = draw(st.sampled_from([block_n, 2 * block_n])) if is_paged else None
+    special = _special_lengths(block_m, block_n, page_size)
+    cap = max_tiles * block_n
+
+    def length(low=0):
+        n = draw(st.one_of(st.sampled_from(special), st.integers(0, cap)))
+        return max(low, min(n, cap))
+
+    batch = draw(st.integers(1, max_batch))
+    if layout == "varlen":
+        lq = [length() for _ in range(batch)]
+    else:
+        lq = [length(1)] * batch
+    if layout == "bshd" and not is_paged:
+        lk = [length(1)] * batch
+    else:
+        lk = [length() for _ in range(batch)]
+        b = draw(st.integers(0, batch - 1))
+        if lq[b] >= 1 and draw(st.booleans()):  # this sequence has more queries than keys
+            lk[b] = draw(st.integers(0, lq[b] - 1))
+    if layout == "varlen" and not is_paged and sum(lk) == 0:
+        lk[draw(st.integers(0, batch - 1))] = 1  # a dense KV needs one row for its TMA descriptor
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 4]))
+    tiles = max(1, -(-max(lk) // block_n))
+    return {
+        "inputs": dict(
+            layout=layout, paged=is_paged, page_size=page_size, dtype=draw(st.sampled_from(dtypes)),
+            head_dim=draw(st.sampled_from(head_dims)), head_dim_v=None, seq_lens_q=lq, seq_lens_k=lk,
+            heads=kv_heads * group, kv_heads=kv_heads, seed=draw(st.integers(0, 2**16)),
+            shuffle_pages=draw(st.booleans()), neighbour_fill=draw(st.sampled_from([None, 1e4])),
+        ),
+        "block_m": block_m,
+        "block_n": block_n,
+        "num_splits": draw(st.integers(1, tiles + 2)),
+    }
