@@ -571,12 +571,13 @@ def test_ownership_follows_the_row_mapping(layout, pack_gqa, splits):
     rule = ownership(facts, dims, {"cu_seqlens_q": cu})
     o_name, lse_name = ("O_partial", "LSE_partial") if splits else ("O", "LSE")
     rows = int(q_lens.max()) * (g if pack_gqa else 1)
+    o_shape = (n_splits,) * splits + ((20, heads, 16) if layout == "varlen" else (3, 13, heads, 16))
     for b in range(3):
         for split in range(n_splits if splits else 1):
             for x in range(-(-rows // bm)):
                 for y in range(heads // g if pack_gqa else heads):
                     z = b * n_splits + split if splits else b
-                    o = np.broadcast_to(rule((x, y, z), o_name), (n_splits,) * splits + ((20, heads, 16) if layout == "varlen" else (3, 13, heads, 16)))
+                    o = np.broadcast_to(rule((x, y, z), o_name), o_shape)
                     lse = np.asarray(rule((x, y, z), lse_name))
                     want_o, want_lse = set(), set()
                     for r in range(bm):

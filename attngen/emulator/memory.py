@@ -169,7 +169,8 @@ class Buffer:
         # Shared memory and registers start as garbage on the GPU: NaN here (int32: INT_POISON), so
         # a read before any write (a missed load, a wait that passed too early) shows up in the output.
         if data is None:
-            data = np.full(self.shape, INT_POISON, np.int32) if self.dtype == "int32" else np.full(self.shape, np.nan, np.float32)
+            int32 = self.dtype == "int32"
+            data = np.full(self.shape, INT_POISON if int32 else np.nan, np.int32 if int32 else np.float32)
         self.data = data
 
     def __repr__(self):
