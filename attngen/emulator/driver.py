@@ -1,8 +1,11 @@
 """emulate() and the `attngen emulate` command: run an emitted kernel's text on the CPU model.
 
-The driver executes the rewritten module, calls its `build_kernel()`, asks the prim_func
-for its launch grid (T.Kernel raises a probe), then runs the CTAs one after another; within
-a CTA every warpgroup is an agent and the scheduler interleaves them (agents.py).
+The driver executes the rewritten module, calls its `build_kernel()` (or another entry, such
+as a split-KV module's `build_combine_kernel()`), asks the prim_func for its launch grid
+(T.Kernel raises a probe), then runs the CTAs one after another; within a CTA every warpgroup
+is an agent and the scheduler interleaves them (agents.py). An ownership rule (`ownership`
+for the serving ABI, docs/emulator.md) makes every global store check that the CTA writes
+only its own rows.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from attngen.emulator import blas
 from attngen.emulator.agents import POLICIES, WARPGROUP, Agent, Scheduler
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
 from attngen.emulator.hazards import Tracker
-from attngen.emulator.memory import Buffer
+from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
-from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TLang
-from attngen.reference import InputError, check_close, random_inputs, round_to, to_numpy
+from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
+from attngen.reference import InputError, check_close, random_inputs, to_numpy
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -73,6 +76,7 @@ class Runtime:
         self.sched = None
         self.context = "module load"
         self.trace = None  # an observer of synchronization and compute events (attngen.timeline); None: off
+        self.tensors = {}  # after run(): every prim_func parameter by name, as the kernel left it
 
     @property
     def agent(self) -> Agent:
@@ -109,39 +113,61 @@ class Runtime:
         return cls(f"{head}: {msg}{where}\n  where: {self.context}")
 
     # -- running ---------------------------------------------------------------------
-    def load(self):
+    def load(self, entry: str = "build_kernel"):
         ns = {"__name__": "attngen_emulated", "__builtins__": builtins, RT: Helpers(self), TL: FakeTileLang(self.T)}
         try:
             exec(self.rw.code, ns)
-            build = ns.get("build_kernel")
+            build = ns.get(entry)
             if build is None:
-                raise KernelError("the emitted module defines no build_kernel()")
+                raise KernelError(f"the emitted module defines no {entry}()")
             prim = build()
         except GridProbe:
             raise
         except Exception as e:
             raise self.wrap_error(e) from None
         if not isinstance(prim, PrimFunc):
-            raise self.wrap_error(KernelError(f"build_kernel() returned {type(prim).__name__}, expected a @T.prim_func"))
+            raise self.wrap_error(KernelError(f"{entry}() returned {type(prim).__name__}, expected a @T.prim_func"))
         return ns, prim
 
-    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False):
-        """`inputs` holds one array per prim_func parameter in order, None for an output (which
-        starts NaN); a list one short means "the inputs, then one output" (Q, K, V -> O).
-        Returns the output array, or a tuple of them when there are several (O, LSE)."""
-        ns, prim = self.load()
+    def _arguments(self, prim, inputs):
+        """The prim_func's arguments: a global Buffer per tensor (an output, given as None, starts
+        NaN, so rows nobody wrote show), a Python int per T.int32 scalar."""
+        args = []
+        for (name, ann), x in zip(prim.params, inputs):
+            if not isinstance(ann, TensorType):
+                if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                    raise KernelError(f"{prim.name}: scalar {name} ({ann}) needs an int, got {type(x).__name__}")
+                args.append(int(x))
+                continue
+            if x is not None and tuple(np.shape(x)) != ann.shape:
+                raise KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} "
+                                  f"but the input is {list(np.shape(x))}")
+            args.append(Buffer(name, ann.shape, ann.dtype, "global", data=None if x is None else stored(x, ann.dtype, name)))
+        return args
+
+    def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False,
+            entry: str = "build_kernel", owner=None):
+        """Run the prim_func that `entry()` of the emitted module returns, on every CTA of its grid.
+
+        `inputs` holds one value per prim_func parameter in order: an array for an input tensor
+        (copied, rounded to the tensor's dtype), None for an output (which starts NaN), an int for
+        a T.int32 scalar; a list one short means "the inputs, then one output" (Q, K, V -> O).
+        Returns the output array, or a tuple of them when there are several (O, LSE); `self.tensors`
+        then maps every parameter name to its array, so a second kernel (a split-KV combine) can be
+        fed what the first wrote. `owner(cta_index, name)`, if given, says which elements of that
+        tensor the CTA (x, y, z) may write: a boolean mask broadcastable to its shape, or None for
+        no rule; any global store outside it is a KernelError naming the CTA and the element."""
+        ns, prim = self.load(entry)
         if len(prim.params) == len(inputs) + 1:
             inputs = inputs + [None]
         if len(prim.params) != len(inputs):
-            raise self.wrap_error(KernelError(f"{prim.name} takes {len(prim.params)} tensors; expected "
+            raise self.wrap_error(KernelError(f"{prim.name} takes {len(prim.params)} parameters; expected "
                                               f"{len(inputs)} (inputs and outputs)"))
-        bufs = []
-        for (name, ann), x in zip(prim.params, inputs):
-            if x is not None and tuple(x.shape) != ann.shape:
-                raise self.wrap_error(KernelError(f"{prim.name}: tensor {name} is declared {list(ann.shape)} "
-                                                  f"but the input is {list(x.shape)}"))
-            data = np.full(ann.shape, np.nan, np.float32) if x is None else round_to(x, ann.dtype).copy()
-            bufs.append(Buffer(name, ann.shape, ann.dtype, "global", data=data))  # output starts NaN: unwritten rows show
+        try:
+            bufs = self._arguments(prim, inputs)
+        except EmulationError as e:
+            raise self.wrap_error(e) from None
+        tensors = [b for b in bufs if isinstance(b, Buffer)]
 
         self.probe = True
         try:
@@ -181,8 +207,10 @@ class Runtime:
                     index = (bx, by, bz)
                     if self.trace is not None and not self.trace.begin_cta(index, grid, names, roles):
                         continue  # the observer samples blocks: this one is not recorded, so not run
-                    self.context = (f"block (x={bx}, y={by}, z={bz}) of grid {tuple(grid)}; "
-                                    f"schedule seed={seed}, policy={policy}")
+                    who = f"block (x={bx}, y={by}, z={bz})"
+                    self.context = f"{who} of grid {tuple(grid)}; schedule seed={seed}, policy={policy}"
+                    for b in tensors:  # masks are computed on a CTA's first store to each tensor
+                        b.owned = None if owner is None else Owned(functools.partial(owner, index, b.name), who)
                     agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
                     sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
                     tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line)
@@ -203,6 +231,7 @@ class Runtime:
         stats.wgmma += counters["wgmma"]
         stats.tma += counters["tma"]
         stats.schedule = digest.hexdigest()[:16]
+        self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -217,6 +246,82 @@ class Runtime:
             raise HazardError(f"HAZARD: {agent.name} finished with {len(agent.wgmma)} wgmma(s) in flight "
                               f"(no T.wait_wgmma retired them, so their accumulators are never valid)\n{ops}\n"
                               f"  where: {self.context}")
+
+
+# -- ownership: the rows each CTA of a serving kernel may write -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class ServingLayout:
+    """What an ownership rule needs of a kernel's row mapping (docs: serving ABI, "Row mapping")."""
+
+    layout: str = "bshd"  # "bshd" or "varlen" (packed rows, cu_seqlens_q)
+    pack_gqa: bool = False  # a block's packed row p is query position p // gqa_group, head y * gqa_group + p % gqa_group
+    gqa_group: int = 1
+    block_m: int = 128
+    splits: bool = False  # the split-KV kernel: it writes O_partial / LSE_partial; grid z = batch * num_splits
+
+
+def _rows_mask(facts: ServingLayout, dims: dict, base: str, b: int, rows, heads):
+    """The mask over O (broadcast along its head dim) or LSE, no split axis, of (row, head) pairs:
+    rows are positions on the tensor's row axis (varlen: packed rows), b the batch (bshd)."""
+    h = dims["heads"]
+    if facts.layout == "varlen":
+        n = dims["total_q"]
+        shape, at = ((n, h, 1), (rows, heads)) if base == "O" else ((h, n), (heads, rows))
+    else:
+        n, nb = dims["q_len"], dims["batch"]
+        shape, at = ((nb, n, h, 1), (b, rows, heads)) if base == "O" else ((nb, h, n), (b, heads, rows))
+    mask = np.zeros(shape, bool)
+    mask[at] = True
+    return mask
+
+
+def ownership(facts: ServingLayout, dims: dict, serving_inputs: dict):
+    """The ownership rule of a serving ABI main kernel, for `Runtime.run(owner=...)`.
+
+    Block (x, y, z) owns packed rows p in [x block_m, x block_m + block_m) of sequence b (z, or
+    z // num_splits with split z % num_splits) whose query position is below that sequence's
+    q_len: O / LSE (O_partial / LSE_partial at its split) of exactly those rows and heads. Any
+    other tensor it may not write. `dims` holds heads, batch and q_len (bshd) or total_q
+    (varlen), num_splits (splits); `serving_inputs["cu_seqlens_q"]` the varlen boundaries.
+    """
+    cu = np.asarray(serving_inputs["cu_seqlens_q"]).astype(np.int64) if facts.layout == "varlen" else None
+    n_splits = dims["num_splits"] if facts.splits else 1
+    names = ("O_partial", "LSE_partial") if facts.splits else ("O", "LSE")
+    g = facts.gqa_group if facts.pack_gqa else 1
+
+    def owner(index, name):
+        if name not in names:
+            return np.False_
+        x, y, z = index
+        b, split = divmod(z, n_splits)
+        p = x * facts.block_m + np.arange(facts.block_m)
+        qpos, heads = p // g, y * g + p % g
+        start, q_len = (int(cu[b]), int(cu[b + 1] - cu[b])) if cu is not None else (0, dims["q_len"])
+        keep = qpos < q_len
+        mask = _rows_mask(facts, dims, name.removesuffix("_partial"), b, start + qpos[keep], heads[keep])
+        if facts.splits:
+            full = np.zeros((n_splits, *mask.shape), bool)
+            full[split] = mask
+            mask = full
+        return mask
+
+    return owner
+
+
+def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int):
+    """The ownership rule of the combine kernel: grid (ceildiv(rows, rows_per_block), heads, batch
+    or 1); block (x, y, z) owns rows [x R, x R + R) of head y in O and LSE, of batch z (bshd: rows
+    = q_len) or of the packed rows (varlen: rows = total_q). It may not write anything else."""
+    total = dims["total_q"] if facts.layout == "varlen" else dims["q_len"]
+
+    def owner(index, name):
+        if name not in ("O", "LSE"):
+            return np.False_
+        x, y, z = index
+        rows = np.arange(x * rows_per_block, min(x * rows_per_block + rows_per_block, total))
+        return _rows_mask(facts, dims, name, z, rows, np.full(len(rows), y))
+
+    return owner
 
 
 # -- public API ----------------------------------------------------------------------------

@@ -38,9 +38,11 @@ buffer has already observed can never race again and are pruned.
 
 What counts as an access: ordinary code (the generic proxy) on shared buffers and
 fragments; TMA loads (writes) and TMA stores (reads) of shared buffers; wgmma operands
-(reads) and accumulators (read-modify-write). Global tensors are not tracked (inputs are
-read-only; the output is written by TMA stores of disjoint rows). Chained wgmmas of one
-warpgroup on the same accumulator are ordered by the hardware and exempt.
+(reads) and accumulators (read-modify-write). An element access under a per-element `if`
+covers the box around the elements its mask selects. Global tensors are not tracked (inputs
+are read-only; each CTA writes its own rows of the outputs, which the driver's ownership
+rule checks when it is given one: memory.Owned). Chained wgmmas of one warpgroup on the
+same accumulator are ordered by the hardware and exempt.
 
 Proxy fences (`proxy_fences=True`): shared memory written by ordinary code may be read by
 the async proxy (a TMA store, a wgmma operand) only if the writers then executed

@@ -1,12 +1,21 @@
 """Buffers (global, shared, fragment), regions of them, and TMA's out-of-bounds rules.
 
-Every buffer stores float32; 16-bit buffers round on each write (`reference.round_to`), so
-numpy matmuls stay fast while values stay exactly what the GPU holds. A region is a box
-[lo, hi) per axis plus the axes that an integer index removed; boxes are what hazard
-checks intersect, so `K_shared[1, :, :]` and `K_shared[0, :, :]` never conflict.
+Every float buffer stores float32; 16-bit buffers round on each write (`reference.round_to`),
+so numpy matmuls stay fast while values stay exactly what the GPU holds. int32 buffers
+(cu_seqlens, block tables) store int32, and reading one element gives a Python int, usable
+as an index or a slice bound. A region is a box [lo, hi) per axis plus the axes that an
+integer index removed; boxes are what hazard checks intersect, so `K_shared[1, :, :]` and
+`K_shared[0, :, :]` never conflict.
+
+Element accesses inside a per-element `if` of `T.Parallel` (tlang's element branches) see
+the branch's mask (`predicated`): a store writes only the selected elements, and only the
+selected elements (of a store or a load) must be in bounds. A global tensor may carry an
+ownership rule (`Owned`): every store to it must stay inside what the running CTA owns.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -15,7 +24,8 @@ from attngen.hw import DTYPES as KERNEL_DTYPES
 from attngen.reference import round_to
 
 # TileLang's buffer dtype spellings -> how the emulator stores and rounds them
-DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32"}
+DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32", "int32": "int32"}
+INT_POISON = np.iinfo(np.int32).min  # what an unwritten int32 element holds (NaN for floats)
 
 # T.Parallel hands out cached broadcast aranges; this maps id(array) -> (position, extent),
 # so an element access with them becomes a plain slice (the common case, and fast).
@@ -39,6 +49,100 @@ def parallel_indices(extents: tuple[int, ...]) -> tuple:
     return got
 
 
+# The element mask of the per-element `if` being executed, per agent (each agent is a thread).
+_PRED = threading.local()
+
+
+def element_mask():
+    """The mask of the enclosing per-element `if` bodies (None outside any)."""
+    return getattr(_PRED, "mask", None)
+
+
+class predicated:
+    """`with predicated(mask):` runs element accesses under `mask` (already ANDed with the outer one)."""
+
+    __slots__ = ("mask", "saved")
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def __enter__(self):
+        self.saved = element_mask()
+        _PRED.mask = self.mask
+
+    def __exit__(self, *exc):
+        _PRED.mask = self.saved
+        return False
+
+
+def _needed(mask, shape):
+    """Which elements of an access of index shape `shape` some iteration selected by `mask` touches:
+    the mask, reduced (any) over the loop axes the index does not vary along."""
+    mask = np.asarray(mask, bool)
+    nd = max(mask.ndim, len(shape))
+    m = mask.reshape((1,) * (nd - mask.ndim) + mask.shape)
+    s = (1,) * (nd - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(nd) if s[a] == 1 and m.shape[a] != 1)
+    if axes:
+        m = m.any(axis=axes, keepdims=True)
+    return m.reshape(m.shape[nd - len(shape):])
+
+
+class Owned:
+    """The elements of one global tensor that the running CTA may write, computed on first use.
+
+    `compute()` returns a boolean mask broadcastable to the tensor's shape, or None (no rule);
+    `who` names the CTA in reports."""
+
+    __slots__ = ("compute", "who", "_mask", "_done")
+
+    def __init__(self, compute, who: str):
+        self.compute, self.who, self._mask, self._done = compute, who, None, False
+
+    def mask(self, buf):
+        if not self._done:
+            got = self.compute()
+            if got is not None:
+                try:
+                    got = np.broadcast_to(np.asarray(got, bool), buf.shape)
+                except ValueError:
+                    raise KernelError(f"the ownership rule for {buf.name}{list(buf.shape)} gave a mask of shape "
+                                      f"{np.shape(got)}") from None
+            self._mask, self._done = got, True
+        return self._mask
+
+
+def _owned_text(buf, mask) -> str:
+    """What a CTA owns of buf, as the box around it (and the count when it is not the whole box)."""
+    where = np.argwhere(mask)
+    if not len(where):
+        return f"it owns no element of {buf.name}"
+    lo, hi = where.min(axis=0), where.max(axis=0) + 1
+    parts = [str(a) if b - a == 1 else (":" if (a, b) == (0, n) else f"{a}:{b}") for a, b, n in zip(lo, hi, buf.shape)]
+    box = f"{buf.name}[{', '.join(parts)}]"
+    if len(where) == int(np.prod(hi - lo)):
+        return f"it owns {box}"
+    return f"it owns {len(where)} elements within {box}"
+
+
+def check_owned(buf, index):
+    """A store to buf[index] (a numpy index, in bounds) must touch only elements the running CTA owns."""
+    owned = buf.owned
+    if owned is None:
+        return
+    mask = owned.mask(buf)
+    if mask is None:
+        return
+    ok = mask[index]
+    if ok.all():
+        return
+    bad = np.zeros(buf.shape, bool)
+    bad[index] = ~ok
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise KernelError(f"{owned.who} writes {buf.name}[{', '.join(map(str, first))}], which it does not own "
+                      f"({int(bad.sum())} such element(s) in this store); {_owned_text(buf, mask)}")
+
+
 class Lanes(np.ndarray):
     """Per-thread values of one warpgroup (the thread index and tests on it).
 
@@ -54,16 +158,20 @@ class Lanes(np.ndarray):
 class Buffer:
     """A global tensor, a CTA's shared buffer or one warpgroup's fragment."""
 
-    __slots__ = ("name", "shape", "dtype", "scope", "data", "owner", "tracker", "__weakref__")
+    __slots__ = ("name", "shape", "dtype", "scope", "data", "owner", "tracker", "owned", "__weakref__")
 
     def __init__(self, name, shape, dtype, scope, *, data=None, owner=None, tracker=None):
         if dtype not in DTYPES:
             raise UnsupportedConstruct(f"buffer dtype {dtype!r} (supported: {', '.join(DTYPES)})")
         self.name, self.dtype, self.scope, self.owner, self.tracker = name, DTYPES[dtype], scope, owner, tracker
         self.shape = tuple(int(s) for s in shape)
-        # Shared memory and registers start as garbage on the GPU: NaN here, so a read before
-        # any write (a missed load, a wait that passed too early) shows up in the output.
-        self.data = np.full(self.shape, np.nan, np.float32) if data is None else data
+        self.owned = None  # global tensors: an Owned rule for the running CTA's stores (None: unchecked)
+        # Shared memory and registers start as garbage on the GPU: NaN here (int32: INT_POISON), so
+        # a read before any write (a missed load, a wait that passed too early) shows up in the output.
+        if data is None:
+            int32 = self.dtype == "int32"
+            data = np.full(self.shape, INT_POISON if int32 else np.nan, np.int32 if int32 else np.float32)
+        self.data = data
 
     def __repr__(self):
         return f"{self.name}{list(self.shape)}"
@@ -77,21 +185,34 @@ class Buffer:
         idx = idx if isinstance(idx, tuple) else (idx,)
         if any(isinstance(x, slice) for x in idx):
             return Region.of(self, idx)
+        mask = element_mask()
+        if mask is not None:
+            return self._load_masked(idx, mask)
         np_idx, shape, box = self._elements(idx)
         if self.tracker is not None:
             self.tracker.check(self, box, write=False)
         got = self.data[np_idx]
+        if shape is None and got.ndim == 0 and self.dtype == "int32":
+            return int(got)  # an index or a bound (cu_seqlens_q[b]), not a numpy int32 that could overflow
         # A value, not a view: `x = buf[i, j]` must not change when buf is written later.
         return got.reshape(shape).copy() if shape is not None else got
 
     def __setitem__(self, idx, value):
         idx = idx if isinstance(idx, tuple) else (idx,)
+        mask = element_mask()
         if any(isinstance(x, slice) for x in idx):
+            if mask is not None:
+                raise UnsupportedConstruct(f"a sliced store into {self.name} inside a per-element `if`")
             Region.of(self, idx).write(value)
+            return
+        if mask is not None:
+            self._store_masked(idx, value, mask)
             return
         np_idx, shape, box = self._elements(idx)
         if self.tracker is not None:
             self.tracker.check(self, box, write=True)
+        if self.owned is not None:
+            check_owned(self, np_idx)
         value = self.convert(value)
         try:
             if shape is not None:
@@ -100,12 +221,86 @@ class Buffer:
                 self.data[np_idx] = value
         except ValueError as e:
             raise KernelError(f"cannot store a value of shape {np.shape(value)} into {self.name}[...]: {e} "
-                              f"(several parallel iterations would write the same element)") from None
+                              f"{_SAME_ELEMENT}") from None
 
     def convert(self, value):
         if self.dtype == "float32":
             return np.asarray(value, np.float32)
+        if self.dtype == "int32":
+            return np.asarray(value).astype(np.int32)
         return round_to(value, self.dtype)
+
+    # -- element access under a per-element `if` -------------------------------
+    def _index_arrays(self, idx):
+        """Each index as an int or an integer array, unchecked (the predicate decides what must be in bounds)."""
+        if len(idx) != len(self.shape):
+            raise KernelError(f"{self.name} has {len(self.shape)} dimensions, indexed with {len(idx)}")
+        out = []
+        for x in idx:
+            if isinstance(x, Lanes):
+                raise UnsupportedConstruct(f"indexing {self.name} by the thread index (per-thread code)")
+            if isinstance(x, np.ndarray) and x.ndim:
+                if x.dtype.kind not in "iu":
+                    raise KernelError(f"{self.name} indexed with a non-integer array")
+                out.append(x)
+                continue
+            try:
+                out.append(int(x))
+            except TypeError:
+                raise KernelError(f"{self.name} indexed with {type(x).__name__}") from None
+        return out, np.broadcast_shapes(*(np.shape(a) for a in out))
+
+    def _selected(self, arrays, shape, sel):
+        """The selected elements' coordinates (1-d arrays), bounds-checked, and their bounding box (None: none)."""
+        where = [np.broadcast_to(a, shape)[sel] for a in arrays]
+        if not where[0].size:
+            return where, None
+        lo, hi = [], []
+        for axis, w in enumerate(where):
+            a, b = int(w.min()), int(w.max()) + 1
+            self._check_span(axis, a, b, " where the `if` holds")
+            lo.append(a)
+            hi.append(b)
+        return where, (tuple(lo), tuple(hi))
+
+    def _load_masked(self, idx, mask):
+        arrays, shape = self._index_arrays(idx)
+        try:
+            need = np.broadcast_to(_needed(mask, shape), shape)
+        except ValueError:
+            raise KernelError(f"a load of {self.name} indexed with shape {shape} under an `if` of shape "
+                              f"{np.shape(mask)}") from None
+        where, box = self._selected(arrays, shape, need)
+        if box is not None and self.tracker is not None:
+            self.tracker.check(self, box, write=False)
+        got = np.zeros(shape, self.data.dtype)  # elements no selected iteration reads: never used
+        got[need] = self.data[tuple(where)]
+        if got.ndim == 0 and self.dtype == "int32":
+            return int(got)
+        return got
+
+    def _store_masked(self, idx, value, mask):
+        arrays, shape = self._index_arrays(idx)
+        try:
+            sel = np.broadcast_to(mask, shape)
+            value = np.broadcast_to(self.convert(value), shape)
+        except ValueError:
+            raise KernelError(f"cannot store a value of shape {np.shape(value)} under an `if` of shape "
+                              f"{np.shape(mask)} into {self.name}[...] indexed with shape {shape} {_SAME_ELEMENT}") from None
+        where, box = self._selected(arrays, shape, sel)
+        if box is None:
+            return
+        index = tuple(where)
+        if self.tracker is not None:
+            self.tracker.check(self, box, write=True)
+        if self.owned is not None:
+            check_owned(self, index)
+        self.data[index] = value[sel]
+
+    def _check_span(self, axis, a, b, where=""):
+        if a < 0 or b > self.shape[axis]:
+            raise KernelError(f"index out of bounds: {self.name} axis {axis} has extent {self.shape[axis]}, "
+                              f"accessed [{a}, {b}){where}")
 
     def _elements(self, idx):
         """numpy index, result shape (None: use numpy's), and the [lo, hi) box touched."""
@@ -138,9 +333,7 @@ class Buffer:
                 except TypeError:
                     raise KernelError(f"{self.name} indexed with {type(x).__name__}") from None
                 b = a + 1
-            if a < 0 or b > self.shape[axis]:
-                raise KernelError(f"index out of bounds: {self.name} axis {axis} has extent {self.shape[axis]}, "
-                                  f"accessed [{a}, {b})")
+            self._check_span(axis, a, b)
             lo.append(a)
             hi.append(b)
         box = (tuple(lo), tuple(hi))
@@ -222,6 +415,8 @@ class Region:
         sl = self._slices()
         if check and self.buf.tracker is not None:
             self.buf.tracker.check(self.buf, self.box, write=True)
+        if self.buf.owned is not None:
+            check_owned(self.buf, sl)
         full = tuple(c - a for a, c in zip(self.lo, self.hi))
         value = self.buf.convert(value)
         try:
@@ -250,13 +445,34 @@ class Region:
             out[cl[1]] = self.buf.data[cl[0]]
         return out.reshape(self.shape)
 
+    def check_owned(self):
+        """A store to this region: its part inside the tensor must be the running CTA's own."""
+        cl = self._clipped()
+        if cl is not None and self.buf.owned is not None:
+            check_owned(self.buf, cl[0])
+
     def store_clipped(self, value):
         """TMA store: elements outside the tensor are dropped."""
         full = tuple(c - a for a, c in zip(self.lo, self.hi))
         value = np.broadcast_to(self.buf.convert(value), self.shape).reshape(full)
+        self.check_owned()
         cl = self._clipped()
         if cl is not None:
             self.buf.data[cl[0]] = value[cl[1]]
+
+
+_SAME_ELEMENT = "(several parallel iterations would write the same element)"
+
+
+def stored(x, dtype: str, name: str) -> np.ndarray:
+    """A caller's array as a global tensor of `dtype` holds it: a fresh float32 array of that dtype's
+    values, or int32 for an int32 tensor (integer input only, within int32)."""
+    if DTYPES.get(dtype) != "int32":
+        return np.array(round_to(x, dtype))
+    x = np.asarray(x)
+    if x.dtype.kind not in "iub" or (x.size and (x.min() < np.iinfo(np.int32).min or x.max() > np.iinfo(np.int32).max)):
+        raise KernelError(f"{name} is an int32 tensor: it needs integers within int32, got {x.dtype} values")
+    return x.astype(np.int32)
 
 
 def _as_int(x, buf):
@@ -269,6 +485,9 @@ def _as_int(x, buf):
 
 
 def as_region(x) -> Region:
+    """The operand of a tile operation (T.copy, T.fill, ...): whole regions, never under an element mask."""
+    if element_mask() is not None:
+        raise UnsupportedConstruct("a tile operation inside a per-element `if` of T.Parallel")
     if isinstance(x, Region):
         return x
     if isinstance(x, Buffer):

@@ -7,7 +7,10 @@ The emitted module is ordinary Python; only four things need a different meaning
   returns a per-thread mask;
 - every `if` goes through `__rt__.cond(test)`: a test on the thread index becomes "how many
   of this agent's threads take the branch" (0: skipped; else the body runs once with that
-  thread count, which is what barrier arrivals count); a plain test behaves as in Python;
+  thread count, which is what barrier arrivals count); a test on `T.Parallel` indices runs
+  the body once under the mask of the elements that take it; a plain test behaves as in
+  Python. Subscripts in a test go through `__rt__.value`, so a test on per-element buffer
+  values (not modeled) is told apart from one on the indices;
 - `and` / `or` / `not` and chained comparisons work element-wise on the index arrays of
   `T.Parallel` and on thread masks (short-circuiting as usual on plain values).
 
@@ -41,6 +44,16 @@ def _call(name: str, args, node) -> ast.Call:
 def _thunk(expr) -> ast.Lambda:
     lam = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]), body=expr)
     return _at(lam, expr)
+
+
+class _MarkReads(ast.NodeTransformer):
+    """`x[i]` -> `__rt__.value(x[i])` (loads only)."""
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load):
+            return _call("value", [node], node)
+        return node
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -111,6 +124,7 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_If(self, node):
         self.generic_visit(node)
+        node.test = _MarkReads().visit(node.test)
         self.counter += 1
         var = f"__branch_{node.lineno}_{self.counter}"
 

@@ -18,22 +18,27 @@ What each construct means here:
 - Every synchronization also moves vector clocks, and every access is checked for a race
   against the accesses no synchronization orders it with (hazards.py).
 - T.Parallel yields broadcast index arrays once, so each element-wise statement runs as one
-  numpy expression in float32.
+  numpy expression in float32. An `if` whose test varies with the indices runs its body once
+  under the mask of the elements that take it (memory.predicated); an `if` on per-element
+  float values stays unsupported (the templates use T.if_then_else for those).
+- Parameters are T.Tensor buffers (float or int32) and `T.int32` scalars (a Python int).
 """
 
 from __future__ import annotations
 
 import builtins
 import sys
+import threading
 
 import numpy as np
 
 from attngen.emulator.agents import WARPGROUP, MBarrier, NamedBarrier
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
 from attngen.emulator.hazards import Op
-from attngen.emulator.memory import Buffer, Lanes, as_region, parallel_indices, same_shape
+from attngen.emulator.memory import Buffer, Lanes, as_region, element_mask, parallel_indices, predicated, same_shape
+from attngen.reference import round_to
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes per element, for TMA transaction counts
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}  # bytes per element, for TMA transaction counts
 
 
 class GridProbe(BaseException):
@@ -52,8 +57,18 @@ class TensorType:
         self.dtype = dtype
 
 
+class ScalarType(str):
+    """`T.int32` and friends: a dtype name (usable wherever a dtype string is), the annotation of a
+    scalar prim_func parameter, and a cast (`T.int32(x)`)."""
+
+    def __call__(self, value=0):
+        if self == "int32":
+            return value.astype(np.int64) if isinstance(value, np.ndarray) else int(value)  # truncates, like a C cast
+        return np.float32(value) if self == "float32" else round_to(value, str(self))
+
+
 class PrimFunc:
-    """`@T.prim_func`: the function plus its tensor parameters (name, shape, dtype)."""
+    """`@T.prim_func`: the function plus its parameters (name, TensorType or ScalarType), in order."""
 
     def __init__(self, func):
         self.func = func
@@ -62,8 +77,8 @@ class PrimFunc:
         for name, ann in func.__annotations__.items():
             if name == "return":
                 continue
-            if not isinstance(ann, TensorType):
-                raise UnsupportedConstruct(f"prim_func parameter {name}: only T.Tensor parameters are modeled")
+            if not isinstance(ann, TensorType) and ann != "int32":
+                raise UnsupportedConstruct(f"prim_func parameter {name}: only T.Tensor and T.int32 parameters are modeled")
             self.params.append((name, ann))
 
 
@@ -137,6 +152,26 @@ class _Active:
         return False
 
 
+class _Elements:
+    """A branch whose test varies with the T.Parallel element: each side runs once, its element
+    accesses under the mask of the elements that take it (nested ifs AND their masks)."""
+
+    __slots__ = ("then_mask", "other_mask", "then", "other")
+
+    def __init__(self, test):
+        test = np.asarray(test, bool)
+        outer = element_mask()
+        self.then_mask = test if outer is None else outer & test
+        self.other_mask = ~test if outer is None else outer & ~test
+        self.then, self.other = bool(self.then_mask.any()), bool(self.other_mask.any())
+
+    def taken(self):
+        return predicated(self.then_mask)
+
+    def not_taken(self):
+        return predicated(self.other_mask)
+
+
 class _Uniform:
     """A branch every thread takes the same way (a plain Python condition)."""
 
@@ -168,8 +203,17 @@ class Helpers:
 
     def __init__(self, rt):
         self.rt = rt
+        self.tls = threading.local()  # per agent: did the `if` test being evaluated read per-element floats?
+
+    def value(self, x):
+        """A subscript in an `if` test (rewrite.py wraps them): notes a read of per-element float values."""
+        if isinstance(x, np.ndarray) and x.size > 1 and x.dtype.kind == "f":
+            self.tls.values = True
+        return x
 
     def cond(self, test):
+        on_values = getattr(self.tls, "values", False)
+        self.tls.values = False
         if isinstance(test, Lanes):
             agent = self.rt.agent
             mask = np.asarray(test).astype(bool)
@@ -178,7 +222,10 @@ class Helpers:
             active = agent.active[-1]
             return _Branch(agent, active & mask, active & ~mask)
         if isinstance(test, np.ndarray) and test.size != 1:
-            raise UnsupportedConstruct("`if` on a per-element condition inside T.Parallel (use T.if_then_else)")
+            if on_values:
+                raise UnsupportedConstruct("`if` on per-element values inside T.Parallel (use T.if_then_else; "
+                                           "an `if` on the loop indices is modeled)")
+            return _Elements(test)
         return _TAKEN if test else _SKIPPED
 
     @staticmethod
@@ -208,6 +255,7 @@ class TLang:
     """The `T` namespace, bound to one emulation (`rt`: the driver's Runtime)."""
 
     GemmWarpPolicy = GemmWarpPolicy
+    int32, float32, float16, bfloat16 = (ScalarType(n) for n in ("int32", "float32", "float16", "bfloat16"))
 
     def __init__(self, rt):
         self._rt = rt
@@ -350,8 +398,10 @@ class TLang:
         return np.tanh(_f32(x))
 
     def Cast(self, dtype, x):
+        if dtype == "int32":
+            return self.int32(x)
         if dtype not in ("float32", "float"):
-            raise UnsupportedConstruct(f"T.Cast({dtype!r}, ...): only casts to float32 are modeled")
+            raise UnsupportedConstruct(f"T.Cast({dtype!r}, ...): only casts to float32 and int32 are modeled")
         return _f32(x)
 
     def abs(self, x):
@@ -479,6 +529,7 @@ class TLang:
             dst.store_clipped(src.read(check=False).reshape(dst.shape))
             return
         line = self._site()
+        dst.check_owned()  # at issue, where the bad store is written
         agent.store_issued += 1
         op = Op("TMA store", agent, line, [src], [], lambda: dst.store_clipped(src.read(check=False).reshape(dst.shape)))
         op.comp, op.clock = agent.store_comp, agent.store_issued
