@@ -48,6 +48,7 @@ class Stats:
     tma: int = 0
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
+    partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
 
 
 class CTA:
@@ -317,7 +318,7 @@ def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int):
     def owner(index, name):
         if name not in ("O", "LSE"):
             return np.False_
-        x, y, z = index
+        x, y, z = (*index, 0)[:3]  # a varlen combine grid has no batch axis
         rows = np.arange(x * rows_per_block, min(x * rows_per_block + rows_per_block, total))
         return _rows_mask(facts, dims, name, z, rows, np.full(len(rows), y))
 
@@ -347,12 +348,20 @@ def check_seed(seed, argument: str = "seed") -> int:
     return int(seed)
 
 
-def _prepare(plan, q, k, v, tensors=None):
-    """Inputs in the prim_func's parameter order (None for outputs) and the dims T.dynamic reads."""
+def _prepare(plan, q, k, v, tensors=None, serving=None):
+    """Inputs in the prim_func's parameter order (None for outputs), the dims T.dynamic reads and
+    the checked serving call (None for a bshd, dense, unsplit kernel called without serving keywords)."""
     from attngen.plan import Shape, check_shape
+    from attngen.serving import check_serving, serving_fields
 
     spec = plan.spec
     qn, kn, vn = (_input_array(n, t, spec.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
+    serving = {n: x for n, x in (serving or {}).items() if x is not None}
+    if serving or serving_fields(plan).uses_serving:  # shapes, cu_seqlens, pages: serving.py checks them all
+        call = check_serving(plan, qn, kn, vn, **serving)
+        dims = dict(call.dims, heads=call.heads)
+        inputs = [np.asarray(x, np.float32) for x in (qn, kn, vn)] + [None] + ([None] if plan.split_kv else [])
+        return _extra_inputs(plan, inputs, dims, tensors) + call.host_args(), dims, call
     if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
         raise InputError("q, k, v shapes", f"{list(qn.shape)}, {list(kn.shape)}, {list(vn.shape)}",
                          "BSHD tensors q [B, Sq, H, D], k [B, Skv, HKV, D] and v [B, Skv, HKV, DV]")
@@ -367,10 +376,16 @@ def _prepare(plan, q, k, v, tensors=None):
     if vn.shape[3] != plan.head_dim_v:
         raise InputError("v.shape[3] (head_dim_v)", vn.shape[3], f"{plan.head_dim_v}, the spec's head_dim_v")
     inputs = [np.asarray(x, np.float32) for x in (qn, kn, vn)] + [None]
+    return _extra_inputs(plan, inputs, dims, tensors), dims, None
+
+
+def _extra_inputs(plan, inputs: list, dims: dict, tensors) -> list:
+    """`inputs` + the LSE output and the call-time tensors (docs/variants.md), in parameter order."""
     tensors = dict(tensors or {})
-    for t in plan.extra:  # the LSE output and the call-time tensors (docs/variants.md), in parameter order
+    for t in plan.extra:
         if t.output:
-            inputs.append(None)
+            if not plan.split_kv:  # a split kernel's LSE_partial is already in; the combine writes the LSE
+                inputs.append(None)
             continue
         if tensors.get(t.name) is None:
             raise InputError(t.name, None, f"a float32 tensor of shape {_shape_text(t, dims)}: the spec uses it")
@@ -386,7 +401,7 @@ def _prepare(plan, q, k, v, tensors=None):
         name = sorted(tensors)[0]
         takes = ", ".join(t.name for t in plan.extra if not t.output) or "no extra tensors"
         raise InputError(name, type(tensors[name]).__name__, f"no such tensor: the spec takes {takes}")
-    return inputs, dims
+    return inputs
 
 
 def _shape_text(t, dims) -> str:
@@ -394,9 +409,12 @@ def _shape_text(t, dims) -> str:
 
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
-                  filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None):
+                  filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None,
+                  serving: dict | None = None):
     """Like `emulate`, returning (out as float32 numpy, Stats); out is (out, lse) for a spec with lse.
-    `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors)."""
+    `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors);
+    `serving`: the serving keywords (cu_seqlens_q, ..., num_splits). Outputs start as NaN, so an
+    element no block wrote stays NaN; a split kernel's partials are left in `stats.partials`."""
     from attngen.plan import Plan, as_plan
     from attngen.render import render_source
     from attngen.spec import Spec
@@ -409,19 +427,35 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
-    inputs, dims = _prepare(plan, q, k, v, tensors)
+    inputs, dims, call = _prepare(plan, q, k, v, tensors, serving)
     text = render_source(plan) if source is None else source
     filename = filename or f"<emitted {plan.name}>"
     stats = Stats()
+    if call is not None and call.empty:  # no query row: nothing to launch
+        out = np.zeros(call.out_shape, np.float32)
+        return ((out, np.full(call.lse_shape, -np.inf, np.float32)) if plan.spec.lse else out), stats
+    facts = ServingLayout(layout="varlen" if plan.varlen else "bshd", pack_gqa=plan.pack_gqa,
+                          gqa_group=plan.spec.gqa_group, block_m=plan.spec.block_m, splits=plan.split_kv)
+    owner = ownership(facts, dims, call.arrays if call is not None else {})  # every store stays in its block's rows
     t0 = time.perf_counter()
     with blas.single_threaded():
-        out = Runtime(text, filename, dims).run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences)
+        rt = Runtime(text, filename, dims)
+        out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, owner=owner)
+        if plan.split_kv:  # the combine kernel merges the splits' partial O and LSE
+            from attngen.render import COMBINE_ROWS
+
+            partials = rt.tensors
+            combine_inputs = [partials["O_partial"], partials["LSE_partial"], None] + ([None] if plan.spec.lse else [])
+            out = rt.run(combine_inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences,
+                         entry="build_combine_kernel", owner=combine_ownership(facts, dims, COMBINE_ROWS))
+            stats.partials = partials
     stats.seconds = time.perf_counter() - t0
     return out, stats
 
 
 def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
-            proxy_fences: bool = PROXY_FENCES, alibi_slopes=None, sinks=None, **tensors):
+            proxy_fences: bool = PROXY_FENCES, alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, **tensors):
     """Run the kernel emitted for a spec (or plan) on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
@@ -434,7 +468,11 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
     score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
     [B, H, Sq]). A missing, unknown or misshapen tensor is an InputError naming it.
-    Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError).
+    Serving (docs/serving.md): a varlen spec takes packed q (total_q, H, D) with cu_seqlens_q,
+    cu_seqlens_k and max_seqlen_q; a paged one k/v caches (num_pages, page_size, HKV, D) with
+    block_table and seqused_k; a split one num_splits (None: "auto"). Each is validated first.
+    Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError);
+    a store outside the rows its block owns is a KernelError.
     """
     from attngen.plan import Plan, as_plan
     from attngen.spec import Spec
@@ -444,8 +482,10 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     plan = as_plan(spec_or_plan)
     tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
     tensors = {n: t for n, t in tensors.items() if t is not None}
+    serving = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
     result, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences,
-                              tensors=tensors)
+                              tensors=tensors, serving=serving)
     out, lse = result if plan.spec.lse else (result, None)
     if hasattr(q, "detach"):
         import torch

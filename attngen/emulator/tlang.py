@@ -433,6 +433,13 @@ class TLang:
     def floormod(self, a, b):
         return a % b
 
+    def truncdiv(self, a, b):  # C's / : the emitted kernels use it only where both are >= 0
+        return np.trunc(np.divide(a, b)).astype(np.int64) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) \
+            else int(a / b) if abs(a) < 2**52 else a // b
+
+    def truncmod(self, a, b):
+        return a - self.truncdiv(a, b) * b
+
     # -- tile operations -------------------------------------------------------------------
     def fill(self, buffer, value, annotations=None):
         r = as_region(buffer)
