@@ -301,7 +301,8 @@ def _check_num_splits(value) -> None:
 
 
 def _check_offsets(name: str, cu: np.ndarray, total: int, total_text: str) -> np.ndarray:
-    """cu_seqlens: starts at 0, never decreases, ends at the packed row count. Returns the lengths."""
+    """cu_seqlens: starts at 0, never decreases, ends within the packed rows (rows past the last
+    offset are padding, as in a server's fixed token buffer: no kernel reads or writes them)."""
     if cu[0] != 0:
         raise InputError(f"{name}[0]", int(cu[0]), "0: the first sequence starts at packed row 0")
     lens = np.diff(cu.astype(np.int64))
@@ -311,9 +312,9 @@ def _check_offsets(name: str, cu: np.ndarray, total: int, total_text: str) -> np
         raise InputError(f"{name}[{i}]", int(cu[i]),
                          f"at least {name}[{i - 1}] = {int(cu[i - 1])}: offsets never decrease "
                          f"(sequence {i - 1} would have length {int(lens[i - 1])})")
-    if int(cu[-1]) != total:
+    if int(cu[-1]) > total:
         raise InputError(f"{name}[{len(cu) - 1}]", int(cu[-1]),
-                         f"{total} = {total_text}: the last offset is the packed row count")
+                         f"at most {total} = {total_text}: the last offset ends the packed rows")
     return lens
 
 
