@@ -142,7 +142,12 @@ def emulate_verdict(plan, args) -> tuple:
     from attngen.emulator.driver import check_emulated
 
     heads, kv_heads, q_len, kv_len = run_shape(plan, args)
-    what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    from attngen.serving import serving_fields
+
+    if serving_fields(plan).uses_serving:  # a ragged batch built from the lengths: the result names them
+        what = f"CPU model vs fp64 reference (H={heads} HKV={kv_heads}, seed {args.seed})"
+    else:
+        what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
         ok, text, stats = check_emulated(plan, 1, heads, kv_heads, q_len, kv_len, seed=args.seed, run=emulator.emulate_stats)
     except EmulationError as e:

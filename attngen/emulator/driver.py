@@ -529,6 +529,11 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     emulate_stats (the CLI passes the package's, which its tests may wrap)."""
     from attngen.reference import check_lse, variant_of
 
+    from attngen.serving import serving_fields
+
+    if serving_fields(plan).uses_serving:
+        return check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, seed=seed, policy=policy, source=source,
+                                      filename=filename, run=run)
     spec = plan.spec
     q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, q_len, kv_len, seed)
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
@@ -541,6 +546,52 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     if lse is not None:
         r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
         ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {'PASS' if r2.ok else 'FAIL'}"
+    return ok, text, stats
+
+
+PADDING_ROWS = 5  # packed rows past the last sequence: a kernel must leave them as they are
+CHECK_SPLITS = 3
+
+
+def serving_lengths(layout: str, q_len: int, kv_len: int) -> tuple:
+    """The ragged batch `check` runs a serving kernel on: the requested lengths, a 1-row query,
+    more queries than keys (causal rows that see nothing), and (varlen) an empty sequence."""
+    kv = [kv_len, kv_len // 3 + 1, 5, 9]
+    if layout == "bshd":  # one query length for the batch
+        return [q_len] * 4, kv
+    return [q_len, 1, q_len // 2 + 1, 0], kv
+
+
+def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
+                           run=None):
+    """check_emulated for a serving kernel: a ragged batch (serving_lengths) whose unused cache rows and
+    pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
+    when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
+    from attngen.reference import variant_of
+    from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+
+    spec = plan.spec
+    lq, lk = serving_lengths(spec.layout, q_len, kv_len)
+    x = random_serving_inputs(spec.layout, spec.paged_kv, plan.page_size or None, spec.dtype, spec.head_dim,
+                              plan.head_dim_v, lq, lk, heads, kv_heads, seed=seed, neighbour_fill=1e4)
+    q, keywords = x.q, dict(x.keywords)
+    if plan.varlen:
+        q = np.concatenate([q, np.zeros((PADDING_ROWS, *q.shape[1:]), np.float32)])
+    if plan.split_kv:
+        keywords["num_splits"] = CHECK_SPLITS
+    result, stats = (run or emulate_stats)(plan, q, x.k, x.v, seed=seed, policy=policy, source=source, filename=filename,
+                                           serving=keywords)
+    out, lse = result if spec.lse else (result, None)
+    call = check_serving(plan, q, x.k, x.v, **keywords)
+    res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, **variant_of(spec))
+    ok, text = res.ok, f"{len(lq)} sequences (q {lq}, kv {lk}"
+    text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
+    text += str(res)
+    if plan.varlen:
+        padding = out[int(x.cu_seqlens_q[-1]):]
+        untouched = bool(np.isnan(padding).all())
+        ok = ok and untouched
+        text += f"; {PADDING_ROWS} padding rows {'untouched' if untouched else 'WRITTEN'}"
     return ok, text, stats
 
 
