@@ -83,6 +83,9 @@ def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list
     for path in preset_paths:
         planned = make_plan(load(path))
         spec = planned.spec  # resolved: block_m and block_n known
+        if planned.varlen or planned.page_size or planned.split_kv:
+            print(f"skipping {Path(path).stem}: a serving preset (bench/bench_serving.py times it)")
+            continue
         if planned.extra or planned.head_dim_v != spec.head_dim:
             # variant presets (docs/variants.md) take call-time tensors or a different V: not timed here yet
             print(f"skipping {Path(path).stem}: a variant preset (the timing loop passes q, k, v only)")

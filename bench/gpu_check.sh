@@ -15,7 +15,7 @@ DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 OUTDIR="${OUT:-/tmp/attngen-gpu-check}"
 mkdir -p "$OUTDIR"
-rm -f "$OUTDIR"/{summary.md,pytest.log,bench.md,bench.json,bench.log,smoke.json,sanitizer.log}  # no stale table
+rm -f "$OUTDIR"/{summary.md,pytest.log,bench.md,bench.json,bench.log,smoke.json,sanitizer.log,serving.md,serving.json,serving.log}  # no stale table
 # The whole script, install included: 330 s leaves a 15-minute lease room for the machine's start,
 # the upload and a second try (../shared/gpu-preflight.md).
 BUDGET=${GPU_CHECK_BUDGET_S:-330}
@@ -98,7 +98,7 @@ fi
 export ATTNGEN_HYPOTHESIS_PROFILE=gpu
 "${PY[@]}" -c "import pytest_timeout" 2>/dev/null && PYTEST_SELECT+=(--timeout=90)  # the H200 image has it
 stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 \
-  "${PYTEST_SELECT[@]}" tests/test_gpu.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
+  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_serving.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
 TEST_RC=${PIPESTATUS[0]}
 
 # 6. compute-sanitizer racecheck and synccheck on one small launch of two presets (skipped in a dry run)
@@ -127,6 +127,13 @@ else
   TL_RC=${PIPESTATUS[0]}
 fi
 
+# 8. the serving benchmark (decode bandwidth against a device copy, varlen prefill against dense); short
+SERVE_ARGS=(--out "$OUTDIR" --budget-s 35)
+[[ $DRY == 1 ]] && SERVE_ARGS+=(--dry-run)
+stage "serving benchmark" 50 100 "${PY[@]}" bench/bench_serving.py "${SERVE_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/serving.log"
+SERVE_RC=${PIPESTATUS[0]}
+grep "^|" "$OUTDIR/serving.log" | tail -n 20
+
 # 5. the benchmark; it stops starting rows 30 s before its limit so the table is always printed
 BENCH_T=$((BUDGET - SECONDS - 5))
 ((BENCH_T > 180)) && BENCH_T=180
@@ -147,6 +154,7 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
   echo "- compute-sanitizer: exit $SAN_RC$([[ $DRY == 1 ]] && echo ' (dry run: not run)')"
   echo "- timeline$([[ $DRY == 1 ]] && echo ' (dry run: stamped build only)'): exit $TL_RC"
   echo "- benchmark: exit $BENCH_RC"
+  echo "- serving benchmark: exit $SERVE_RC"
   echo "- total ${SECONDS} s"
   echo
   if [[ -f "$OUTDIR/bench.md" ]]; then
@@ -154,7 +162,8 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
     echo
     grep -E '^(\||\\\*|n/a|FAILED)' "$OUTDIR/bench.md"
   fi
+  [[ -f "$OUTDIR/serving.md" ]] && { echo; grep -E '^(\||device copy)' "$OUTDIR/serving.md"; }
 } > "$OUTDIR/summary.md"
 echo
 cat "$OUTDIR/summary.md"
-((BUILD_RC == 0 && SMOKE_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && TL_RC == 0 && BENCH_RC == 0))
+((BUILD_RC == 0 && SMOKE_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && TL_RC == 0 && BENCH_RC == 0 && SERVE_RC == 0))

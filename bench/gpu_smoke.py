@@ -46,6 +46,8 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     import torch
 
     spec = plan.spec
+    if plan.varlen or plan.page_size or plan.split_kv:
+        return launch_serving_once(plan, kernel)
     b, hkv, sq, skv = SHAPE
     if spec.aligned:
         sq, skv = spec.block_m * 2, spec.block_n * 3
@@ -60,6 +62,35 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     torch.cuda.synchronize()
     check_written(out)
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
+    if not res.ok:
+        raise AssertionError(str(res))
+    return f"ok ({res})"
+
+
+def launch_serving_once(plan, kernel) -> str:
+    """A serving preset: a small ragged batch (1e4 in every cache row no sequence owns), each sequence
+    against its own fp64 reference; varlen padding rows must stay NaN."""
+    import torch
+
+    from attngen.emulator.driver import serving_lengths
+    from attngen.runtime import check_written
+    from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+
+    spec = plan.spec
+    lq, lk = serving_lengths(spec.layout, 200, 333)
+    x = random_serving_inputs(spec.layout, spec.paged_kv, plan.page_size or None, spec.dtype, spec.head_dim, None,
+                              lq, lk, 2 * spec.gqa_group, 2, seed=0, neighbour_fill=1e4)
+    dt = getattr(torch, spec.dtype)
+    q, k, v = (torch.from_numpy(t).to("cuda", dt) for t in (x.q, x.k, x.v))
+    kw = {n: (torch.from_numpy(t).cuda() if hasattr(t, "dtype") else t) for n, t in x.keywords.items()}
+    if plan.split_kv:
+        kw["num_splits"] = 3
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k, v, out=out, **kw)
+    torch.cuda.synchronize()
+    check_written(out)
+    call = check_serving(plan, x.q, x.k, x.v, **x.keywords, num_splits=kw.get("num_splits"))
+    res = check_serving_close(out.float().cpu().numpy(), x.q, x.k, x.v, call, spec.causal, spec.dtype)
     if not res.ok:
         raise AssertionError(str(res))
     return f"ok ({res})"

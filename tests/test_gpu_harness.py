@@ -63,3 +63,30 @@ def test_seed_extraction_names_what_is_missing(tmp_path, notes, why):
     path.write_text(notes)
     with pytest.raises(seed.SeedError, match=why):
         seed.extract(path)
+
+
+def test_serving_benchmark_rows_fit_the_card_and_int32_and_pass_the_serving_checks():
+    """bench_serving.py's decode rows: their byte counts, the limits that leave rows out, and each
+    row's call as the benchmark makes it (meta caches: no memory) accepted by check_serving."""
+    import torch
+
+    from attngen import hw
+    from attngen.plan import make_plan
+    from attngen.serving import check_serving
+    from attngen.spec import load
+
+    serve = bench_module("bench_serving")
+    rows = serve.decode_rows(24.0)
+    got = {(r["batch"], r["kv_len"]) for r in rows}
+    assert (1, 131072) in got and (64, 4096) in got
+    assert (64, 131072) not in got and (32, 131072) not in got  # past int32 elements in one cache
+    assert len(serve.decode_rows(1.0)) < len(rows)  # the size limit leaves rows out
+    plan = make_plan(load(serve.DECODE_PRESET))
+    for r in rows:
+        kv = 2 * r["batch"] * r["kv_len"] * serve.KV_HEADS * 128 * 2
+        assert r["bytes"] == kv + 2 * r["batch"] * 64 * 128 * 2
+        assert r["batch"] * r["kv_len"] * serve.KV_HEADS * 128 <= hw.INT32_MAX
+        q, kc, vc, bt, su = serve.decode_inputs(r, plan, "meta")
+        assert kc.device == torch.device("meta") and bt.shape == (r["batch"], r["pages"])
+        call = check_serving(plan, q, kc, vc, block_table=bt, seqused_k=su, num_splits="auto")
+        assert call.num_splits >= 1 and (call.num_splits > 1) == (r["batch"] * serve.KV_HEADS < 0.8 * hw.SM_COUNT)
