@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from attngen import hw
+from attngen.plan import DEFAULT_PAGE_SIZE
 from attngen.reference import EPS, TINY, Check, InputError, attention, check_close, check_lse, round_to, to_numpy
 
 LAYOUTS = ("bshd", "varlen")
-DEFAULT_PAGE_SIZE = 128  # the plan's page size when a paged spec leaves it open (serving-abi)
 KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "block_table", "seqused_k", "num_splits")
 
 # The split heuristic (choose_splits): FlashAttention-3's hopper/heuristics.h num_splits_heuristic.
@@ -76,9 +76,9 @@ class Serving:
 def serving_fields(plan_like) -> Serving:
     """The serving fields of a Plan, a Spec, or an object with a `.spec` or the fields themselves.
 
-    Absent fields take the ABI's defaults (layout "bshd", paged_kv false, splits 1), so today's
-    Spec reads as a dense BSHD kernel. An open page size becomes DEFAULT_PAGE_SIZE; open tile
-    sizes are resolved by plan.resolve when the object is a real Spec.
+    Absent fields take the ABI's defaults (layout "bshd", paged_kv false, splits 1), so a small
+    stand-in object works in tests. An open page size becomes the plan's DEFAULT_PAGE_SIZE; open
+    tile sizes are resolved by plan.resolve when the object is a real Spec.
     """
     spec = getattr(plan_like, "spec", plan_like)
     if getattr(spec, "block_n", None) is None or getattr(spec, "block_m", None) is None:

@@ -1,7 +1,7 @@
 """Serving calls on the CPU (issue 11, docs/serving.md): validation of varlen / paged / split-KV
 calls, the split heuristic, the per-sequence fp64 reference, the random inputs, and the
 runtime's argument assembly. The spec's serving fields are read by attribute, so these tests
-describe specs with a small stand-in (`fake`) until the Spec carries layout/paged_kv/splits.
+describe specs with a small stand-in (`fake`): serving.py reads only the fields it needs.
 """
 
 from __future__ import annotations
