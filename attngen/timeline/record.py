@@ -58,7 +58,7 @@ def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="
     spec = plan.spec
     heads = kv_heads * spec.gqa_group
     q, k, v = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
-    inputs, dims = _prepare(plan, q, k, v)
+    inputs, dims, _ = _prepare(plan, q, k, v)  # a bshd, dense kernel: no serving call
     grid = grid_of(plan, dims)
     wanted = sample_blocks(grid, None, limit) if blocks == "auto" else blocks
     text = render_source(plan) if source is None else source
