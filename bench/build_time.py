@@ -61,6 +61,27 @@ _M_NEW = ("            T.reduce_max(acc_s, m_prev, dim=1, clear=True)  # this ti
           "            for i in T.Parallel(WG_ROWS):\n                m_prev[i] = T.max(m_prev[i], m_cur[i])  # the new running max\n")
 VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "baseline": ("the rendered source as it is", []),
+    "undo-cold-build-edits": (
+        "DIAGNOSTIC, the same values: the prologue and the causal masks as emitted before issue 9's last edits "
+        "(fills of row_sum and m_cur, clear=False, a copy loop; q0 + row0 + i + causal_offset in every element), "
+        "to measure those edits in the same run",
+        [
+            ("        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n",
+             "        T.fill(row_sum, 0)\n        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n        T.fill(m_cur, -T.infinity(ACCUM))\n"),
+            (_MASK0,
+             "        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+            (_REDUCE0, "        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"),
+            ("        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n",
+             "        T.reduce_sum(acc_s, row_sum_tile, dim=1)\n        for i in T.Parallel(WG_ROWS):\n            row_sum[i] = row_sum_tile[i]\n"),
+            ("            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag\n"
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+        ],
+    ),
     "hoist-row-max": (
         "the -inf guard on the row max, computed once per row into a fragment instead of per element",
         [
