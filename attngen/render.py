@@ -93,16 +93,40 @@ def key_index(plan: Plan, tile: str) -> str:
     return "j" if t == "0" else f"{t} * BLOCK_N + j"
 
 
+def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
+    """The plain causal mask's diagonal in visit `tile`: (name, value), row i seeing keys j <= i + name.
+
+    The row-independent part is bound once per tile (a Let) so that the per-element test is
+    `i + diag >= j`: lowering then simplifies two indices per element, not the whole sum
+    (docs/build.md, "Emitted-source edits"). None for every other mask, and for packed GQA,
+    whose row position (q0 + row0 + i) // GQA_GROUP does not split off a row-independent part.
+    """
+    if windowed(plan) or plan.mask_expr is not None or not plan.spec.causal or plan.pack_gqa:
+        return None
+    t = key_tile(plan, tile)
+    value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
+    return ("diag0" if tile == "0" else "diag"), value
+
+
+def mask_binding(plan: Plan, tile: str) -> str:
+    """The statement the mask of visit `tile` needs before its loop, or ""."""
+    diag = causal_diag(plan, tile)
+    if diag is None:
+        return ""
+    name, value = diag
+    return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+
+
 def mask_condition(plan: Plan, tile: str) -> str:
     """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
-    spec = plan.spec
     key = key_index(plan, tile)
     row = row_pos(plan)
     if not windowed(plan) and plan.mask_expr is None:
-        if spec.causal:
+        if plan.spec.causal:
             # bottom-right alignment already keeps every real row below kv_len: row i < q_len sees
             # keys up to i + kv_len - q_len < kv_len; rows past q_len are never stored
-            return f"{row} + causal_offset >= {key}"
+            diag = causal_diag(plan, tile)
+            return f"i + {diag[0]} >= j" if diag else f"{row} + causal_offset >= {key}"
         return f"{key} < kv_len"  # the partial last tile (not aligned)
     left, right = plan.window_left, plan.window_right
     parts = []
@@ -593,6 +617,7 @@ def template_context(plan: Plan) -> dict:
         "transform": lambda tile: transform_expr(plan, tile),
         "scaled": lambda x: scaled(plan, x),
         "key_tile": lambda tile: key_tile(plan, tile),
+        "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
         "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "q_rows": lambda g: q_rows(plan, g),

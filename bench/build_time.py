@@ -51,21 +51,47 @@ KERNELS = ("seed", "static", "dynamic")
 # guards); only the form changes. name -> (what, [(old, new), ...]); an edit whose old text
 # is absent from a kernel (the static render drops the -inf guards) is skipped for that kernel.
 _GUARD = "T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2)"
+_MASK0 = ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
+          "            diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0\n"
+          "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+          "                acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))\n")
+_REDUCE0 = "        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)\n"
 _M_OLD = "            T.copy(m_cur, m_prev)\n            T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n            for i in T.Parallel(WG_ROWS):\n"
 _M_NEW = ("            T.reduce_max(acc_s, m_prev, dim=1, clear=True)  # this tile's row max\n"
           "            for i in T.Parallel(WG_ROWS):\n                m_prev[i] = T.max(m_prev[i], m_cur[i])  # the new running max\n")
 VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "baseline": ("the rendered source as it is", []),
+    "undo-cold-build-edits": (
+        "DIAGNOSTIC, the same values: the prologue and the causal masks as emitted before issue 9's last edits "
+        "(fills of row_sum and m_cur, clear=False, a copy loop; q0 + row0 + i + causal_offset in every element), "
+        "to measure those edits in the same run",
+        [
+            ("        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n",
+             "        T.fill(row_sum, 0)\n        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n        T.fill(m_cur, -T.infinity(ACCUM))\n"),
+            (_MASK0,
+             "        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+            (_REDUCE0, "        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"),
+            ("        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n",
+             "        T.reduce_sum(acc_s, row_sum_tile, dim=1)\n        for i in T.Parallel(WG_ROWS):\n            row_sum[i] = row_sum_tile[i]\n"),
+            ("            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag\n"
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+        ],
+    ),
     "hoist-row-max": (
         "the -inf guard on the row max, computed once per row into a fragment instead of per element",
         [
             ("        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n",
              "        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n"
              "        m_scaled = T.alloc_fragment([WG_ROWS], ACCUM)  # m_cur * SCALE_LOG2, 0 for a row that saw no key\n"),
-            (f"        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"
+            (f"{_REDUCE0}"
              f"        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
              f"            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - {_GUARD})\n",
-             f"        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"
+             f"{_REDUCE0}"
              f"        for i in T.Parallel(WG_ROWS):\n"
              f"            m_scaled[i] = {_GUARD}\n"
              f"        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
@@ -84,19 +110,16 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "prologue-mask-always": (
         "the prologue masks tile 0 unconditionally (a no-op where full_tiles >= 1) instead of under `if full_tiles < 1`",
         [
-            ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+            (_MASK0,
+             "        diag0 = q0 + row0 + causal_offset\n"
              "        for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # tile 0: a no-op unless it is a diagonal or partial tile\n"
-             "            acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+             "            acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
         ],
     ),
     "diag-no-prologue-mask": (
         "DIAGNOSTIC, changes the kernel (wrong for rows whose tile 0 is diagonal): no prologue mask at all",
         [
-            ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+            (_MASK0,
              ""),
         ],
     ),
@@ -107,54 +130,23 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
             ("        T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store\n", ""),
         ],
     ),
-    "mask-diag-var": (
-        "the causal masks compare i + diag >= j, with the row-independent part bound once per tile (diag)",
-        [
-            ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
-             "        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
-             "            diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
-            ("            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n",
-             "            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
-        ],
-    ),
     "mask-key-limit": (
         "the last key each row sees, in a per-row int32 fragment computed once; both masks compare key_limit[i] >= k * BLOCK_N + j",
         [
             ("        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n",
              "        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n"
              "        key_limit = T.alloc_fragment([WG_ROWS], \"int32\")  # row i sees keys j <= key_limit[i]\n"),
-            ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
-             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+            (_MASK0,
              "        for i in T.Parallel(WG_ROWS):\n"
              "            key_limit[i] = q0 + row0 + i + causal_offset\n"
              "        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
              "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
              "                acc_s[i, j] = T.if_then_else(key_limit[i] >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
-            ("                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n",
+            ("            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag\n"
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
+             "                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
+             "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
              "                acc_s[i, j] = T.if_then_else(key_limit[i] >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n"),
-        ],
-    ),
-    "prologue-reduce-direct": (
-        "tile 0's row sums reduce straight into row_sum and its row max with clear=True: no copy loop, no fills of row_sum and m_cur (same values bit for bit)",
-        [
-            ("        T.fill(row_sum, 0)\n", ""),
-            ("        T.fill(m_cur, -T.infinity(ACCUM))\n", ""),
-            ("        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"
-             "        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n",
-             "        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry\n"
-             "        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"),
-            ("        T.reduce_sum(acc_s, row_sum_tile, dim=1)\n"
-             "        for i in T.Parallel(WG_ROWS):\n"
-             "            row_sum[i] = row_sum_tile[i]\n",
-             "        T.reduce_sum(acc_s, row_sum, dim=1)\n"),
         ],
     ),
     "fuse-max-copy": (

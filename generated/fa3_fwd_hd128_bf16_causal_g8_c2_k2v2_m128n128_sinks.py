@@ -111,8 +111,9 @@ def build_kernel():
         T.mbarrier_arrive(k_empty[0])
         full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)  # leading K tiles that need no mask for these rows
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
+            diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
         T.copy(m_cur, m_prev)
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)
         for i in T.Parallel(WG_ROWS):  # rescale the sink's term to the new max
@@ -164,8 +165,9 @@ def build_kernel():
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
+            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):

@@ -92,9 +92,7 @@ def build_kernel():
         row_sum = T.alloc_fragment([WG_ROWS], ACCUM)
 
         T.fill(acc_o, 0)
-        T.fill(row_sum, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, -T.infinity(ACCUM))
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -109,12 +107,10 @@ def build_kernel():
         # a custom mask_mod: every tile is masked
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
-        T.reduce_sum(acc_s, row_sum_tile, dim=1)
-        for i in T.Parallel(WG_ROWS):
-            row_sum[i] = row_sum_tile[i]
+        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
         # Steady state, tile k: QK(k), rescale, PV(k-1), softmax(k).

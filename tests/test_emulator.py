@@ -210,7 +210,7 @@ def mutate(spec, old, new):
 
 def test_unsupported_construct_names_it_and_its_line():
     spec = attngen.Spec(causal=True)
-    src = mutate(spec, "T.reduce_sum(acc_s, row_sum_tile, dim=1)", "T.reduce_absmax(acc_s, row_sum_tile, dim=1)")
+    src = mutate(spec, "T.reduce_sum(acc_s, row_sum, dim=1)", "T.reduce_absmax(acc_s, row_sum, dim=1)")
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(UnsupportedConstruct) as e:
         emulate(spec, q, k, v, source=src)
@@ -220,12 +220,12 @@ def test_unsupported_construct_names_it_and_its_line():
 
 def test_if_on_element_values_is_unsupported():
     spec = attngen.Spec()
-    src = mutate(spec, "            row_sum[i] = row_sum_tile[i]\n",
-                 "            if row_sum_tile[i] > 0:\n                row_sum[i] = row_sum_tile[i]\n")
+    src = mutate(spec, "            acc_o[i, j] /= row_sum[i]\n",
+                 "            if row_sum[i] > 0:\n                acc_o[i, j] /= row_sum[i]\n")
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(UnsupportedConstruct, match="T.if_then_else") as e:
         emulate(spec, q, k, v, source=src)
-    assert f"line {line_of(src, 'if row_sum_tile[i] > 0')}" in e.value.report
+    assert f"line {line_of(src, 'if row_sum[i] > 0')}" in e.value.report
 
 
 def test_out_of_bounds_shared_index_is_a_located_kernel_error():

@@ -32,10 +32,11 @@ def replace(old, new):
 
 
 def softcap_after_mask(source):
-    """Swap the score transform and the mask in every masked tile: masked keys get -SOFTCAP, not -inf."""
+    """Swap the score transform and the mask (with its diagonal's binding) in every masked tile:
+    masked keys get -SOFTCAP, not -inf."""
     pattern = re.compile(
         r"(?P<mod>( +)for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):  # softcap[^\n]*\n[^\n]*\n)"
-        r"(?P<mask>\2for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
+        r"(?P<mask>(\2diag\w* = [^\n]*\n)?\2for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
     out, n = pattern.subn(lambda m: m["mask"] + m["mod"], source)
     assert n >= 1, "edit no longer applies: no transform followed by a mask"
     return out

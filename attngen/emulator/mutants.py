@@ -291,7 +291,7 @@ EQUIVALENT = [
     (r"^move-up T\.mbarrier_wait_parity\(v_full\[v_stage_(prev|last)\], .*\) over for i, j in T\.Parallel\(", "stronger", None),
     (r"^move-up T\.wait_wgmma\(0\) over T\.reduce_sum\(", "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(k_empty\[0\]\) under full_tiles = ", "stronger", None),
-    (r"^move-down T\.mbarrier_arrive\(k_empty\[k_stage\]\) under (T\.copy\(m_cur, m_prev\)|for i, j in T\.Parallel\()",
+    (r"^move-down T\.mbarrier_arrive\(k_empty\[k_stage\]\) under (T\.copy\(m_cur, m_prev\)|for i, j in T\.Parallel\(|diag = )",
      "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(v_empty\[v_stage_(prev|last)\]\) under for i(, j)? in T\.Parallel\(", "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(k_full\[k_stage\]\) under v_stage = ", "stronger", None),
