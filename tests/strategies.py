@@ -50,7 +50,8 @@ def _special_lengths(block_m: int, block_n: int, page_size: int | None) -> list:
 
 @st.composite
 def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int = 4, max_tiles: int = 3,
-                   layouts=("varlen", "bshd"), paged=(False, True), head_dims=(64,), dtypes=("float16", "bfloat16")):
+                   layouts=("varlen", "bshd"), paged=(False, True), head_dims=(64,), dtypes=("float16", "bfloat16"),
+                   groups=(1, 2, 4), kv_heads=(1, 2)):
     """One serving call's batch: a dict with `inputs` (attngen.serving.random_serving_inputs's
     keywords), `block_m`, `block_n` and a `num_splits` from 1 to two more than the KV tiles.
 
@@ -59,6 +60,8 @@ def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int =
     max_tiles * block_n; one sequence is drawn with q_len > kv_len when the layout allows it;
     page tables are shuffled (or not), padding rows and spare pages hold 1e4 (or random values).
     bshd has one query length (and, with a dense KV, one key length) for the whole batch.
+    `groups` (query heads per KV head) and `kv_heads` are drawn from the given choices, so that a
+    caller can match a spec's gqa_group.
     """
     layout = draw(st.sampled_from(layouts))
     is_paged = draw(st.sampled_from(paged))
@@ -84,14 +87,14 @@ def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int =
             lk[b] = draw(st.integers(0, lq[b] - 1))
     if layout == "varlen" and not is_paged and sum(lk) == 0:
         lk[draw(st.integers(0, batch - 1))] = 1  # a dense KV needs one row for its TMA descriptor
-    kv_heads = draw(st.integers(1, 2))
-    group = draw(st.sampled_from([1, 2, 4]))
+    n_kv_heads = draw(st.sampled_from(kv_heads))
+    group = draw(st.sampled_from(groups))
     tiles = max(1, -(-max(lk) // block_n))
     return {
         "inputs": dict(
             layout=layout, paged=is_paged, page_size=page_size, dtype=draw(st.sampled_from(dtypes)),
             head_dim=draw(st.sampled_from(head_dims)), head_dim_v=None, seq_lens_q=lq, seq_lens_k=lk,
-            heads=kv_heads * group, kv_heads=kv_heads, seed=draw(st.integers(0, 2**16)),
+            heads=n_kv_heads * group, kv_heads=n_kv_heads, seed=draw(st.integers(0, 2**16)),
             shuffle_pages=draw(st.booleans()), neighbour_fill=draw(st.sampled_from([None, 1e4])),
         ),
         "block_m": block_m,
