@@ -480,14 +480,21 @@ def serving_constants(plan: Plan) -> list[str]:
 
 
 def combine_context(plan: Plan, dv: str) -> dict:
-    """Names of the combine kernel (fa3_combine.py.j2): it merges O_partial/LSE_partial per row."""
+    """Names of the combine kernel (fa3_combine.py.j2): it merges O_partial/LSE_partial per row.
+    Varlen: the grid covers the packed rows (total_q), but only rows before cu_seqlens_q[batch]
+    belong to a sequence; the rows after it are padding, which no kernel writes."""
     rows = "total_q" if plan.varlen else "q_len"
-    dims = ["total_q"] if plan.varlen else ["batch", "q_len"]
+    dims = ["batch", "total_q"] if plan.varlen else ["batch", "q_len"]
     params = [_tensor("O_partial", ["num_splits"] + q_shape(plan, dv), '"float32"'),
               _tensor("LSE_partial", ["num_splits"] + lse_shape(plan), '"float32"'),
               _tensor("O", q_shape(plan, dv), "DTYPE")]
     if plan.spec.lse:
         params.append(_tensor("LSE", lse_shape(plan), '"float32"', "output: log-sum-exp per row, natural log"))
+    setup = []
+    if plan.varlen:
+        params.append(_tensor("cu_seqlens_q", ["batch + 1"], '"int32"',
+                              "rows past cu_seqlens_q[batch] are padding: not written"))
+        setup.append("used_rows = cu_seqlens_q[batch]  # the packed rows the sequences own; the rest is padding")
     row = "r0 + i"
     clamped = f"T.min(r0 + i, {rows} - 1)"
     if plan.varlen:
@@ -500,7 +507,8 @@ def combine_context(plan: Plan, dv: str) -> dict:
         "combine_params": params,
         "combine_grid": f"T.ceildiv({rows}, COMBINE_ROWS), heads" + ("" if plan.varlen else ", batch"),
         "combine_vars": "row_block, head" + ("" if plan.varlen else ", batch_idx"),
-        "combine_rows": rows,
+        "combine_rows": "used_rows" if plan.varlen else rows,
+        "combine_setup": setup,
         "combine_rows_per_block": COMBINE_ROWS,
         "combine_threads": COMBINE_THREADS,
         "partial_o": f"O_partial[s, {o_idx(clamped)}]",

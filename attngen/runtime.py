@@ -316,7 +316,8 @@ def launch_arguments(plan: Plan, call: serving.ServingCall, q, k, v, *, out, lse
     """The arguments of the main kernel and of the combine kernel (None without splits), in the
     ABI's order (docs/serving.md): Q, K, V, then O (or O_partial), LSE (or LSE_partial), the
     variant tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q. The
-    combine kernel takes O_partial, LSE_partial, O and, with spec.lse, LSE."""
+    combine kernel takes O_partial, LSE_partial, O, with spec.lse LSE, and varlen cu_seqlens_q (it
+    writes only the rows before cu_seqlens_q[-1]: the rest is padding)."""
     f = call.fields
     if f.lse and lse is None:
         raise ValueError("launch_arguments: the spec has lse, so an lse buffer is needed")
@@ -325,6 +326,8 @@ def launch_arguments(plan: Plan, call: serving.ServingCall, q, k, v, *, out, lse
             raise ValueError("launch_arguments: a split kernel writes O_partial and LSE_partial; pass both")
         main = [q, k, v, o_partial, lse_partial]
         combine = [o_partial, lse_partial, out] + ([lse] if f.lse else [])
+        if f.varlen:
+            combine.append(dict(zip(call.arg_names, call.args))["cu_seqlens_q"])
     else:
         main = [q, k, v, out] + ([lse] if f.lse else [])
         combine = None

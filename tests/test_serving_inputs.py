@@ -709,7 +709,8 @@ def test_launch_arguments_follow_the_abi(splits, lse):
         assert bufs["o_partial"].shape == (3, *call.out_shape) and bufs["o_partial"].dtype == torch.float32
         assert bufs["lse_partial"].shape == (3, *call.lse_shape)
         want = [q, k, v, bufs["o_partial"], bufs["lse_partial"], "alibi"] + ints
-        assert combine == [bufs["o_partial"], bufs["lse_partial"], bufs["out"]] + ([bufs["lse"]] if lse else [])
+        # varlen: the combine also takes cu_seqlens_q (rows past its last entry are padding, never written)
+        assert combine == [bufs["o_partial"], bufs["lse_partial"], bufs["out"]] + ([bufs["lse"]] if lse else []) + [kw["cu_seqlens_q"]]
     assert len(main) == len(want) and all(a is b for a, b in zip(main[:-1], want[:-1])) and main[-1] == want[-1]
     if lse:
         with pytest.raises(ValueError, match="lse buffer"):
@@ -774,6 +775,7 @@ def test_an_unchecked_serving_call_launches_main_then_combine(monkeypatch, split
         assert main[3].shape == (2, *out.shape) and main[4].shape == (2, *lse.shape) and len(main) == 8
         combine = launched[1][1]
         assert same(combine[0], main[3]) and same(combine[1], main[4]) and same(combine[2], out) and same(combine[3], lse)
+        assert len(combine) == 5 and same(combine[4], kw["cu_seqlens_q"])
 
 
 def test_an_empty_call_launches_nothing(monkeypatch):

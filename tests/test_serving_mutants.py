@@ -154,6 +154,9 @@ MUTANTS = [
     Mutant("split_range_off_by_one", "first_tile = s * tiles_per_split + 1: each split skips its first tile",
            "reference", DECODE_SPEC,
            replace("first_tile = split_idx * tiles_per_split", "first_tile = split_idx * tiles_per_split + 1", 1), DECODE),
+    Mutant("combine_store_into_padding", "varlen combine bounded by total_q, not cu_seqlens_q[-1]: padding rows written",
+           "ownership", VARLEN_SPLIT_SPEC, replace("if r0 + i < used_rows:", "if r0 + i < total_q:", 2),
+           dataclasses.replace(VARLEN, num_splits=2)),
     # -- unclipped stores of the last partial tile ------------------------------------------
     Mutant("varlen_store_unpredicated", "the row-by-row O store without `if q0 + row0 + i < q_len`",
            "ownership", dict(VARLEN_SPEC, causal=True),

@@ -309,11 +309,17 @@ def ownership(facts: ServingLayout, dims: dict, serving_inputs: dict):
     return owner
 
 
-def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int):
+def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int, serving_inputs: dict | None = None):
     """The ownership rule of the combine kernel: grid (ceildiv(rows, rows_per_block), heads, batch
     or 1); block (x, y, z) owns rows [x R, x R + R) of head y in O and LSE, of batch z (bshd: rows
-    = q_len) or of the packed rows (varlen: rows = total_q). It may not write anything else."""
-    total = dims["total_q"] if facts.layout == "varlen" else dims["q_len"]
+    = q_len) or of the packed rows (varlen: the rows before cu_seqlens_q[-1], from
+    `serving_inputs`; the rows after it, up to total_q, are padding that no kernel writes). It may
+    not write anything else."""
+    if facts.layout == "varlen":
+        cu = (serving_inputs or {}).get("cu_seqlens_q")
+        total = int(np.asarray(cu)[-1]) if cu is not None else dims["total_q"]
+    else:
+        total = dims["q_len"]
 
     def owner(index, name):
         if name not in ("O", "LSE"):
@@ -446,8 +452,10 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
 
             partials = rt.tensors
             combine_inputs = [partials["O_partial"], partials["LSE_partial"], None] + ([None] if plan.spec.lse else [])
+            if plan.varlen:  # the combine writes only the rows before cu_seqlens_q[-1]
+                combine_inputs.append(call.arrays["cu_seqlens_q"])
             out = rt.run(combine_inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences,
-                         entry="build_combine_kernel", owner=combine_ownership(facts, dims, COMBINE_ROWS))
+                         entry="build_combine_kernel", owner=combine_ownership(facts, dims, COMBINE_ROWS, call.arrays))
             stats.partials = partials
     stats.seconds = time.perf_counter() - t0
     return out, stats
