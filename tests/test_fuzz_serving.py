@@ -60,9 +60,10 @@ def serving_cases(draw, kinds=tuple(range(len(KINDS)))):
     return name, spec, batch, pad, num_splits, draw(st.sampled_from(POLICIES))
 
 
-def padded(x, layout, paged, pad, dtype):
-    """q (and a dense varlen KV) with `pad` rows past the last sequence: q's hold 1e4 (a kernel that
-    read them would be far off), the KV's keys 0 and values FILL, as neighbour_fill does in a cache."""
+def padded(x, layout, paged, pad):
+    """q (and a dense varlen KV) with `pad` rows past the last sequence: q's hold 1e4 (a sequence's
+    row computed from one would be far off), the KV's keys 0 and values FILL, as neighbour_fill
+    does in a cache (a key past the last sequence's end that is not masked drags its rows to 1e4)."""
     q, k, v = x.q, x.k, x.v
     if layout != "varlen" or not pad:
         return q, k, v
@@ -74,13 +75,13 @@ def padded(x, layout, paged, pad, dtype):
 
 
 def run_serving_case(name, spec, batch, pad, num_splits, policy):
-    """Emulate one drawn case and hold it to every rule of the module docstring; returns the plan's
-    name, the call and the outputs for a caller that checks more."""
+    """Emulate one drawn case and hold it to every rule of the module docstring; returns the plan,
+    the call and the outputs (out, and lse or None) for a caller that checks more."""
     plan = attngen.make_plan(spec)
     a = batch["inputs"]
     x = random_serving_inputs(**a)
     layout, paged = a["layout"], a["paged"]
-    q, k, v = padded(x, layout, paged, pad, a["dtype"])
+    q, k, v = padded(x, layout, paged, pad)
     keywords = dict(x.keywords)
     if num_splits is not None:
         keywords["num_splits"] = num_splits
