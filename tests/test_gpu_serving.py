@@ -1,8 +1,8 @@
 """Serving kernels on a Hopper GPU (docs/serving.md): varlen, paged KV and split-KV calls through
 attngen.attention, each sequence against the fp64 reference (serving.check_serving_close).
 
-Skipped without a CUDA 9.0 device, and until the Spec has the serving fields (layout, paged_kv,
-page_size, splits). The output buffer is poisoned with NaN, so a row the kernels never wrote fails.
+Skipped without a CUDA 9.0 device. The output buffer is poisoned with NaN, so a row the kernels
+never wrote fails.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 
 from attngen import runtime
 from attngen.serving import check_serving, check_serving_close, random_serving_inputs
-from attngen.spec import FIELDS
 
 
 def _has_sm90() -> bool:
@@ -25,8 +24,6 @@ def _has_sm90() -> bool:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not _has_sm90(), reason="needs a CUDA device of compute capability 9.0 (H100/H200)"),
-    pytest.mark.skipif(not {"layout", "paged_kv", "page_size", "splits"} <= set(FIELDS),
-                       reason="the Spec has no serving fields yet (issue 11)"),
 ]
 
 # (layout, paged, head_dim, gqa_group, causal, num_splits, seq_lens_q, seq_lens_k): the three presets' shapes
