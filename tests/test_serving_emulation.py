@@ -120,3 +120,17 @@ def test_check_runs_the_ragged_batch_and_fails_a_broken_kernel(plan):
     assert broken != render_source(plan)
     ok, text, _ = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 130, 200, source=broken)
     assert not ok and "FAIL" in text
+
+
+def test_windows_softcap_and_lse_align_per_sequence():
+    """A sliding window and softcap on a varlen batch: bottom-right per sequence, LSE included."""
+    from attngen.reference import variant_of
+
+    plan = make_plan(attngen.Spec(head_dim=64, causal=True, layout="varlen", window=(70, 0), softcap=20.0, lse=True))
+    out, lse, inputs, call, _ = run(plan, [150, 1, 40, 0], [300, 90, 20, 6])
+    q, x = inputs
+    res = check_serving_close(out, q, x.k, x.v, call, True, plan.spec.dtype, lse=lse, **variant_of(plan.spec))
+    assert res.ok, res
+    wrong = check_serving_close(out, q, x.k, x.v, call, True, plan.spec.dtype, lse=lse,
+                                **variant_of(attngen.Spec(head_dim=64, causal=True, window=(71, 0), softcap=20.0)))
+    assert not wrong.ok  # the check sees a window one key wider
