@@ -532,7 +532,7 @@ def q_rows(plan: Plan, g: int) -> str:
 
 def header_lines(plan: Plan) -> list[str]:
     spec = plan.spec
-    shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else "dynamic: batch, q_len, kv_len, kv_heads are runtime values"
+    shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else f"dynamic: {', '.join(kernel_dims(plan))} are runtime values"
     lines = [
         "=" * 78,
         "attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.",

@@ -3,7 +3,7 @@
 # kernel:    fa3_fwd_hd128_bf16_causal_g1_c2_k2v2_m128n128_varlen
 # spec hash: ec270c20fb9e
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
-# shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
+# shape:     dynamic: batch, total_q, total_k, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      196608 bytes dynamic (Q 32768, K 65536, V 65536, O 32768)
 # spec:

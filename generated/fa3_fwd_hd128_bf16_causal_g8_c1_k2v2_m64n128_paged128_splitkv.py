@@ -3,7 +3,7 @@
 # kernel:    fa3_fwd_hd128_bf16_causal_g8_c1_k2v2_m64n128_paged128_splitkv
 # spec hash: 751ade9c9878
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
-# shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
+# shape:     dynamic: batch, q_len, kv_heads, num_pages, max_pages, num_splits are runtime values
 # schedule:  1 TMA producer warpgroup + 1 consumer warpgroup(s), 256 threads, setmaxnreg 56/240
 # smem:      147456 bytes dynamic (Q 16384, K 65536, V 65536)
 # spec:

@@ -3,7 +3,7 @@
 # kernel:    fa3_fwd_hd64_f16_causal_g1_c2_k2v2_m128n128_varlen_paged128
 # spec hash: e4bec99c337e
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
-# shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
+# shape:     dynamic: batch, total_q, kv_heads, num_pages, max_pages are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      98304 bytes dynamic (Q 16384, K 32768, V 32768, O 16384)
 # spec:
