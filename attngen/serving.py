@@ -302,7 +302,7 @@ def _check_num_splits(value) -> None:
 
 def _check_offsets(name: str, cu: np.ndarray, total: int, total_text: str) -> np.ndarray:
     """cu_seqlens: starts at 0, never decreases, ends within the packed rows (rows past the last
-    offset are padding, as in a server's fixed token buffer: no kernel reads or writes them)."""
+    offset are padding, as in a server's fixed token buffer: no kernel writes them or uses their values)."""
     if cu[0] != 0:
         raise InputError(f"{name}[0]", int(cu[0]), "0: the first sequence starts at packed row 0")
     lens = np.diff(cu.astype(np.int64))
