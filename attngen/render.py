@@ -70,9 +70,7 @@ def has_first_tile(plan: Plan) -> bool:
 def row_pos(plan: Plan, row: str = "q0 + row0 + i") -> str:
     """The query position of a block's packed row: the row itself, or row // GQA_GROUP when the
     query heads of one KV head are packed into the tile's rows."""
-    if not plan.pack_gqa:
-        return row
-    return f"({row}) // GQA_GROUP" if row.endswith(" i") else f"T.floordiv({row}, GQA_GROUP)"
+    return f"({row}) // GQA_GROUP" if plan.pack_gqa else row
 
 
 def row_head(plan: Plan) -> str:

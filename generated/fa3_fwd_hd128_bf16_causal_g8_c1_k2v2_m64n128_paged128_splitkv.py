@@ -108,7 +108,7 @@ def build_kernel():
         T.wgmma_gemm(Q_shared[g, :, :], K_shared[0, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
-        full_tiles = T.floordiv(T.floordiv(q0 + row0, GQA_GROUP) + causal_offset + 1, BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
+        full_tiles = T.floordiv((q0 + row0) // GQA_GROUP + causal_offset + 1, BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else((q0 + row0 + i) // GQA_GROUP + causal_offset >= first_tile * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
@@ -216,7 +216,7 @@ def build_kernel():
             last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page
             causal_offset = kv_len - q_len  # bottom-right alignment, per sequence
             q0 = q_block * BLOCK_M
-            n_block_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.floordiv(q0 + BLOCK_M - 1, GQA_GROUP) + 1 + causal_offset, BLOCK_N)), 1)  # >= 1: a block of rows that see no key still runs (fully masked) tile 0
+            n_block_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv((q0 + BLOCK_M - 1) // GQA_GROUP + 1 + causal_offset, BLOCK_N)), 1)  # >= 1: a block of rows that see no key still runs (fully masked) tile 0
             tiles_per_split = T.ceildiv(n_block_tiles, num_splits)
             first_tile = split_idx * tiles_per_split  # this split's first K tile
             n_tiles = T.max(T.min(n_block_tiles - first_tile, tiles_per_split), 1)  # >= 1: an empty split runs one fully masked tile
