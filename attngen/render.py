@@ -199,6 +199,18 @@ def lead_tiles_expr(plan: Plan) -> str:
             " - first_tile, 0)")
 
 
+def masked_visit_expr(plan: Plan) -> tuple[str, str]:
+    """(condition, comment): is visit k of the steady loop masked? Leading visits the window's left edge
+    cuts and every visit from the first diagonal or partial tile on. One loop with a branch, not a
+    masked and an unmasked copy of the loop: TileLang's layout inference grows with the square of
+    a warpgroup's tile operations, and the copy cost a quarter of the cold build (docs/build.md)."""
+    if plan.mask_expr is not None:
+        return "", ""  # a custom mask_mod masks every visit, unconditionally
+    if lead_tiles_expr(plan):
+        return "k < lead or k >= full_tiles", "cut by an edge of the window, or a diagonal or partial tile: masked"
+    return "k >= full_tiles", "a diagonal or partial tile: masked"
+
+
 def first_tile_expr(plan: Plan) -> str:
     """The block's first visited K tile: the window's left edge for its first row."""
     if plan.window_left is None:  # a split's first tile is laid out with the split (template)
@@ -555,6 +567,7 @@ def template_context(plan: Plan) -> dict:
     has_masked = spec.causal or not spec.aligned or windowed(plan) or plan.mask_expr is not None
     dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
+    masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     return {
         "header": header_lines(plan),
         "kernel_name": plan.name,
@@ -594,6 +607,8 @@ def template_context(plan: Plan) -> dict:
         "n_tiles": n_tiles_expr(plan),
         "full_tiles": full_tiles_expr(plan) if has_masked else "",
         "lead_tiles": lead_tiles_expr(plan),
+        "masked_visit": masked_visit,
+        "masked_visit_comment": masked_visit_comment,
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),

@@ -59,13 +59,47 @@ _REDUCE0 = "        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first t
 _M_OLD = "            T.copy(m_cur, m_prev)\n            T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n            for i in T.Parallel(WG_ROWS):\n"
 _M_NEW = ("            T.reduce_max(acc_s, m_prev, dim=1, clear=True)  # this tile's row max\n"
           "            for i in T.Parallel(WG_ROWS):\n                m_prev[i] = T.max(m_prev[i], m_cur[i])  # the new running max\n")
+
+
+def split_masked_loop(source: str) -> str:
+    """The steady loop as emitted before it was merged: an unmasked loop over the tiles every row
+    sees whole (no -inf guard), then a masked loop over the diagonal and partial tiles."""
+    head = "        for k in T.serial(1, n_tiles):\n"
+    test = "            if k >= full_tiles:  # a diagonal or partial tile: masked\n"
+    if head not in source or test not in source:
+        return source
+    start = source.index(head) + len(head)
+    end = source.index("\n        # Epilogue", start)
+    body = source[start:end]
+    before, after = body.split(test)
+    lines = after.splitlines(keepends=True)
+    n = next(i for i, line in enumerate(lines) if not line.startswith(" " * 16))
+    mask, rest = "".join(line[4:] for line in lines[:n]), "".join(lines[n:])
+    plain = (before + rest).replace(_GUARD, "m_cur[i] * SCALE_LOG2")
+    return (source[:source.index(head)]
+            + "        split = T.max(1, T.min(n_tiles, full_tiles))\n"
+            + "        for k in T.serial(1, split):  # tiles every row sees whole\n" + plain
+            + "        for k in T.serial(split, n_tiles):  # diagonal and partial tiles: masked\n" + before + mask + rest
+            + source[end:])
+
+
+_SPLIT = (split_masked_loop,)  # first edit of the variants measured on the two-loop text
+
+
 VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "baseline": ("the rendered source as it is", []),
+    "split-masked-loop": (
+        "DIAGNOSTIC, the same values: the steady loop as emitted before it was merged (an unmasked copy over the "
+        "whole tiles, then a masked copy), to measure the merge in the same run; the variants below that start "
+        "with it were measured on that text",
+        [_SPLIT],
+    ),
     "undo-cold-build-edits": (
         "DIAGNOSTIC, the same values: the prologue and the causal masks as emitted before issue 9's last edits "
         "(fills of row_sum and m_cur, clear=False, a copy loop; q0 + row0 + i + causal_offset in every element), "
         "to measure those edits in the same run",
         [
+            _SPLIT,
             ("        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n",
              "        T.fill(row_sum, 0)\n        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n        T.fill(m_cur, -T.infinity(ACCUM))\n"),
             (_MASK0,
@@ -85,6 +119,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "hoist-row-max": (
         "the -inf guard on the row max, computed once per row into a fragment instead of per element",
         [
+            _SPLIT,
             ("        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n",
              "        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n"
              "        m_scaled = T.alloc_fragment([WG_ROWS], ACCUM)  # m_cur * SCALE_LOG2, 0 for a row that saw no key\n"),
@@ -133,6 +168,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "mask-key-limit": (
         "the last key each row sees, in a per-row int32 fragment computed once; both masks compare key_limit[i] >= k * BLOCK_N + j",
         [
+            _SPLIT,
             ("        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n",
              "        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n"
              "        key_limit = T.alloc_fragment([WG_ROWS], \"int32\")  # row i sees keys j <= key_limit[i]\n"),
@@ -153,6 +189,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         "steady state: the tile's row max reduces into m_prev (clear=True) and one loop makes the new max, alpha and m_cur; "
         "no T.copy(m_cur, m_prev) (max is exact: same values bit for bit)",
         [
+            _SPLIT,
             (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n",
              f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * SCALE_LOG2 - m_prev[i] * SCALE_LOG2)\n                m_cur[i] = m_prev[i]\n", "all"),
             (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n",
@@ -175,6 +212,31 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         [
             ("n_tiles = T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset, 1), BLOCK_N))",
              "n_tiles = T.min(T.ceildiv(kv_len, BLOCK_N), T.max(T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N), 1))"),
+        ],
+    ),
+    "row-sum-in-reduce": (
+        "the carried row sum is rescaled in the alpha loop and the tile's sum reduces straight into it "
+        "(reduce_sum clear=False adds the tile's sum, as the update loop did); no row_sum_tile, no update loop",
+        [
+            ("        row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)\n", ""),
+            ("                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n",
+             "                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n"
+             "                row_sum[i] *= alpha[i]\n", "all", "optional"),
+            (f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n",
+             f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n"
+             "                row_sum[i] *= alpha[i]\n", "all", "optional"),
+            ("            T.reduce_sum(acc_s, row_sum_tile, dim=1)\n",
+             "            T.reduce_sum(acc_s, row_sum, dim=1, clear=False)\n", "all"),
+            ("            for i in T.Parallel(WG_ROWS):\n                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]\n", "", "all"),
+        ],
+    ),
+    "prologue-cast-in-exp": (
+        "the prologue's exp loop also writes P into p_reg (no PV reads p_reg yet); no T.copy(acc_s, p_reg) there",
+        [
+            ("        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n"
+             "        T.copy(acc_s, p_reg)\n",  # the line before is the body of the prologue's exp loop
+             "            p_reg[i, j] = acc_s[i, j]\n"
+             "        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n"),
         ],
     ),
     "epilogue-divide": (
@@ -247,7 +309,12 @@ def variant_edits(variant: str) -> list:
 def apply_variant(source: str, variant: str) -> tuple[str, int]:
     """The source with the variant's edits; also how many edits applied (0 where none matched)."""
     applied = 0
-    for old, new, *flags in variant_edits(variant):
+    for edit in variant_edits(variant):
+        if callable(edit[0]):  # an edit made by a function (split_masked_loop)
+            edited = edit[0](source)
+            source, applied = edited, applied + (edited != source)
+            continue
+        old, new, *flags = edit
         count = source.count(old)
         if count > 1 and "all" not in flags:
             raise SystemExit(f"build_time.py: variant {variant}: an edit matches {count} times; make it unique")
@@ -257,7 +324,7 @@ def apply_variant(source: str, variant: str) -> tuple[str, int]:
 
 
 def required_edits(variant: str) -> int:
-    return sum("optional" not in flags for _, _, *flags in variant_edits(variant))
+    return sum(callable(edit[0]) or "optional" not in edit[2:] for edit in variant_edits(variant))
 
 
 def rendered(kind: str, variant: str) -> tuple[str, int]:

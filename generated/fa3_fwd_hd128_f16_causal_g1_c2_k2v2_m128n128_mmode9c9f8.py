@@ -114,7 +114,7 @@ def build_kernel():
         T.copy(acc_s, p_reg)
 
         # Steady state, tile k: QK(k), rescale, PV(k-1), softmax(k).
-        for k in T.serial(1, n_tiles):  # a custom mask_mod: every tile masked
+        for k in T.serial(1, n_tiles):
             k_stage = k % K_STAGES
             v_stage_prev = (k - 1) % V_STAGES
             T.sync_threads(wait_bar, PINGPONG_THREADS)  # ping-pong: my turn on the tensor cores

@@ -107,8 +107,7 @@ def build_kernel():
         T.copy(acc_s, p_reg)
 
         # Steady state, tile k: QK(k), rescale, PV(k-1), softmax(k).
-        split = T.max(1, T.min(n_tiles, full_tiles))
-        for k in T.serial(1, split):  # tiles every row sees whole
+        for k in T.serial(1, n_tiles):
             k_stage = k % K_STAGES
             v_stage_prev = (k - 1) % V_STAGES
             T.mbarrier_wait_parity(k_full[k_stage], (k // K_STAGES) % 2)
@@ -119,31 +118,9 @@ def build_kernel():
             T.wgmma_gemm(p_reg, V_shared[v_stage_prev, :, :], acc_o, policy=POLICY, clear_accum=False)  # delayed PV of tile k-1
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
-            T.copy(m_cur, m_prev)
-            T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-            for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
-            for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
-            T.reduce_sum(acc_s, row_sum_tile, dim=1)
-            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
-            T.mbarrier_arrive(v_empty[v_stage_prev])
-            for i in T.Parallel(WG_ROWS):
-                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
-            T.copy(acc_s, p_reg)
-        for k in T.serial(split, n_tiles):  # diagonal and partial tiles: masked
-            k_stage = k % K_STAGES
-            v_stage_prev = (k - 1) % V_STAGES
-            T.mbarrier_wait_parity(k_full[k_stage], (k // K_STAGES) % 2)
-            T.wgmma_gemm(Q_shared[g, :, :], K_shared[k_stage, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
-            for i, j in T.Parallel(WG_ROWS, HEAD_DIM):  # rescale by the carried alpha while QK runs
-                acc_o[i, j] *= alpha[i]
-            T.mbarrier_wait_parity(v_full[v_stage_prev], ((k - 1) // V_STAGES) % 2)
-            T.wgmma_gemm(p_reg, V_shared[v_stage_prev, :, :], acc_o, policy=POLICY, clear_accum=False)  # delayed PV of tile k-1
-            T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
-            T.mbarrier_arrive(k_empty[k_stage])
-            for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(k * BLOCK_N + j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
+            if k >= full_tiles:  # a diagonal or partial tile: masked
+                for i, j in T.Parallel(WG_ROWS, BLOCK_N):
+                    acc_s[i, j] = T.if_then_else(k * BLOCK_N + j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):

@@ -108,7 +108,7 @@ MUTANTS = [
            "deadlock", report=("q_full to complete its phase of parity 0",)),
     Mutant("causal_split_off_by_one",
            "the first diagonal tile is counted as a full tile and runs unmasked",
-           [("split = T.max(1, T.min(n_tiles, full_tiles))", "split = T.max(1, T.min(n_tiles, full_tiles + 1))")],
+           [("if k >= full_tiles:", "if k >= full_tiles + 1:")],
            "numeric", shape=(1, 1, 256, 256)),
     Mutant("partial_last_tile_unmasked",
            "the last K tile is treated as full although kv_len is not a multiple of BLOCK_N: TMA's zero rows score 0",

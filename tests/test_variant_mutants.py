@@ -32,13 +32,13 @@ def replace(old, new):
 
 
 def softcap_after_mask(source):
-    """Swap the score transform and the mask (with its diagonal's binding) in every masked tile:
+    """Swap the score transform and the mask (its `if`, with the diagonal's binding) in every masked tile:
     masked keys get -SOFTCAP, not -inf."""
     pattern = re.compile(
         r"(?P<mod>( +)for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):  # softcap[^\n]*\n[^\n]*\n)"
-        r"(?P<mask>(\2diag\w* = [^\n]*\n)?\2for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
+        r"(?P<mask>(\2full_tiles = [^\n]*\n)?\2if [^\n]*\n(\2    diag\w* = [^\n]*\n)?\2    for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
     out, n = pattern.subn(lambda m: m["mask"] + m["mod"], source)
-    assert n >= 1, "edit no longer applies: no transform followed by a mask"
+    assert n >= 2, "edit no longer applies: the prologue's and the steady loop's transform, each followed by a mask"
     return out
 
 
@@ -63,7 +63,7 @@ MUTANTS = [
                    "first_tile = T.floordiv(T.max(q0 + causal_offset - 200, 0), BLOCK_N) + 1")),
     Mutant("window_lead_tiles_unmasked", "the tiles the window's left edge cuts run unmasked",
            dict(window=[100, -1], causal=True, head_dim=64, block_n=32),
-           replace("split_lo = T.max(1, T.min(n_tiles, lead))", "split_lo = 1")),
+           replace("if k < lead or k >= full_tiles:", "if k >= full_tiles:")),
     Mutant("alibi_sign", "ALiBi adds the distance penalty instead of subtracting it",
            dict(alibi=True, head_dim=64), replace(" - Alibi[head] * ", " + Alibi[head] * ")),
     Mutant("alibi_without_offset", "ALiBi measures |i - j|, not from the bottom-right diagonal",
