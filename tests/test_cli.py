@@ -31,8 +31,8 @@ def test_diff_shows_only_what_differs(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("--- fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128.py\n+++ fa3_fwd_hd128_f16_full_g1_c2_k2v2_m128n128.py")
     assert "\n HEAD_DIM = 128\n" in out  # shared lines are context, not changes
-    assert "\n-                acc_s[i, j] = T.if_then_else(i + diag >= j, " in out
-    assert "\n+                acc_s[i, j] = T.if_then_else(k * BLOCK_N + j < kv_len, " in out
+    assert "\n-                    acc_s[i, j] = T.if_then_else(i + diag >= j, " in out
+    assert "\n+                    acc_s[i, j] = T.if_then_else(k * BLOCK_N + j < kv_len, " in out
 
 
 def run_cli(*args):

@@ -1,7 +1,7 @@
 """The mutation score in CI size: systematic mutants of the default preset must be caught.
 
 bench/mutation_score.py runs every mutant of three presets (docs/emulator.md, "Mutation
-score"); here a deterministic third of the default preset's mutants runs through the same
+score"); here a deterministic half of the default preset's mutants runs through the same
 runner, and each must be caught (hazard, deadlock, numeric or error) or be a documented
 equivalent. The generator and the equivalence list are checked without emulating.
 """
@@ -56,9 +56,9 @@ def test_every_synchronization_statement_and_bound_is_mutated(default):
     for m in mutants:
         by_op.setdefault(m.op, []).append(m)
     drops = t_calls(source, ARRIVES | BARRIERS | FENCES)
-    assert sorted(m.line for m in by_op["drop"]) == sorted(drops) and len(drops) >= 15
+    assert sorted(m.line for m in by_op["drop"]) == sorted(drops) and len(drops) >= 14
     parities = t_calls(source, PARITY_WAITS)
-    assert sorted(m.line for m in by_op["parity"]) == sorted(parities) and len(parities) >= 9
+    assert sorted(m.line for m in by_op["parity"]) == sorted(parities) and len(parities) >= 7
     wgmma_waits = t_calls(source, {"wait_wgmma"})
     assert sorted(m.line for m in by_op["depth+1"]) == sorted(wgmma_waits)
     assert len(by_op["depth-1"]) == sum(1 for ln in wgmma_waits if "wait_wgmma(0)" not in source.splitlines()[ln - 1])
@@ -76,7 +76,7 @@ def test_every_synchronization_statement_and_bound_is_mutated(default):
     assert syncs & with_neighbours <= moved and len(syncs - with_neighbours) <= 1  # the primer is alone in its `if`
     bounds = [m.id for m in by_op["bound"]]
     assert any(">= j -> " in b for b in bounds) and any("bound n_tiles - 1" in b for b in bounds)
-    assert any("bound split" in b for b in bounds) and any("bound full_tiles" in b for b in bounds)
+    assert any("bound k >= full_tiles -> k > full_tiles" in b for b in bounds) and any("bound full_tiles" in b for b in bounds)
     # ids are unique, every mutant parses, differs from the original, and keeps the line count
     assert len({m.id for m in mutants}) == len(mutants)
     for m in mutants:
@@ -118,15 +118,15 @@ def test_conditions_of_equivalence_follow_the_spec(all_mutants):
 
 @pytest.mark.expensive
 def test_ci_subset_of_default_mutants_is_caught_or_documented_equivalent(default):
-    """A third of the default preset's mutants (every third one, in source order), on the
+    """Half of the default preset's mutants (every second one, in source order), on the
     bench's runs; the unmodified kernel passes them all first."""
     spec, source = default
     ms = bench_module()
     runner = ms.Runner(spec)
     for run in runner.runs:
         assert runner.run_once(source, run) == "pass", run
-    subset = generate(source)[::3]
-    assert len(subset) >= 30
+    subset = generate(source)[::2]
+    assert len(subset) >= 35
     outcomes = {}
     for m in subset:
         outcome, detail, _ = runner.classify(m.source)

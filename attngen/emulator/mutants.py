@@ -276,11 +276,6 @@ REASONS = {
 }
 
 
-def masked_tiles(spec) -> int:
-    """Most K tiles a consumer runs in the masked loop: the diagonal spans two tiles, a partial last tile one."""
-    return 2 if spec.causal else 1
-
-
 # (id pattern, reason, condition on the spec or None), first match wins; only survivors are
 # looked up. Every entry is argued in docs/emulator.md ("Mutation score").
 EQUIVALENT = [
@@ -291,7 +286,7 @@ EQUIVALENT = [
     (r"^move-up T\.mbarrier_wait_parity\(v_full\[v_stage_(prev|last)\], .*\) over for i, j in T\.Parallel\(", "stronger", None),
     (r"^move-up T\.wait_wgmma\(0\) over T\.reduce_sum\(", "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(k_empty\[0\]\) under full_tiles = ", "stronger", None),
-    (r"^move-down T\.mbarrier_arrive\(k_empty\[k_stage\]\) under (T\.copy\(m_cur, m_prev\)|for i, j in T\.Parallel\(|diag = )",
+    (r"^move-down T\.mbarrier_arrive\(k_empty\[k_stage\]\) under (T\.copy\(m_cur, m_prev\)|for i, j in T\.Parallel\(|diag = |if k )",
      "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(v_empty\[v_stage_(prev|last)\]\) under for i(, j)? in T\.Parallel\(", "stronger", None),
     (r"^move-down T\.mbarrier_arrive\(k_full\[k_stage\]\) under v_stage = ", "stronger", None),
@@ -310,10 +305,6 @@ EQUIVALENT = [
      lambda spec: spec.k_stages > spec.v_stages),
     # releases nobody waits for
     (r"^(move-down T\.wait_wgmma\(0\) under |drop )T\.mbarrier_arrive\(v_empty\[v_stage_last\]\)$", "last-release", None),
-    (r"^(move-down T\.wait_wgmma\(1\) under |drop )T\.mbarrier_arrive\(k_empty\[k_stage\]\) #2$", "last-release",
-     lambda spec: spec.k_stages >= masked_tiles(spec)),
-    (r"^(move-down T\.wait_wgmma\(0\) under |drop )T\.mbarrier_arrive\(v_empty\[v_stage_prev\]\) #2$", "last-release",
-     lambda spec: spec.v_stages >= masked_tiles(spec) + 1),
     # bounds
     (r"^bound full_tiles - 1 in ", "mask-no-op", None),
     (r"^bound full_tiles: constant 1 -> 0 in full_tiles = T\.floordiv\(q0 \+ row0 \+ causal_offset \+ 1, BLOCK_N\)$",
