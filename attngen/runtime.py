@@ -472,19 +472,23 @@ class KernelBuildError(RuntimeError):
     """TileLang or nvcc could not build a kernel: the tail of the error, and where the whole log is."""
 
 
-_memo: dict[tuple[Spec, Shape | None], Kernel] = {}
-_failed: dict[tuple[Spec, Shape | None], str] = {}  # a build that failed fails again at once, not after another nvcc run
+_BuildKey = tuple[Spec, Shape | None, str | None]  # spec, static shape, edited source
+_memo: dict[_BuildKey, Kernel] = {}
+_failed: dict[_BuildKey, str] = {}  # a build that failed fails again at once, not after another nvcc run
 _memo_lock = threading.Lock()
-_key_locks: dict[tuple[Spec, Shape | None], threading.Lock] = {}
+_key_locks: dict[_BuildKey, threading.Lock] = {}
 ERROR_TAIL = 1500  # characters of a build error shown; TileLang's message embeds the whole CUDA source
 
 
-def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> Kernel:
-    """JIT-compile the planned kernel (static `shape` optional) for sm_90a; memoized per process."""
+def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None, *, source: str | None = None) -> Kernel:
+    """JIT-compile the planned kernel (static `shape` optional) for sm_90a; memoized per process.
+
+    `source`: emitted text to compile instead of the plan's own, for a diagnostic edit of it
+    (bench/bench_gpu.py times bench/build_time.py's variants beside the kernel as emitted)."""
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan, shape)  # a bad static shape fails here, as a SpecError, before TileLang
-    key = (plan.spec, plan.shape)
+    key = (plan.spec, plan.shape, source)
     with _memo_lock:
         if key in _memo:
             return _memo[key]
@@ -495,7 +499,7 @@ def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> Ker
         if key in _failed:
             raise KernelBuildError(_failed[key])
         try:
-            kernel = _build(plan)
+            kernel = _build(plan, source)
         except Exception as e:
             _failed[key] = _failure_message(plan, e)
             raise KernelBuildError(_failed[key]) from None
@@ -523,12 +527,12 @@ def _failure_message(plan: Plan, err: Exception) -> str:
     return f"building {plan.name} failed{where}:\n{tail}"
 
 
-def _build(plan: Plan) -> Kernel:
+def _build(plan: Plan, source: str | None = None) -> Kernel:
     import tilelang
     from tvm.target import Target
 
     name = plan.name if plan.shape is None else f"{plan.name}_static"
-    module = load_module(render_source(plan), name)
+    module = load_module(source or render_source(plan), name if source is None else f"{name}_edited")
     target = Target(TARGET)
     start = time.time()
     with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built

@@ -8,7 +8,10 @@ Rows: every preset in examples/*.toml at sequence lengths 1k..16k (Sq == Skv, be
 SDPA's is_causal aligns top-left and ours bottom-right; they agree only then), with
 B = tokens / S (16k tokens) and H = 2048 / head_dim query heads (a multiple of the
 preset's gqa_group), plus the seed-parity kernel at its static shape B=1, H=8, HKV=8,
-Sq=Skv=1024. FLOPs are 4*B*H*Sq*Skv*D, halved for causal (attngen.plan.tflops).
+Sq=Skv=1024, beside the hand-written seed kernel and beside our own text with the steady
+loop split back into an unmasked and a masked copy (bench/build_time.py's variant
+`split-masked-loop`: what merging them costs at run time, docs/build.md). FLOPs are
+4*B*H*Sq*Skv*D, halved for causal (attngen.plan.tflops).
 
 Method (docs/gpu.md): CUDA events around each launch, warm-up first, the median of
 the timed runs; a sleep kernel queued before each start event keeps the host's launch
@@ -54,10 +57,15 @@ class Config:
     shape: Shape
     static: bool = False  # the kernel was rendered for exactly this shape
     seed: Path | None = None  # the hand-written seed kernel (bench/seed_kernel.py) instead of ours
+    variant: str | None = None  # a bench/build_time.py variant of our emitted text, timed beside it
 
     @property
     def kernel_key(self):
-        return (self.spec, self.shape if self.static else None)
+        return (self.spec, self.shape if self.static else None, self.variant)
+
+    @property
+    def kernel_name(self) -> str:
+        return "seed_fa3" if self.seed else make_plan(self.spec).name + (f" [{self.variant}]" if self.variant else "")
 
     @property
     def set_bytes(self) -> int:
@@ -77,7 +85,8 @@ def heads_for(head_dim: int, group: int) -> int:
 
 
 def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list[Config]:
-    configs = [Config("seed_parity (static)", SEED_SPEC, SEED_SHAPE, static=True)]
+    configs = [Config("seed_parity (static)", SEED_SPEC, SEED_SHAPE, static=True),
+               Config("seed_parity (static), two loops", SEED_SPEC, SEED_SHAPE, static=True, variant="split-masked-loop")]
     if seed_kernel is not None:  # the hand-written kernel beside ours, same shape, same run
         configs.append(Config("seed kernel (hand-written)", SEED_SPEC, SEED_SHAPE, static=True, seed=seed_kernel))
     for path in preset_paths:
@@ -101,17 +110,29 @@ def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list
 # -- building -----------------------------------------------------------------------------------
 
 
-def _build_one(spec: Spec, shape: Shape | None):
+def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
+    """The compiled kernel of a kernel_key: the emitted text, or a variant of it."""
+    from attngen.render import render_source
     from attngen.runtime import compile_kernel
 
-    k = compile_kernel(spec, shape)
+    if variant is None:
+        return compile_kernel(spec, shape)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from build_time import apply_variant
+
+    source, applied = apply_variant(render_source(spec, shape), variant)
+    if not applied:
+        raise ValueError(f"variant {variant} does not apply to {make_plan(spec).name}")
+    return compile_kernel(spec, shape, source=source)
+
+
+def _build_one(spec: Spec, shape: Shape | None, variant: str | None):
+    k = kernel_for(spec, shape, variant)
     return k.name, k.origin, k.compile_seconds
 
 
 def prebuild(configs, jobs: int) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
-    from attngen.runtime import compile_kernel
-
     keys = list(dict.fromkeys(c.kernel_key for c in configs if c.seed is None))
     built = {}
     t0 = time.time()
@@ -131,13 +152,13 @@ def prebuild(configs, jobs: int) -> list[dict]:
     rows = []
     for key in keys:
         try:
-            k = compile_kernel(*key)
+            k = kernel_for(*key)
         except Exception as e:  # one kernel that does not build must not cost the others their rows
             rows.append({"kernel": make_plan(key[0]).name, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
             print(f"  FAILED to build {rows[-1]['kernel']}: {rows[-1]['error']}", flush=True)
             continue
         worker = built.get(key)
-        rows.append({"kernel": k.name, "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
+        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
     cache = next((r["cache"] for r in rows if r.get("cache")), None)
     print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
@@ -232,10 +253,10 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from attngen.runtime import check_written, compile_kernel
+    from attngen.runtime import check_written
 
     row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": "seed_fa3" if cfg.seed else make_plan(cfg.spec).name}
+           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
     n = cfg.n_sets(l2)
     row["sets"] = n
     sets = make_sets(cfg, n)
@@ -245,7 +266,7 @@ def run_config(cfg: Config, args, l2: int) -> dict:
         finally:
             sets.clear()
             torch.cuda.empty_cache()
-    kernel = compile_kernel(*cfg.kernel_key)
+    kernel = kernel_for(*cfg.kernel_key)
     try:
         q, k, v, out = sets[0]
         out.fill_(float("nan"))
@@ -388,7 +409,7 @@ def main(argv=None) -> int:
                 seed_launcher(cfg)  # builds it (nvcc, no launch)
             rows.append({"label": cfg.label, "shape": str(s), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
                          "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2),
-                         "kernel": "seed_fa3" if cfg.seed else make_plan(cfg.spec).name,
+                         "kernel": cfg.kernel_name,
                          "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
             save()
     else:

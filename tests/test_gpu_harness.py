@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def bench_module(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -39,6 +40,25 @@ def test_slow_loading_does_not_eat_the_launch_timeout():
     # loading takes 2 s (longer than the launch timeout), the launch itself is quick: ok, not HANG
     code = "import time; time.sleep(2); print('LOADED (compiled)', flush=True); print('ok (fine)')"
     assert smoke.run_child(child(code), load_timeout=10, launch_timeout=1).startswith("ok")
+
+
+def test_the_benchmark_times_the_seed_configuration_as_emitted_and_with_two_loops():
+    """bench_gpu's A/B row: the same spec and shape, the steady loop split back into two copies."""
+    from attngen.render import render_source
+
+    gpu = bench_module("bench_gpu")
+    rows = gpu.plan([], [1024], 16384)
+    emitted, two_loops = rows[0], rows[1]
+    assert (emitted.spec, emitted.shape) == (two_loops.spec, two_loops.shape) and emitted.static and two_loops.static
+    assert emitted.variant is None and two_loops.variant == "split-masked-loop"
+    assert emitted.kernel_key != two_loops.kernel_key and two_loops.kernel_name.endswith("[split-masked-loop]")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from build_time import apply_variant
+
+    source = render_source(emitted.spec, emitted.shape)
+    edited, applied = apply_variant(source, two_loops.variant)
+    assert applied == 1 and "for k in T.serial(split, n_tiles):" in edited and "if k >= full_tiles:" not in edited
+    assert "for k in T.serial(split, n_tiles):" not in source and "if k >= full_tiles:" in source
 
 
 NOTES = ROOT.parent / "shared" / "seeds" / "fa3-tilelang-notes.md"

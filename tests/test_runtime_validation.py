@@ -386,7 +386,7 @@ def test_second_process_loads_from_disk_cache(tmp_path):
 def test_failed_build_is_remembered_and_shown_as_a_tail(monkeypatch, tmp_path):
     calls = []
 
-    def broken_build(plan):
+    def broken_build(plan, source=None):
         calls.append(plan.name)
         raise RuntimeError("TileLang error\n" + "// CUDA source line\n" * 5000 + "the real cause: ptxas died")
 
@@ -403,6 +403,23 @@ def test_failed_build_is_remembered_and_shown_as_a_tail(monkeypatch, tmp_path):
     assert len(calls) == 1  # the second call did not build again
     (log,) = tmp_path.glob("*.log")
     assert log.read_text().count("// CUDA source line") == 5000  # the whole error is kept on disk
+
+
+def test_an_edited_source_is_built_and_memoized_apart_from_the_emitted_one(monkeypatch):
+    built = []
+
+    def fake_build(plan, source=None):
+        built.append(source)
+        return ("kernel", source)
+
+    monkeypatch.setattr(runtime, "_build", fake_build)
+    monkeypatch.setattr(runtime, "_memo", {})
+    spec = Spec(head_dim=96, consumers=1)
+    assert runtime.compile_kernel(spec) == ("kernel", None)
+    assert runtime.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
+    assert runtime.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
+    assert runtime.compile_kernel(spec) == ("kernel", None)
+    assert built == [None, "# edited"]  # each text built once, neither served for the other
 
 
 # -- typos, zero heads, and attngen.emulate's inputs -------------------------------------------------
