@@ -218,6 +218,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         "the carried row sum is rescaled in the alpha loop and the tile's sum reduces straight into it "
         "(reduce_sum clear=False adds the tile's sum, as the update loop did); no row_sum_tile, no update loop",
         [
+            _SPLIT,
             ("        row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)\n", ""),
             ("                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n",
              "                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n"
@@ -233,6 +234,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "prologue-cast-in-exp": (
         "the prologue's exp loop also writes P into p_reg (no PV reads p_reg yet); no T.copy(acc_s, p_reg) there",
         [
+            _SPLIT,
             ("        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n"
              "        T.copy(acc_s, p_reg)\n",  # the line before is the body of the prologue's exp loop
              "            p_reg[i, j] = acc_s[i, j]\n"
