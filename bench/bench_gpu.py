@@ -2,7 +2,7 @@
 
     python3 bench/bench_gpu.py                      # on an H200: build, check, time, print the table
     python3 bench/bench_gpu.py --dry-run            # no GPU: build every kernel, check every planned input
-    python3 bench/bench_gpu.py --prebuild-only -j 16    # fill TileLang's disk cache in parallel, then stop
+    python3 bench/bench_gpu.py --prebuild-only -j 16    # fill TileLang's disk cache in parallel (every preset), then stop
 
 Rows: every preset in examples/*.toml at sequence lengths 1k..16k (Sq == Skv, because
 SDPA's is_causal aligns top-left and ours bottom-right; they agree only then), with
@@ -131,9 +131,15 @@ def _build_one(spec: Spec, shape: Shape | None, variant: str | None):
     return k.name, k.origin, k.compile_seconds
 
 
-def prebuild(configs, jobs: int) -> list[dict]:
+def preset_keys(preset_paths) -> list[tuple]:
+    """The kernel_key of every preset's dynamic kernel, timed here or not: gpu_smoke.py and the GPU
+    tests launch the variant and serving presets too, so the parallel prebuild builds them all."""
+    return [(make_plan(load(path)).spec, None, None) for path in preset_paths]
+
+
+def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
-    keys = list(dict.fromkeys(c.kernel_key for c in configs if c.seed is None))
+    keys = list(dict.fromkeys([c.kernel_key for c in configs if c.seed is None] + list(extra_keys)))
     built = {}
     t0 = time.time()
     if jobs > 1 and len(keys) > 1:
@@ -379,7 +385,7 @@ def main(argv=None) -> int:
         print(f"no seed kernel at {args.seed_kernel}: run bench/seed_kernel.py to compare with it", flush=True)
     configs = plan(presets, [int(s) for s in args.seqlens.split(",")], args.tokens, seed)
     print(f"{len(presets)} presets, {len(configs)} rows, {len({c.kernel_key for c in configs})} kernels", flush=True)
-    build_rows = prebuild(configs, args.jobs)
+    build_rows = prebuild(configs, args.jobs, preset_keys(presets) if args.prebuild_only else ())
     if args.prebuild_only:
         return 1 if any(r.get("error") for r in build_rows) else 0
 

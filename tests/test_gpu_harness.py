@@ -61,6 +61,16 @@ def test_the_benchmark_times_the_seed_configuration_as_emitted_and_with_two_loop
     assert "for k in T.serial(split, n_tiles):" not in source and "if k >= full_tiles:" in source
 
 
+def test_the_prebuild_covers_the_presets_the_smoke_stage_launches_but_the_benchmark_skips():
+    gpu = bench_module("bench_gpu")
+    presets = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
+    timed = {c.kernel_key for c in gpu.plan(presets, [1024], 16384)}
+    every = gpu.preset_keys(presets)
+    assert len(set(every)) == len(presets)
+    skipped = [k for k in every if k not in timed]  # variant and serving presets: launched by gpu_smoke.py and the tests
+    assert any(k[0].layout == "varlen" for k in skipped) and any(k[0].sinks for k in skipped)
+
+
 NOTES = ROOT.parent / "shared" / "seeds" / "fa3-tilelang-notes.md"
 
 
