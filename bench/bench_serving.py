@@ -106,6 +106,26 @@ def copy_bandwidth(warmup: int, reps: int) -> float:
     return 2 * COPY_BYTES / seconds
 
 
+def each_row(rows, args, measure) -> list[dict]:
+    """Each row with measure(row)'s figures, until the time budget is spent; a row that fails
+    records its error and costs the others nothing. Prints each row as it lands."""
+    import torch
+
+    out = []
+    for row in rows:
+        if time.time() - START > args.budget_s:
+            out.append({**row, "error": "time budget spent"})
+            continue
+        try:
+            out.append({**row, **measure(row)})
+        except Exception as e:
+            out.append({**row, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+        finally:
+            torch.cuda.empty_cache()
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def run_decode(rows, args, l2) -> list[dict]:
     import torch
 
@@ -113,34 +133,26 @@ def run_decode(rows, args, l2) -> list[dict]:
 
     plan = make_plan(load(DECODE_PRESET))
     kernel = compile_kernel(plan)
-    out = []
-    for row in rows:
-        if time.time() - START > args.budget_s:
-            out.append({**row, "error": "time budget spent"})
-            continue
-        try:
-            sets = [decode_inputs(row, plan, "cuda", seed=i) for i in range(n_sets(row["bytes"], l2))]
-            o = torch.full_like(sets[0][0], float("nan"))
-            q, kc, vc, bt, su = sets[0]
-            kernel(q, kc, vc, out=o, block_table=bt, seqused_k=su, num_splits="auto")  # checked once
-            torch.cuda.synchronize()
-            if not torch.isfinite(o).all():
-                raise RuntimeError("non-finite output (an unwritten row stays NaN)")
-            call, _ = kernel.check_call(q, kc, vc, o, block_table=bt, seqused_k=su, num_splits="auto")
 
-            def launch(i):
-                q, kc, vc, bt, su = sets[i]
-                kernel(q, kc, vc, out=o, check=False, block_table=bt, seqused_k=su, num_splits="auto")
+    def measure(row):
+        sets = [decode_inputs(row, plan, "cuda", seed=i) for i in range(n_sets(row["bytes"], l2))]
+        o = torch.full_like(sets[0][0], float("nan"))
+        q, kc, vc, bt, su = sets[0]
+        kernel(q, kc, vc, out=o, block_table=bt, seqused_k=su, num_splits="auto")  # checked once
+        torch.cuda.synchronize()
+        if not torch.isfinite(o).all():
+            raise RuntimeError("non-finite output (an unwritten row stays NaN)")
+        call, _ = kernel.check_call(q, kc, vc, o, block_table=bt, seqused_k=su, num_splits="auto")
 
-            seconds, spread = time_launches(launch, len(sets), args.warmup, args.reps)
-            out.append({**row, "splits": call.num_splits, "us": seconds * 1e6, "spread_us": spread * 1e6,
-                        "tb_s": row["bytes"] / seconds / 1e12})
-        except Exception as e:  # a row that fails must not cost the others
-            out.append({**row, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
-        finally:
-            torch.cuda.empty_cache()
-        print(json.dumps(out[-1]), flush=True)
-    return out
+        def launch(i):
+            q, kc, vc, bt, su = sets[i]
+            kernel(q, kc, vc, out=o, check=False, block_table=bt, seqused_k=su, num_splits="auto")
+
+        seconds, spread = time_launches(launch, len(sets), args.warmup, args.reps)
+        return {"splits": call.num_splits, "us": seconds * 1e6, "spread_us": spread * 1e6,
+                "tb_s": row["bytes"] / seconds / 1e12}
+
+    return each_row(rows, args, measure)
 
 
 def run_prefill(rows, args, l2) -> list[dict]:
@@ -154,30 +166,24 @@ def run_prefill(rows, args, l2) -> list[dict]:
     dense = make_plan(dataclasses.replace(load(PREFILL_PRESET), layout="bshd"))
     kv, kd = compile_kernel(varlen), compile_kernel(dense)
     d = varlen.spec.head_dim
-    out = []
-    for row in rows:
-        if time.time() - START > args.budget_s:
-            out.append({**row, "error": "time budget spent"})
-            continue
-        try:
-            b, s, h = row["batch"], row["seqlen"], row["heads"]
-            dt = getattr(torch, varlen.spec.dtype)
-            x = [torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(3)]
-            cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
-            packed = [t.reshape(b * s, h, d) for t in x]
-            o_v, o_d = torch.empty_like(packed[0]), torch.empty_like(x[0])
-            kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s)
-            kv(*packed, out=o_v, **kw)
-            kd(*x, out=o_d)
-            torch.cuda.synchronize()
-            diff = (o_v.reshape(b, s, h, d).float() - o_d.float()).abs().max().item()
-            t_v, _ = time_launches(lambda i: kv(*packed, out=o_v, check=False, **kw), 1, args.warmup, args.reps)
-            t_d, _ = time_launches(lambda i: kd(*x, out=o_d, check=False), 1, args.warmup, args.reps)
-            out.append({**row, "varlen_us": t_v * 1e6, "dense_us": t_d * 1e6, "ratio": t_v / t_d, "max_diff": diff})
-        except Exception as e:
-            out.append({**row, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
-        print(json.dumps(out[-1]), flush=True)
-    return out
+
+    def measure(row):
+        b, s, h = row["batch"], row["seqlen"], row["heads"]
+        dt = getattr(torch, varlen.spec.dtype)
+        x = [torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(3)]
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
+        packed = [t.reshape(b * s, h, d) for t in x]
+        o_v, o_d = torch.empty_like(packed[0]), torch.empty_like(x[0])
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s)
+        kv(*packed, out=o_v, **kw)
+        kd(*x, out=o_d)
+        torch.cuda.synchronize()
+        diff = (o_v.reshape(b, s, h, d).float() - o_d.float()).abs().max().item()
+        t_v, _ = time_launches(lambda i: kv(*packed, out=o_v, check=False, **kw), 1, args.warmup, args.reps)
+        t_d, _ = time_launches(lambda i: kd(*x, out=o_d, check=False), 1, args.warmup, args.reps)
+        return {"varlen_us": t_v * 1e6, "dense_us": t_d * 1e6, "ratio": t_v / t_d, "max_diff": diff}
+
+    return each_row(rows, args, measure)
 
 
 def dry_run(decode, prefill) -> None:

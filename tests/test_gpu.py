@@ -24,19 +24,9 @@ from attngen.emulator.driver import variant_inputs
 from attngen.reference import check_close, check_lse, variant_of
 from attngen.runtime import InputError, check_written, torch_dtype
 from attngen.spec import load
+from gpu_marks import GPU_ONLY
 
-
-def _has_sm90() -> bool:
-    try:
-        return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-    except Exception:  # a CPU-only torch build raises instead of answering
-        return False
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _has_sm90(), reason="needs a CUDA device of compute capability 9.0 (H100/H200)"),
-]
+pytestmark = GPU_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))}

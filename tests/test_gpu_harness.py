@@ -71,6 +71,23 @@ def test_the_prebuild_covers_the_presets_the_smoke_stage_launches_but_the_benchm
     assert any(k[0].layout == "varlen" for k in skipped) and any(k[0].sinks for k in skipped)
 
 
+def test_a_serving_benchmark_row_that_fails_costs_the_others_nothing(capsys):
+    import types
+
+    serve = bench_module("bench_serving")
+
+    def measure(row):
+        if row["n"] == 1:
+            raise RuntimeError("non-finite output")
+        return {"us": 10.0 * row["n"]}
+
+    out = serve.each_row([{"n": 0}, {"n": 1}, {"n": 2}], types.SimpleNamespace(budget_s=1e9), measure)
+    assert out == [{"n": 0, "us": 0.0}, {"n": 1, "error": "RuntimeError: non-finite output"}, {"n": 2, "us": 20.0}]
+    assert capsys.readouterr().out.count("\n") == 3  # each row printed as it lands
+    spent = serve.each_row([{"n": 0}], types.SimpleNamespace(budget_s=-1), measure)
+    assert spent == [{"n": 0, "error": "time budget spent"}]
+
+
 NOTES = ROOT.parent / "shared" / "seeds" / "fa3-tilelang-notes.md"
 
 

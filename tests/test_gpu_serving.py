@@ -12,19 +12,9 @@ import torch
 
 from attngen import runtime
 from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+from gpu_marks import GPU_ONLY
 
-
-def _has_sm90() -> bool:
-    try:
-        return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-    except Exception:  # a CPU-only torch build raises instead of answering
-        return False
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _has_sm90(), reason="needs a CUDA device of compute capability 9.0 (H100/H200)"),
-]
+pytestmark = GPU_ONLY
 
 # (layout, paged, head_dim, gqa_group, causal, num_splits, seq_lens_q, seq_lens_k): the three presets' shapes
 CASES = [
