@@ -117,7 +117,8 @@ def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
 
     if variant is None:
         return compile_kernel(spec, shape)
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(ROOT / "bench") not in sys.path:  # build_time.py lives beside this script
+        sys.path.insert(0, str(ROOT / "bench"))
     from build_time import apply_variant
 
     source, applied = apply_variant(render_source(spec, shape), variant)
