@@ -2,8 +2,10 @@
 
 Flow (each step a module; data flows one way, each entry point plans once):
     spec -> plan -> render (templates/) -> emitted TileLang source
-         -> build (lower + nvcc) | emulate (CPU model) | runtime (GPU)
+         -> build (lower + nvcc) | emulate (CPU model) | runtime (GPU) -> ops (torch custom ops)
 hw holds the target's facts beneath all of them; reference is the fp64 oracle.
+`attngen.attention` is attngen.ops.attention (torch.ops.attngen.fwd), imported on first use:
+`import attngen` alone does not import torch.
 """
 
 from attngen.version import __version__  # noqa: E402
@@ -12,7 +14,17 @@ from attngen.spec import Spec, SpecError, load as load_spec  # noqa: E402
 from attngen.plan import Plan, Shape, make_plan  # noqa: E402
 from attngen.render import render_source, generate  # noqa: E402
 from attngen.emulator import emulate  # noqa: E402
-from attngen.runtime import compile_kernel, attention  # noqa: E402
+from attngen.runtime import compile_kernel  # noqa: E402
+
+
+def __getattr__(name):
+    if name == "attention":  # registers the torch ops; kept in the module's dict after the first use
+        from attngen.ops import attention
+
+        globals()["attention"] = attention
+        return attention
+    raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+
 
 __all__ = [
     "Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",

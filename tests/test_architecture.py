@@ -1,7 +1,10 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
     version, hw, expr, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table, serving  ->  lower
-                 ->  build | emulator | runtime | gputime  ->  tune | timeline  ->  cli
+                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli
+
+ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
+it (and the facade's attngen.attention, lazily) may import it.
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
 (a lazy import is still a dependency). The package facade (attngen/__init__.py) and the
@@ -22,7 +25,7 @@ LAYERS = {
     "render": 3, "tuning_table": 3, "serving": 3,
     "lower": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
-    "tune": 6, "timeline": 6,
+    "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
     "cli": 7,
 }
 TOP = {"attngen", "attngen.__main__"}

@@ -603,6 +603,52 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, poli
     return ok, text, stats
 
 
+# What one CPU-model run costs: `python bench/bench_emulator.py --calibrate` fits seconds = RUN +
+# CTA x blocks + WGMMA x wgmma issued. On the 2-core development machine, shared and loaded, ten
+# cases of 0.14-3.5 s gave 0.025 s, 0 s and 1.42 ms; a run of 8192 wgmma (hd128, B=1, H=4,
+# Sq=2048, Skv=4096) took 14.6 s, 1.78 ms each, so the per-wgmma cost used is 1.8 ms.
+SECONDS_PER_RUN = 0.03
+SECONDS_PER_CTA = 0.001
+SECONDS_PER_WGMMA = 0.0018
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What a CPU-model run of one call would do and take (estimate_seconds)."""
+
+    ctas: int
+    wgmma: int
+    seconds: float
+
+
+def estimate_seconds(plan, batch: int, heads: int, kv_heads: int, q_lens, kv_lens, num_splits: int = 1,
+                     max_seqlen_q: int | None = None) -> Estimate:
+    """The blocks, wgmma and seconds of emulating the plan's kernel over sequences of q_lens[b]
+    queries and kv_lens[b] keys (varlen: the grid covers max_seqlen_q rows). Every consumer issues
+    two wgmma (S = QK^T, O += PV) per K tile its block visits: a causal block stops at its last
+    row's diagonal; windows and masks are not counted, so the estimate is an upper bound there."""
+    spec = plan.spec
+    group = spec.gqa_group if plan.pack_gqa else 1  # packed GQA: a block's rows are (query, head) pairs
+    y = kv_heads if plan.pack_gqa else heads
+    q_lens = [int(n) for n in q_lens]
+    kv_lens = [int(n) for n in kv_lens]
+    rows = (max_seqlen_q if max_seqlen_q is not None else max(q_lens, default=0)) * group
+    grid_x = -(-rows // spec.block_m)
+    ctas = grid_x * y * batch * max(num_splits, 1)
+    tiles = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        for x in range(-(-q_len * group // spec.block_m)):
+            keys = kv_len
+            if spec.causal:  # the block's last query row sees keys up to row + kv_len - q_len
+                last = min(q_len, -(-(x + 1) * spec.block_m // group)) - 1
+                keys = max(0, min(kv_len, last + kv_len - q_len + 1))
+            tiles += -(-keys // spec.block_n)
+    wgmma = 2 * spec.consumers * tiles * y
+    if num_splits > 1:  # the combine kernel: one block per 64 rows of a head
+        ctas += -(-max(q_lens, default=0) // 64) * heads * batch
+    return Estimate(ctas, wgmma, SECONDS_PER_RUN + SECONDS_PER_CTA * ctas + SECONDS_PER_WGMMA * wgmma)
+
+
 # A CPU run past this many bytes is refused even when the machine has them: it would take hours.
 MAX_RUN_BYTES = 16 * 2**30
 

@@ -1,0 +1,365 @@
+"""attngen's kernels as PyTorch custom ops (`torch.ops.attngen.*`), and `attngen.attention` on them.
+
+    out = attngen.attention(q, k, v, causal=True)          # CUDA: the compiled kernel; CPU: the CPU model
+    torch.compile(f, fullgraph=True)(q, k, v)              # no graph break: the ops have fake kernels
+    torch.export.export(module, (q, k, v))                 # the graph holds torch.ops.attngen.fwd
+
+Two ops (docs/torch.md):
+- `attngen::fwd` runs the forward kernel the call's spec names. On CUDA tensors it is
+  runtime's compiled kernel; on CPU tensors the SAME emitted kernel on the CPU model
+  (attngen.emulate), never the fp64 reference, so compile, export and opcheck are tested for
+  real without a GPU. A CPU run estimated past CPU_MAX_SECONDS is refused before it starts.
+- `attngen::bwd` is the backward's slot: its schema, fake and autograd wiring are here, its
+  kernels are not (issue 17), so calling it raises BackwardUnavailable.
+
+What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
+JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
+...); the window and softcap as an int, int and float of their own (numbers that may reach the
+call as graph inputs, which a traced function cannot turn into text); and the tensors themselves (head_dim, dtype, gqa_group, head_dim_v,
+which variant and serving tensors are present, the page size). The op resolves the Spec from
+both at run time, so the tuned schedule per sequence length (attngen/tuned) is picked per
+call and one graph serves every length. The fakes read only metadata: no value, no guard on
+a sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from attngen import runtime, serving
+from attngen.emulator.driver import estimate_seconds, emulate
+from attngen.plan import Plan, as_plan
+from attngen.reference import InputError
+from attngen.spec import FIELDS, SpecError, check_keys
+
+NAMESPACE = "attngen"
+# num_splits travels as an int: the spec's own choice (None), "auto", or a count >= 1
+SPLITS_SPEC, SPLITS_AUTO = -1, 0
+# A CPU-model run estimated past this many seconds is refused (an InputError with the estimate);
+# ATTNGEN_CPU_MAX_SECONDS moves the limit for one who will wait.
+CPU_MAX_SECONDS = 60.0
+
+_ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_right, float softcap, "
+         "float? softmax_scale, str tensor_names, Tensor[] tensors, "
+         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
+         "int num_splits")
+FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
+BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor)"  # (dq, dk, dv)
+
+
+class BackwardUnavailable(NotImplementedError):
+    """attngen has no backward kernels yet (issue 17): a gradient through attngen::fwd cannot be had."""
+
+
+# -- from the op's arguments to a plan -------------------------------------------------------------
+
+
+def encode_splits(num_splits) -> int:
+    serving._check_num_splits(num_splits)  # None, "auto" or an int >= 1; anything else is an InputError
+    if num_splits is None:
+        return SPLITS_SPEC
+    return SPLITS_AUTO if num_splits == "auto" else int(num_splits)
+
+
+def _json(field: str, x) -> str:
+    """One field's value as JSON text, by hand: torch.compile traces this (json.dumps it cannot)."""
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if x is None:
+        return "null"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x != x:
+            return "NaN"
+        return repr(x) if abs(x) != float("inf") else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, str):
+        chars = [c if c not in '"\\' and ord(c) >= 0x20 else f"\\u{ord(c):04x}" for c in x]
+        return '"' + "".join(chars) + '"'
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_json(field, e) for e in x) + "]"
+    raise SpecError(field, x, "a bool, an int, a float, a string or a list of them")
+
+
+def window_arguments(window) -> tuple:
+    """(left, right) of a window= keyword; the Spec checks the values."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+            isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)) for x in window):
+        raise SpecError("window", window, "expected [left, right], two integers >= -1 (-1: unbounded on that side)")
+    return window[0], window[1]
+
+
+def softcap_argument(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymInt, torch.SymFloat)):
+        raise SpecError("softcap", softcap, "expected a finite number >= 0 (0 turns softcapping off)")
+    return softcap if isinstance(softcap, (float, torch.SymFloat)) else float(softcap)
+
+
+def encode_fields(chosen: dict) -> str:
+    """The op's `fields` argument: a JSON object of spec fields, keys sorted (one text per choice)."""
+    return "{" + ", ".join(f'"{n}": {_json(n, x)}' for n, x in ((n, chosen[n]) for n in sorted(chosen))) + "}"
+
+
+def decode_splits(code: int):
+    return None if code == SPLITS_SPEC else ("auto" if code == SPLITS_AUTO else code)
+
+
+def _names(tensor_names: str) -> list[str]:
+    return tensor_names.split(",") if tensor_names else []
+
+
+NUMERIC = ("window", "softcap")  # spec fields that travel as op arguments of their own, not in `fields`
+
+
+def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0, tensor_names: str = "",
+            cu_seqlens_q=None, block_table=None, num_splits: int = SPLITS_SPEC) -> Plan:
+    """The plan of one call: the caller's fields, then what the tensors say (runtime.spec_for:
+    head_dim, dtype, gqa_group, serving layout, page size, the tuned schedule); alibi, sinks and
+    head_dim_v follow from the tensors given, as attngen.attention derives them."""
+    try:
+        chosen = json.loads(fields) if fields else {}
+    except ValueError as e:
+        raise InputError("fields", repr(fields), f"a JSON object of spec fields ({e})") from None
+    if not isinstance(chosen, dict):
+        raise InputError("fields", repr(fields), "a JSON object of spec fields")
+    check_keys(chosen, "attngen::fwd(fields=...)")
+    for name in NUMERIC:
+        if name in chosen:
+            raise InputError(f"fields[{name!r}]", chosen[name], f"no {name} here: it is an argument of its own")
+    names = _names(tensor_names)
+    derived = {"alibi": "alibi_slopes" in names, "sinks": "sinks" in names, "window": tuple(window),
+               "softcap": softcap}
+    if v.dim() == q.dim() and v.shape[-1] != q.shape[-1]:
+        derived["head_dim_v"] = int(v.shape[-1])
+    return as_plan(runtime.spec_for(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
+                                    num_splits=decode_splits(num_splits), **{**derived, **chosen}))
+
+
+def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
+    """Every check of runtime's launch path but the device's (the serving call, or None, and the
+    extra tensors in kernel order)."""
+    if serving.serving_fields(plan).uses_serving or any(x is not None for x in keywords.values()):
+        ints = {n: keywords[n] for n in runtime.INT_TENSORS}
+        call = serving.check_serving(plan, q, k, v, **keywords)
+        runtime.check_serving_tensors(plan, call, q, k, v, None, ints)
+        return call, runtime.check_extra(plan, runtime.extra_dims(call), tensors)
+    dims = runtime.check_tensors(plan, q, k, v)
+    return None, runtime.check_extra(plan, dims, tensors)
+
+
+def _one_device(given: dict) -> None:
+    first_name, first = next(iter(given.items()))
+    for name, t in given.items():
+        if t.device != first.device:
+            raise InputError(f"{name}.device", str(t.device), f"{first.device}, the device of {first_name}")
+
+
+def cpu_max_seconds() -> float:
+    text = os.environ.get("ATTNGEN_CPU_MAX_SECONDS")
+    if not text:
+        return CPU_MAX_SECONDS
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError("ATTNGEN_CPU_MAX_SECONDS", repr(text), "a number of seconds") from None
+
+
+def check_cpu_time(plan: Plan, call, q, k) -> None:
+    """Refuse a CPU-model run estimated past cpu_max_seconds(), naming the estimate."""
+    if call is None:
+        batch, q_len, heads, _ = q.shape
+        _, kv_len, kv_heads, _ = k.shape
+        est = estimate_seconds(plan, batch, heads, kv_heads, [q_len] * batch, [kv_len] * batch)
+    else:
+        est = estimate_seconds(plan, call.batch, call.heads, call.kv_heads, call.q_lens, call.kv_lens,
+                               call.num_splits, max_seqlen_q=call.max_seqlen_q)
+    limit = cpu_max_seconds()
+    if est.seconds > limit:
+        raise InputError(
+            "q.shape", list(q.shape),
+            f"a problem the CPU model runs within {limit:g} s: this one would take about {est.seconds:.0f} s "
+            f"({est.wgmma} wgmma in {est.ctas} blocks); run it on a CUDA tensor, shrink it, or raise "
+            f"ATTNGEN_CPU_MAX_SECONDS")
+
+
+# -- the forward op --------------------------------------------------------------------------------
+
+
+def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    if softmax_scale is not None:  # the slot issue 18's run-time scale fills; the kernels still bake 1/sqrt(D) in
+        raise InputError("softmax_scale", softmax_scale, "None (1/sqrt(head_dim)): the kernels do not take a "
+                                                         "run-time scale yet")
+    plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
+                   num_splits)
+    named = dict(zip(_names(tensor_names), tensors))
+    splits = decode_splits(num_splits)
+    if not serving.serving_fields(plan).split and splits == 1:
+        splits = None  # one split is the kernel without splits
+    keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    block_table=block_table, seqused_k=seqused_k, num_splits=splits)
+    call, extra = _check(plan, q, k, v, named, keywords)
+    devices = {"q": q, "k": k, "v": v} | named | {n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
+    if q.device.type == "cpu":
+        _one_device(devices)
+        check_cpu_time(plan, call, q, k)
+        result = emulate(plan, q, k, v, **named, **keywords)
+    elif q.device.type == "cuda":
+        runtime.check_device(devices)  # one sm_90 device
+        kernel = runtime.compile_kernel(plan)
+        if call is not None:
+            result = kernel._launch_serving(call, q, k, v, None, extra)
+        else:
+            result = kernel(q, k, v, check=False, **named)
+    else:
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+    out, lse = result if plan.spec.lse else (result, None)
+    if lse is None:
+        lse = torch.empty((0,), dtype=torch.float32, device=q.device)
+    return out.contiguous(), lse.contiguous()
+
+
+fwd = torch.library.custom_op(f"{NAMESPACE}::fwd", _fwd, mutates_args=(), schema=FWD_SCHEMA)
+
+
+def out_metadata(q, v, fields: str, cu_seqlens_q) -> tuple[list, list]:
+    """The shapes of (out, lse) from metadata alone: out packed like q with v's head dim; lse
+    (heads, total_q) for packed q (cu_seqlens_q given), (batch, heads, q_len) otherwise, and
+    [0] when the spec has no lse. Sizes may be symbolic: nothing here guards on them."""
+    out = [*q.shape[:-1], v.shape[-1]]
+    lse_on = bool(json.loads(fields).get("lse", False)) if fields else False
+    if not lse_on:
+        return out, [0]
+    if cu_seqlens_q is not None:
+        return out, [q.shape[1], q.shape[0]]
+    return out, [q.shape[0], q.shape[2], q.shape[1]]
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+              cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    if runtime.spec_dtype(q.dtype) is None:
+        raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
+    rank = 3 if cu_seqlens_q is not None else 4
+    if q.dim() != rank or v.dim() != k.dim():
+        raise InputError("q, k, v shapes", f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}",
+                         "q [B, Sq, H, D] (or [total_q, H, D] with cu_seqlens_q), k and v of one rank")
+    out_shape, lse_shape = out_metadata(q, v, fields, cu_seqlens_q)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+# -- the backward op (its kernels are issue 17's) ---------------------------------------------------
+
+
+def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors,
+         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    raise BackwardUnavailable(
+        "attngen: no backward kernels yet (issue 17): attngen::fwd has no gradient; call attngen.attention "
+        "under torch.no_grad() (or on tensors that do not require grad) for inference")
+
+
+bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema=BWD_SCHEMA)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, out, lse, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, fields, left, right, softcap, softmax_scale, tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits = inputs
+    out, lse = output
+    # what the backward kernels read: q, k, v, out and the forward's LSE (FA3's preprocess
+    # takes dPsum = rowsum(dO * O) and LSE), plus every tensor the forward took
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, table, used, *tensors)
+    ctx.args = (fields, left, right, softcap, softmax_scale, tensor_names, max_q, splits)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
+    fields, left, right, softcap, softmax_scale, tensor_names, max_q, splits = ctx.args
+    dq, dk, dv = bwd(dout, out, lse, q, k, v, fields, left, right, softcap, softmax_scale, tensor_names, tensors, cu_q,
+                     cu_k, max_q, table, used, splits)
+    return (dq, dk, dv) + (None,) * 13  # nothing else has a gradient (sinks' is issue 17's too)
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- attngen.attention ---------------------------------------------------------------------------------
+
+
+def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
+              return_lse: bool = False, out=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              block_table=None, seqused_k=None, num_splits=None, **kwargs):
+    """FlashAttention-3 forward: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
+
+    On CUDA tensors (an sm_90 GPU) the compiled kernel runs; on CPU tensors the same emitted
+    kernel runs on the CPU model (slow: docs/torch.md). It calls torch.ops.attngen.fwd, so
+    torch.compile (fullgraph), torch.export and autograd's bookkeeping see one op.
+    Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
+    Variants (docs/variants.md): `window=(left, right)`, `softcap`, `alibi_slopes` (float32
+    (heads,)), `sinks` (float32 (heads,)), `return_lse` (then returns (out, lse)), and
+    `score_mod=`/`mask_mod=` expressions whose tensors are passed as keywords by name. Other
+    spec fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords too.
+    Serving (docs/serving.md, FlashAttention-3's names): `cu_seqlens_q`, `cu_seqlens_k` (int32
+    (batch + 1,)) and `max_seqlen_q` for packed q [total_q, H, D] and k/v [total_k, HKV, D];
+    `block_table` (int32 (batch, max_pages)) and `seqused_k` (int32 (batch,)) for a paged cache
+    k/v [num_pages, page_size, HKV, D]; `num_splits` (None, "auto" or an int) for split-KV.
+    The output is packed like q; lse is (heads, total_q) for varlen. `out`, if given, receives
+    the result (a copy: the op itself is functional, as torch.compile needs).
+    A gradient through it raises BackwardUnavailable: the backward kernels are issue 17's.
+    """
+    args, asked_lse = fwd_arguments(
+        q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, **kwargs)
+    result, lse = fwd(*args)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError("out", got, f"a {result.dtype} tensor of shape {list(result.shape)}")
+        result = out.copy_(result)
+    return (result, lse) if asked_lse else result
+
+
+def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                  return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None,
+                  seqused_k=None, num_splits=None, **kwargs) -> tuple[tuple, bool]:
+    """attngen.attention's keywords as torch.ops.attngen.fwd's arguments, and whether the caller
+    asked for the LSE. Checks what the op's schema would otherwise reject with a TypeError."""
+    overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
+    tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
+    # a keyword that is neither a spec field nor a tensor is a typo: named before any tensor is looked at
+    check_keys({n: x for n, x in tensors.items() if not isinstance(x, torch.Tensor)}, "attngen.attention(...)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, torch.SymInt))):
+        raise InputError("max_seqlen_q", type(max_seqlen_q).__name__, "an int, the longest query sequence")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table),
+                    ("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+    splits = encode_splits(num_splits)
+    # window and softcap default to None, not numbers: a default is a graph input under
+    # torch.compile(dynamic=True), a constant written here is not
+    left, right = window_arguments((-1, -1) if window is None else window)
+    softcap = softcap_argument(0.0 if softcap is None else softcap)
+    chosen = {"causal": causal, "lse": return_lse}
+    chosen.update(overrides)  # a spec field given by name (lse=, splits=) wins over the one derived from the call
+    asked_lse = bool(chosen["lse"])  # return_lse, or lse=True as a field: the caller gets (out, lse)
+    # the backward reads the forward's LSE (issue 17): a call that needs a gradient asks for it
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        chosen["lse"] = True
+    extra = {n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
+    extra.update((n, tensors[n]) for n in sorted(tensors))  # sorted by name: one text per set of tensors
+    args = (q, k, v, encode_fields(chosen), left, right, softcap, None, ",".join(extra), list(extra.values()),
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, splits)
+    return args, asked_lse
+
+
+__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
