@@ -175,7 +175,7 @@ def check_cpu_time(plan: Plan, call, q, k) -> None:
         est = estimate_seconds(plan, batch, heads, kv_heads, [q_len] * batch, [kv_len] * batch)
     else:
         est = estimate_seconds(plan, call.batch, call.heads, call.kv_heads, call.q_lens, call.kv_lens,
-                               call.num_splits, max_seqlen_q=call.max_seqlen_q)
+                               call.num_splits, max_seqlen_q=call.max_seqlen_q, total_q=call.total_q)
     limit = cpu_max_seconds()
     if est.seconds > limit:
         raise InputError(
@@ -219,7 +219,14 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     out, lse = result if plan.spec.lse else (result, None)
     if lse is None:
         lse = torch.empty((0,), dtype=torch.float32, device=q.device)
-    return out.contiguous(), lse.contiguous()
+    return _packed(out), _packed(lse)
+
+
+def _packed(t):
+    """t with the packed strides the fake promises (an empty array from numpy has strides 0)."""
+    if tuple(t.stride()) == runtime.packed_strides(t.shape):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 fwd = torch.library.custom_op(f"{NAMESPACE}::fwd", _fwd, mutates_args=(), schema=FWD_SCHEMA)
@@ -283,7 +290,8 @@ def _backward(ctx, dout, dlse):
     fields, left, right, softcap, softmax_scale, tensor_names, max_q, splits = ctx.args
     dq, dk, dv = bwd(dout, out, lse, q, k, v, fields, left, right, softcap, softmax_scale, tensor_names, tensors, cu_q,
                      cu_k, max_q, table, used, splits)
-    return (dq, dk, dv) + (None,) * 13  # nothing else has a gradient (sinks' is issue 17's too)
+    # nothing else has a gradient yet (the sinks' is issue 17's too); the list input gets a list
+    return dq, dk, dv, None, None, None, None, None, None, [None] * len(tensors), None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -622,11 +622,15 @@ class Estimate:
 
 
 def estimate_seconds(plan, batch: int, heads: int, kv_heads: int, q_lens, kv_lens, num_splits: int = 1,
-                     max_seqlen_q: int | None = None) -> Estimate:
+                     max_seqlen_q: int | None = None, total_q: int | None = None) -> Estimate:
     """The blocks, wgmma and seconds of emulating the plan's kernel over sequences of q_lens[b]
-    queries and kv_lens[b] keys (varlen: the grid covers max_seqlen_q rows). Every consumer issues
-    two wgmma (S = QK^T, O += PV) per K tile its block visits: a causal block stops at its last
-    row's diagonal; windows and masks are not counted, so the estimate is an upper bound there."""
+    queries and kv_lens[b] keys (varlen: the grid covers max_seqlen_q rows, and a split call's
+    combine kernel total_q packed rows). Every consumer issues two wgmma (S = QK^T, O += PV) per
+    K tile its block visits, as the template counts them: every block of the grid, at least one
+    tile, and one per empty split; a causal block stops at its last row's diagonal. Windows and
+    masks are not counted, so the estimate is an upper bound there."""
+    from attngen.render import COMBINE_ROWS
+
     spec = plan.spec
     group = spec.gqa_group if plan.pack_gqa else 1  # packed GQA: a block's rows are (query, head) pairs
     y = kv_heads if plan.pack_gqa else heads
@@ -634,18 +638,23 @@ def estimate_seconds(plan, batch: int, heads: int, kv_heads: int, q_lens, kv_len
     kv_lens = [int(n) for n in kv_lens]
     rows = (max_seqlen_q if max_seqlen_q is not None else max(q_lens, default=0)) * group
     grid_x = -(-rows // spec.block_m)
-    ctas = grid_x * y * batch * max(num_splits, 1)
+    splits = max(num_splits, 1)
+    ctas = grid_x * y * batch * splits
     tiles = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
-        for x in range(-(-q_len * group // spec.block_m)):
+        for x in range(grid_x):  # every block of the grid runs, past its sequence's rows too
             keys = kv_len
-            if spec.causal:  # the block's last query row sees keys up to row + kv_len - q_len
-                last = min(q_len, -(-(x + 1) * spec.block_m // group)) - 1
-                keys = max(0, min(kv_len, last + kv_len - q_len + 1))
-            tiles += -(-keys // spec.block_n)
+            if spec.causal:  # the block's last row sees keys up to its query position + kv_len - q_len
+                keys = min(kv_len, ((x + 1) * spec.block_m - 1) // group + 1 + kv_len - q_len)
+            block_tiles = max(-(-keys // spec.block_n), 1)  # rows that see no key still run one masked tile
+            per = -(-block_tiles // splits)  # each split takes its share, and an empty one a masked tile
+            tiles += sum(max(min(block_tiles - s * per, per), 1) for s in range(splits))
     wgmma = 2 * spec.consumers * tiles * y
-    if num_splits > 1:  # the combine kernel: one block per 64 rows of a head
-        ctas += -(-max(q_lens, default=0) // 64) * heads * batch
+    if num_splits > 1 or plan.split_kv:  # the combine kernel: a block per COMBINE_ROWS rows of a head (and sequence)
+        if plan.varlen:
+            ctas += -(-(sum(q_lens) if total_q is None else total_q) // COMBINE_ROWS) * heads
+        else:
+            ctas += -(-max(q_lens, default=0) // COMBINE_ROWS) * heads * batch
     return Estimate(ctas, wgmma, SECONDS_PER_RUN + SECONDS_PER_CTA * ctas + SECONDS_PER_WGMMA * wgmma)
 
 
