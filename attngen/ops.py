@@ -365,7 +365,8 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
         chosen["lse"] = True
     extra = {n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
     extra.update((n, tensors[n]) for n in sorted(tensors))  # sorted by name: one text per set of tensors
-    args = (q, k, v, encode_fields(chosen), left, right, softcap, None, ",".join(extra), list(extra.values()),
+    names = [n for n in extra]  # torch 2.4's dynamo joins a list of names, not a dict
+    args = (q, k, v, encode_fields(chosen), left, right, softcap, None, ",".join(names), [extra[n] for n in names],
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, splits)
     return args, asked_lse
 
