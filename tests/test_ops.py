@@ -451,7 +451,7 @@ def test_a_long_cpu_run_is_refused_with_its_estimate(monkeypatch):
 def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
     from attngen import runtime
 
-    q, k, v = (t.cuda() for t in qkv(300, 517, heads=4, kv_heads=2, head_dim=128))
+    q, k, v = (t.cuda() for t in qkv(300, 517, heads=4, kv_heads=4, head_dim=128))  # the default preset's kernel
     out = attngen.attention(q, k, v, causal=True)
     plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
     assert torch.equal(out, runtime.compile_kernel(plan)(q, k, v))
