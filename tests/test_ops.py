@@ -380,10 +380,8 @@ def test_fake_matches_the_real_outputs_for_drawn_serving_calls(batch, lse):
     x = serving.random_serving_inputs(**batch["inputs"])
     dtype = getattr(torch, batch["inputs"]["dtype"])
     keywords = {n: as_torch(a) for n, a in x.keywords.items()}
-    if batch["inputs"]["paged"]:
-        keywords["num_splits"] = batch["num_splits"]
     args, _ = ops.fwd_arguments(as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype), causal=True,
-                                return_lse=lse, **keywords)
+                                return_lse=lse, num_splits=batch["num_splits"], **keywords)
     check_fake_matches_real(args)
 
 
