@@ -15,9 +15,9 @@ Two ops (docs/torch.md):
 What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
 JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
 ...); the window and softcap as an int, int and float of their own (numbers that may reach the
-call as graph inputs, which a traced function cannot turn into text); and the tensors themselves (head_dim, dtype, gqa_group, head_dim_v,
-which variant and serving tensors are present, the page size). The op resolves the Spec from
-both at run time, so the tuned schedule per sequence length (attngen/tuned) is picked per
+call as graph inputs, which a traced function cannot turn into text); and the tensors
+themselves (head_dim, dtype, gqa_group, head_dim_v, which variant and serving tensors are
+present, the page size). The op resolves the Spec from both at run time, so the tuned schedule per sequence length (attngen/tuned) is picked per
 call and one graph serves every length. The fakes read only metadata: no value, no guard on
 a sequence length.
 """
@@ -81,7 +81,8 @@ def _json(field: str, x) -> str:
         return '"' + "".join(chars) + '"'
     if isinstance(x, (list, tuple)):
         return "[" + ", ".join(_json(field, e) for e in x) + "]"
-    raise SpecError(field, x, "a bool, an int, a float, a string or a list of them")
+    raise SpecError(field, x, "a Python bool, int, float or string (or a list of them); under torch.compile a "
+                              "constant, not a value computed from a tensor")
 
 
 def window_arguments(window) -> tuple:
@@ -132,7 +133,7 @@ def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0
     names = _names(tensor_names)
     derived = {"alibi": "alibi_slopes" in names, "sinks": "sinks" in names, "window": tuple(window),
                "softcap": softcap}
-    if v.dim() == q.dim() and v.shape[-1] != q.shape[-1]:
+    if v.shape[-1] != q.shape[-1]:
         derived["head_dim_v"] = int(v.shape[-1])
     return as_plan(runtime.spec_for(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
                                     num_splits=decode_splits(num_splits), **{**derived, **chosen}))
