@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from attngen import runtime, serving
+from attngen import runtime, serving, tuning_table
 from attngen.emulator.driver import estimate_seconds, emulate
 from attngen.plan import Plan, as_plan
 from attngen.reference import InputError
@@ -119,7 +119,35 @@ def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0
             cu_seqlens_q=None, block_table=None, num_splits: int = SPLITS_SPEC) -> Plan:
     """The plan of one call: the caller's fields, then what the tensors say (runtime.spec_for:
     head_dim, dtype, gqa_group, serving layout, page size, the tuned schedule); alibi, sinks and
-    head_dim_v follow from the tensors given, as attngen.attention derives them."""
+    head_dim_v follow from the tensors given, as attngen.attention derives them.
+
+    Memoized on what spec_for reads (ranks, heads, head dims, the page size, the tuned table's
+    sequence bucket and its file's stamp), so a call pays a dict lookup, not a Spec and a plan."""
+    key = (fields, tuple(window), softcap, tensor_names, str(q.dtype), q.dim(), int(q.shape[-2]), int(q.shape[-1]),
+           k.dim(), int(k.shape[-2]), int(v.shape[-1]), cu_seqlens_q is not None,
+           None if block_table is None else int(k.shape[1]), num_splits,
+           tuning_table.seq_bucket(max(int(q.shape[1]), int(k.shape[1]))), _table_stamp())
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block_table,
+                                      num_splits)
+    return plan
+
+
+_plans: dict[tuple, Plan] = {}
+MAX_PLANS = 1024
+
+
+def _table_stamp():
+    try:
+        return tuning_table.TABLE.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block_table, num_splits) -> Plan:
     try:
         chosen = json.loads(fields) if fields else {}
     except ValueError as e:

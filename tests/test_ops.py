@@ -112,6 +112,17 @@ def test_lse_gqa_and_variant_tensors_through_the_op():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+def test_resolve_is_memoized_on_what_selects_the_kernel():
+    q, k, v = qkv(20)
+    plain = ops.encode_fields({"causal": False, "lse": False})
+    first = ops.resolve(q, k, v, plain)
+    assert ops.resolve(*qkv(21, 30, seed=1), plain) is first  # another length, the same kernel: no new plan
+    assert ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False})).spec.causal
+    assert ops.resolve(q, k, v, plain, softcap=5.0).spec.softcap == 5.0
+    assert ops.resolve(q.bfloat16(), k.bfloat16(), v.bfloat16(), plain).spec.dtype == "bfloat16"
+    assert ops.resolve(q, k, v[..., :32].repeat(1, 1, 1, 4).contiguous(), plain).spec.head_dim_v == 128
+
+
 def test_out_buffer_receives_the_result():
     q, k, v = qkv(20)
     buf = torch.full_like(q, float("nan"))
