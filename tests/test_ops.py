@@ -295,6 +295,22 @@ class Attention(torch.nn.Module):
         return attngen.attention(q, k, v, causal=True, window=self.window, softcap=self.softcap)
 
 
+def test_spec_fields_from_module_attributes_compile_dynamic():
+    """window, softcap and a schedule field read from the module, under dynamic=True."""
+    class Scheduled(Attention):
+        consumers = 1
+
+        def forward(self, q, k, v):
+            return attngen.attention(q, k, v, causal=True, window=self.window, softcap=self.softcap,
+                                     consumers=self.consumers)
+
+    module = Scheduled(window=(16, 0), softcap=7.5)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
+    q, k, v = qkv(33)
+    assert torch.equal(compiled(q, k, v), module(q, k, v))
+
+
 def test_export_with_a_dynamic_sequence_length(tmp_path):
     module = Attention(window=(48, 0), softcap=15.0)
     q, k, v = qkv(70)
