@@ -44,7 +44,7 @@ CPU_MAX_SECONDS = 60.0
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_right, float softcap, "
          "float? softmax_scale, str tensor_names, Tensor[] tensors, "
-         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
+         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
 BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor)"  # (dq, dk, dv)

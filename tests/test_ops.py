@@ -232,6 +232,24 @@ def test_dynamic_compile_serves_three_lengths_with_one_compilation():
     assert counter.frame_count > 1
 
 
+def test_dynamic_compile_serves_three_varlen_batches_with_one_compilation():
+    """Packed batches of other sizes, lengths and max_seqlen_q (a SymInt in the schema): one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def f(q, k, v, cu_q, cu_k, max_q):
+        return attngen.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+    for lq, lk in (([5, 33], [40, 70]), ([17, 2, 9], [17, 30, 100]), ([64, 1], [64, 129])):
+        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=1)
+        args = (as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16),
+                as_torch(x.cu_seqlens_q), as_torch(x.cu_seqlens_k), x.max_seqlen_q)
+        assert torch.equal(compiled(*args), f(*args))
+    assert counter.frame_count == 1
+
+
 def test_forward_and_backward_trace_in_one_graph_and_the_backward_says_it_is_missing():
     q, k, v = qkv(30, grad=True)
 
