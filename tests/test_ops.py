@@ -504,3 +504,16 @@ def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
 
     assert explain(f, q, k, v).graph_break_count == 0
     assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), out)
+
+
+@GPU_ONLY[0]
+@GPU_ONLY[1]
+def test_cuda_op_runs_a_varlen_call_like_the_runtime():
+    from attngen import runtime
+
+    x = serving.random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
+    q, k, v = (as_torch(a, torch.bfloat16).cuda() for a in (x.q, x.k, x.v))
+    keywords = dict(cu_seqlens_q=as_torch(x.cu_seqlens_q).cuda(), cu_seqlens_k=as_torch(x.cu_seqlens_k).cuda(),
+                    max_seqlen_q=x.max_seqlen_q)
+    out = attngen.attention(q, k, v, causal=True, **keywords)  # the varlen preset's kernel
+    assert torch.equal(out, runtime.attention(q, k, v, causal=True, **keywords))
