@@ -150,6 +150,8 @@ def kernel_name(spec: Spec) -> str:
         parts.append("nopp")
     if spec.aligned:
         parts.append("aligned")
+    if spec.steady_loop != "one":
+        parts.append("splitloop")
     parts += variant_tags(spec) + serving_tags(spec)
     return "_".join(parts)
 
@@ -236,10 +238,23 @@ def default_block_n(spec: Spec) -> int:
     return fits_page[-1]
 
 
+def masks_some_tile(spec: Spec) -> bool:
+    """Some K tile may need a mask: causal, a window, a mask_mod, or lengths not tile multiples."""
+    return spec.causal or not spec.aligned or spec.window != (-1, -1) or bool(spec.mask_mod.strip())
+
+
+def splits_steady_loop(spec: Spec) -> bool:
+    """steady_loop = "split" makes a different kernel: some visits are masked and some are not
+    (a mask_mod masks every visit; without a mask there is nothing to set apart)."""
+    return masks_some_tile(spec) and not spec.mask_mod.strip()
+
+
 def resolve(spec: Spec) -> Spec:
     """The spec with every "choose for me" field filled in."""
     if spec.paged_kv and spec.page_size is None:
         spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
+    if not splits_steady_loop(spec):  # both forms are one loop: one name and hash for one kernel
+        spec = dataclasses.replace(spec, steady_loop="one")
     return dataclasses.replace(
         spec,
         head_dim_v=head_dim_v(spec),

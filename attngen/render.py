@@ -19,7 +19,7 @@ import jinja2
 
 from attngen import expr, hw
 from attngen.version import __version__
-from attngen.plan import Plan, Shape, as_plan
+from attngen.plan import Plan, Shape, as_plan, masks_some_tile, splits_steady_loop
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
@@ -201,14 +201,38 @@ def lead_tiles_expr(plan: Plan) -> str:
 
 def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     """(condition, comment): is visit k of the steady loop masked? Leading visits the window's left edge
-    cuts and every visit from the first diagonal or partial tile on. One loop with a branch, not a
-    masked and an unmasked copy of the loop: TileLang's layout inference grows with the square of
+    cuts and every visit from the first diagonal or partial tile on (steady_loop = "one"). One loop with
+    a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows with the square of
     a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4 times slower (docs/build.md)."""
     if plan.mask_expr is not None:
         return "", ""  # a custom mask_mod masks every visit, unconditionally
     if lead_tiles_expr(plan):
         return "k < lead or k >= full_tiles", "cut by an edge of the window, or a diagonal or partial tile: masked"
     return "k >= full_tiles", "a diagonal or partial tile: masked"
+
+
+def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
+    """The steady loop's form (spec.steady_loop): the lines that split its visits, and each loop's
+    range, comment and mask ("test": a per-visit `if`, "always", "never").
+
+    "one": one loop over every visit; the mask runs under masked_visit_expr's test. "split": the
+    seed's and FlashAttention-3's form, a copy without mask code (nor -inf guard) over the tiles
+    every row sees whole and a masked copy over the rest, and before them, with a window's left
+    edge, a masked copy over the visits it cuts. Same values; two copies cost build time
+    (docs/build.md)."""
+    spec = plan.spec
+    if spec.steady_loop == "one" or not splits_steady_loop(spec):
+        mask = "always" if plan.mask_expr is not None else "test" if masks_some_tile(spec) else "never"
+        return [], [{"start": "1", "end": "n_tiles", "comment": "", "mask": mask}]
+    masked = {"end": "n_tiles", "comment": "diagonal and partial tiles: masked", "mask": "always"}
+    if not lead_tiles_expr(plan):
+        return (["split = T.max(1, T.min(n_tiles, full_tiles))"],
+                [{"start": "1", "end": "split", "comment": "tiles every row sees whole", "mask": "never"},
+                 {**masked, "start": "split"}])
+    return (["split_lo = T.max(1, T.min(n_tiles, lead))", "split = T.max(split_lo, T.min(n_tiles, full_tiles))"],
+            [{"start": "1", "end": "split_lo", "comment": "tiles the window's left edge cuts: masked", "mask": "always"},
+             {"start": "split_lo", "end": "split", "comment": "tiles every row sees whole", "mask": "never"},
+             {**masked, "start": "split"}])
 
 
 def first_tile_expr(plan: Plan) -> str:
@@ -564,10 +588,11 @@ def header_lines(plan: Plan) -> list[str]:
 def template_context(plan: Plan) -> dict:
     """Every name the template uses (documented at the top of the template)."""
     spec = plan.spec
-    has_masked = spec.causal or not spec.aligned or windowed(plan) or plan.mask_expr is not None
+    has_masked = masks_some_tile(spec)
     dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
+    loop_setup, loops = steady_loops(plan)
     return {
         "header": header_lines(plan),
         "kernel_name": plan.name,
@@ -609,6 +634,8 @@ def template_context(plan: Plan) -> dict:
         "lead_tiles": lead_tiles_expr(plan),
         "masked_visit": masked_visit,
         "masked_visit_comment": masked_visit_comment,
+        "steady_setup": loop_setup,
+        "steady_loops": loops,
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),
