@@ -1,5 +1,6 @@
 """`attngen tune` without a GPU: the neighbourhood, the pruning, the dry run, and the tuned table."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -38,6 +39,29 @@ def test_candidates_are_the_most_promising_first():
     keys = [tune.promise(p.spec) for p in plans]
     assert keys == sorted(keys)
     assert plans[0].spec.block_n == max(s.block_n for s in tune.neighbours(Spec(head_dim=64)))
+
+
+def test_tune_explores_both_steady_loop_forms_where_they_differ():
+    causal = tune.neighbours(Spec(head_dim=64, causal=True))
+    assert {s.steady_loop for s in causal} == {"one", "split"}
+    one = {dataclasses.replace(s, steady_loop="split") for s in causal if s.steady_loop == "one"}
+    assert one == {s for s in causal if s.steady_loop == "split"}  # every schedule in both forms
+    # the two most promising candidates: the best schedule, the default one loop first, then its split loop
+    first, second = tune.candidates(Spec(head_dim=64, causal=True), 2)
+    assert dataclasses.replace(first.spec, steady_loop="split") == second.spec
+    assert (first.spec.steady_loop, second.spec.steady_loop) == ("one", "split") and first.name != second.name
+    # no masked tile (aligned, not causal), or every tile masked (mask_mod): one kernel, one form
+    for spec in (Spec(head_dim=64, aligned=True), Spec(head_dim=64, mask_mod="kv_idx <= q_idx")):
+        assert {s.steady_loop for s in tune.neighbours(spec)} == {"one"}
+
+
+def test_the_tuned_table_chooses_the_loop_form(tmp_path, monkeypatch):
+    q = torch.zeros(1, 3000, 8, 128, dtype=torch.float16)
+    k = torch.zeros(1, 3000, 2, 128, dtype=torch.float16)
+    key = tuning_table.table_key(Spec(head_dim=128, causal=True, gqa_group=4), 3000)
+    monkeypatch.setattr(tuning_table, "TABLE", write_table(tmp_path / "t.json", {key: {"block_n": 128, "steady_loop": "split"}}))
+    assert runtime.spec_for(q, k, causal=True).steady_loop == "split"
+    assert runtime.spec_for(q, k, causal=True, steady_loop="one").steady_loop == "one"  # named: the table stays out
 
 
 @pytest.mark.parametrize("change, why", [
