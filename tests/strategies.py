@@ -18,6 +18,7 @@ def spec_fields(draw, head_dims=HEAD_DIMS):
         "k_stages": draw(st.integers(1, MAX_STAGES)),
         "v_stages": draw(st.integers(1, MAX_STAGES)),
         "aligned": draw(st.booleans()),
+        "steady_loop": draw(st.sampled_from(["one", "split"])),
     }
     if draw(st.booleans()):
         fields["block_n"] = draw(st.sampled_from([32, 64, 80, 96, 128, 176, 256]))
