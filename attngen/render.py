@@ -19,7 +19,7 @@ import jinja2
 
 from attngen import expr, hw
 from attngen.version import __version__
-from attngen.plan import Plan, Shape, as_plan, masks_some_tile, splits_steady_loop
+from attngen.plan import Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
@@ -201,9 +201,10 @@ def lead_tiles_expr(plan: Plan) -> str:
 
 def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     """(condition, comment): is visit k of the steady loop masked? Leading visits the window's left edge
-    cuts and every visit from the first diagonal or partial tile on (steady_loop = "one"). One loop with
-    a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows with the square of
-    a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4 times slower (docs/build.md)."""
+    cuts and every visit from the first diagonal or partial tile on (steady_loop = "one"). One loop
+    with a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows
+    with the square of a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4
+    times slower (docs/build.md)."""
     if plan.mask_expr is not None:
         return "", ""  # a custom mask_mod masks every visit, unconditionally
     if lead_tiles_expr(plan):
@@ -221,7 +222,7 @@ def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
     edge, a masked copy over the visits it cuts. Same values; two copies cost build time
     (docs/build.md)."""
     spec = plan.spec
-    if spec.steady_loop == "one" or not splits_steady_loop(spec):
+    if spec.steady_loop == "one":  # also every spec with nothing to split (make_plan resolves it to "one")
         mask = "always" if plan.mask_expr is not None else "test" if masks_some_tile(spec) else "never"
         return [], [{"start": "1", "end": "n_tiles", "comment": "", "mask": mask}]
     masked = {"end": "n_tiles", "comment": "diagonal and partial tiles: masked", "mask": "always"}
