@@ -64,8 +64,12 @@ def cmd_diff(args) -> int:
 def cmd_build(args) -> int:
     from attngen.build import Progress, build, build_many, format_report, format_summary
 
+    from attngen.timeline.command import check_output_file
+
     check_dir_option("--cache-dir", args.cache_dir)
     check_positive(args, "--jobs")
+    if args.cuda:
+        check_output_file("--cuda", args.cuda)
     shape = Shape.parse(args.shape) if args.shape else None  # a bad shape is one error, not one per kernel
     if len(args.spec) > 1:  # several kernels: worker processes, progress on stderr, one row each
         if args.cuda:

@@ -174,6 +174,10 @@ def run_main(capsys, *argv):
     (["timeline", "{spec}", "--seed", "-1"], ["--seed = -1"]),
     (["timeline", "{spec}", "--max-blocks", "0"], ["--max-blocks = 0"]),
     (["timeline", "{spec}", "--policy", "fastest"], ["--policy", "invalid choice"]),
+    (["timeline", "{spec}", "-o", "{missing_dir}"], ["--output", "no/dir/x", "an existing directory", "does not exist"]),
+    (["timeline", "{spec}", "-o", "{under_file}"], ["--output", "an existing directory", "is a file"]),
+    (["timeline", "{spec}", "-o", "{tmp}"], ["--output", "it is a directory"]),
+    (["build", "{spec}", "--cuda", "{missing_dir}"], ["--cuda", "no/dir/x", "does not exist"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_path, capsys, monkeypatch):
     import attngen.build
@@ -184,7 +188,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     casual = tmp_path / "casual.toml"
     casual.write_text("casual = true\n")
     paths = {"{spec}": str(DEFAULT), "{tmp}": str(tmp_path), "{latin1}": str(latin1), "{missing}": str(tmp_path / "no.toml"),
-             "{casual}": str(casual)}
+             "{casual}": str(casual), "{missing_dir}": str(tmp_path / "no" / "dir" / "x"), "{under_file}": str(DEFAULT / "x")}
 
     def no_work(*a, **k):
         raise AssertionError("did work before rejecting the input")
