@@ -291,7 +291,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-len", type=int, default=128, help="key length")
     e.add_argument("--seed", type=int, default=0, help="scheduler and input seed (>= 0)")
     e.add_argument("--policy", default="random", choices=POLICIES, help="agent scheduling policy")
-    e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec")
+    e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec; "
+                   "FILE is executed as Python with your privileges (like `python FILE`): only pass files you trust")
     e.set_defaults(func=cmd_emulate)
 
     from attngen.timeline.command import add_subcommand  # `attngen timeline` (docs/timeline.md)

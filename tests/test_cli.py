@@ -250,3 +250,12 @@ def test_python_dash_m_attngen_is_the_command():
 def test_emulate_of_a_tiny_shape_runs(capsys):
     rc, out, err = run_main(capsys, "emulate", str(DEFAULT), "--q-len", "1", "--kv-len", "1", "--seed", "5")
     assert rc == 0 and err == "" and "PASS" in out
+
+
+def test_help_and_docs_say_that_source_executes_the_file_as_python(capsys):
+    """`--source FILE` runs FILE's statements (the CPU model execs it): the user is told, in --help and the docs."""
+    rc, out, _ = run_main(capsys, "emulate", "--help")
+    text = " ".join(out.split())
+    assert rc == 0 and "executed as Python" in text and "only pass files you trust" in text
+    doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "emulator.md").read_text().split())
+    assert "`--source FILE`" in doc and "**executed as Python**" in doc
