@@ -286,6 +286,43 @@ def _build_job(path: str, shape: str | None, cache_dir) -> Outcome:
     return Outcome(label, report=result.report)
 
 
+def _worker_init() -> None:
+    """A build worker: its own process group (its nvcc and ptxas children join it), deaf to SIGINT.
+
+    A terminal's Ctrl-C then reaches only the parent, which stops the workers itself
+    (worker_pool): no worker prints a KeyboardInterrupt traceback of its own, and
+    killing a worker's group stops the nvcc it was running too."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgrp()
+
+
+@contextlib.contextmanager
+def worker_pool(jobs: int):
+    """A pool of `jobs` spawned build processes that an exception (a KeyboardInterrupt above all)
+    stops at once: pending builds are cancelled and each worker's process group is killed,
+    where leaving the `with` would otherwise wait for every running build to finish."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import signal
+
+    # spawn, not fork: TVM's thread pools do not survive a fork, and each worker imports TileLang once
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+    try:
+        yield pool
+    except BaseException:
+        workers = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public list
+        pool.shutdown(wait=False, cancel_futures=True)
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.pid, signal.SIGKILL)  # the worker and the nvcc/ptxas it started
+        for w in workers:
+            w.join(timeout=5)
+        raise
+    pool.shutdown(wait=True)
+
+
 def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int = 1, progress=None) -> list[Outcome]:
     """Build several spec files, `jobs` at a time in worker processes; results in the order given.
 
@@ -293,7 +330,6 @@ def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int 
     periodic tick while waiting). A kernel that fails is reported, the others still build.
     """
     import concurrent.futures as cf
-    import multiprocessing as mp
 
     progress = progress or (lambda done, total, outcome: None)
     outcomes: list[Outcome | None] = [None] * len(paths)
@@ -302,8 +338,7 @@ def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int 
             outcomes[i] = _build_job(str(path), shape, cache_dir)
             progress(i + 1, len(paths), outcomes[i])
         return outcomes
-    # spawn, not fork: TVM's thread pools do not survive a fork, and each worker imports TileLang once
-    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(paths)), mp_context=mp.get_context("spawn")) as pool:
+    with worker_pool(min(jobs, len(paths))) as pool:
         futures = {pool.submit(_build_job, str(p), shape, cache_dir): i for i, p in enumerate(paths)}
         pending, done = set(futures), 0
         while pending:

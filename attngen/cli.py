@@ -309,6 +309,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: build workers are already stopped (build.worker_pool); no traceback
+        print(("\r\033[K" if sys.stderr.isatty() else "") + "attngen: interrupted", file=sys.stderr)
+        return 130
     except (SpecError, InputError) as e:  # the user's input: fix the spec, the shape or the option
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
