@@ -372,8 +372,8 @@ class Kernel:
 
     plan: Plan
     jit: object  # tilelang JITKernel
-    cache_path: str | None  # TileLang disk-cache entry of this kernel
-    origin: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
+    cache_path: str | None  # the attngen cache's runtime entry of this kernel (runtime_entry)
+    origin: str  # "compiled" (nvcc ran in this process) or "disk" (loaded from the attngen or TileLang cache)
     compile_seconds: float
     combine_jit: object = None  # the split-KV combine kernel (build_combine_kernel), for a spec with splits != 1
 
@@ -619,7 +619,7 @@ def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | Non
         kernels = {"main": "build_kernel"}
         if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
             kernels["combine"] = "build_combine_kernel"
-        built = {}
+        built, start = {}, time.time()
         for part, builder in kernels.items():
             with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
                 prim_func = getattr(module, builder)()
@@ -632,7 +632,10 @@ def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | Non
         if require and not stored:
             raise RuntimeError(f"{name}: TileLang wrote no kernel-cache entry to copy into {entry.parent} "
                                "(is TileLang's cache disabled? unset TILELANG_DISABLE_CACHE)")
-        return built["main"][1], built.get("combine", (None, None))[1], "compiled"
+        # TileLang's entry appears by an atomic rename during its build: one older than this call was loaded
+        tl_entry = getattr(built["main"][1], "_tilelang_cache_path", None)
+        origin = "disk" if tl_entry and os.path.isdir(tl_entry) and os.stat(tl_entry).st_mtime < start else "compiled"
+        return built["main"][1], built.get("combine", (None, None))[1], origin
 
 
 def _store_entry(entry: Path, built: dict, pass_configs: dict) -> bool:

@@ -1,4 +1,4 @@
-"""Ctrl-C during `attngen build -j` and `attngen tune`: every worker stops, one line, exit 130.
+"""Ctrl-C during `attngen build -j`, `attngen tune` and `attngen precompile -j`: every worker stops, one line, exit 130.
 
 The command runs as a real subprocess in its own session, and SIGINT goes to its whole process
 group, as a terminal's Ctrl-C does. Only the build itself is a stand-in (a worker process that
@@ -25,6 +25,7 @@ DRIVER = textwrap.dedent(
     import os, subprocess, sys
 
     import attngen.build
+    import attngen.runtime
     import attngen.tune
 
 
@@ -38,6 +39,7 @@ DRIVER = textwrap.dedent(
 
     attngen.build.build = slow_build
     attngen.tune._build_report = slow_build
+    attngen.runtime.precompile = slow_build
 
     if __name__ == "__main__":
         from attngen.cli import main
@@ -60,7 +62,8 @@ def alive(pid: int) -> bool:
     ["build", "-j", "2", *(str(EXAMPLES / n) for n in ("default.toml", "hd64_bf16_alibi.toml", "hd96_bf16_gqa2.toml",
                                                      "hd192_f16_full.toml"))],
     ["tune", str(EXAMPLES / "default.toml"), "--dry-run", "-j", "2", "--max-candidates", "4"],
-], ids=["build", "tune"])
+    ["precompile", "-j", "2", "--presets"],
+], ids=["build", "tune", "precompile"])
 def test_ctrl_c_stops_every_worker_and_exits_130_with_one_line(argv, tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
