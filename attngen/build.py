@@ -2,7 +2,7 @@
 
 The report is what an engineer checks before spending GPU time: registers,
 spills, local memory, shared memory, whether setmaxnreg took effect, and a
-SASS census. Builds are cached under a key that hashes the emitted source and
+SASS census. Builds are cached (attngen.cache) under a key that hashes the emitted source and
 the tool versions; entries are written atomically, so a second build of the
 same spec is a file read, and its report says so ("cached": true, with the
 seconds and the toolkit of the build that made the entry).
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from attngen import toolchain
-from attngen.cache import cache_key, cache_root, locked, tool_versions  # noqa: F401  (build.cache_root etc.)
+from attngen.cache import cache_key, cache_root, locked, tool_versions
 from attngen.lower import lower_source
 from attngen.plan import Plan, Shape, as_plan
 from attngen.render import render_source
@@ -299,9 +299,9 @@ def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int 
     `job(path, shape, cache_dir) -> Outcome`, a module-level function that never raises, is
     what each kernel runs (default: `attngen build`'s; `attngen precompile` passes its own).
     """
-    job = job or _build_job
     import concurrent.futures as cf
 
+    job = job or _build_job
     progress = progress or (lambda done, total, outcome: None)
     outcomes: list[Outcome | None] = [None] * len(paths)
     if jobs <= 1 or len(paths) == 1:

@@ -64,7 +64,6 @@ def cmd_diff(args) -> int:
 
 def cmd_build(args) -> int:
     from attngen.build import Progress, build, build_many, format_report, format_summary
-
     from attngen.timeline.command import check_output_file
 
     check_dir_option("--cache-dir", args.cache_dir)
@@ -94,6 +93,7 @@ PRESETS = Path(__file__).resolve().parent.parent / "examples"  # the presets: th
 
 
 def preset_files() -> list:
+    """`--presets`: every preset spec file (InputError when the package runs without its source tree)."""
     found = sorted(PRESETS.glob("*.toml"))
     if not found:
         raise InputError("--presets", str(PRESETS), "a source checkout's examples/*.toml (the presets are not "
