@@ -25,11 +25,10 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 
-from attngen.build import build
+from attngen.build import build, worker_pool
 from attngen.plan import Plan, Shape, make_plan, splits_steady_loop
 from attngen.spec import BLOCK_N_STEP, MAX_BLOCK_N, MAX_CONSUMERS, MAX_STAGES, STEADY_LOOPS, Spec, SpecError
 from attngen.tuning_table import SCHEDULE_FIELDS, TABLE, table_key
@@ -103,10 +102,12 @@ def build_all(plans: list[Plan], jobs: int, cache_dir=None, progress=print) -> l
         cand.report = report
         cand.rejected = f"build failed: {error}" if error else build_reject(report)
         finished.append(name)
-        progress(f"  [{len(finished)}/{len(out)}] {name}: {cand.rejected or 'kept'} ({time.perf_counter() - t0:.0f} s)")
+        # a cache hit says so: the seconds since the tune started are not this kernel's build time
+        how = "cached" if report and report.get("cached") else f"{time.perf_counter() - t0:.0f} s"
+        progress(f"  [{len(finished)}/{len(out)}] {name}: {cand.rejected or 'kept'} ({how})")
 
     if jobs > 1 and len(plans) > 1:
-        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(plans)), mp_context=mp.get_context("spawn")) as pool:
+        with worker_pool(min(jobs, len(plans))) as pool:
             futures = {pool.submit(_build_report, p, cache_dir): p.name for p in plans}
             for f in cf.as_completed(futures):
                 try:

@@ -167,7 +167,7 @@ def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
         rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
     cache = next((r["cache"] for r in rows if r.get("cache")), None)
-    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (TileLang cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
+    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
     return rows
 
 

@@ -88,6 +88,17 @@ def test_build_all_keeps_going_past_a_failed_build(monkeypatch):
     assert len(lines) == 3 and lines[-1].startswith("  [3/3]")
 
 
+def test_a_rerun_reports_cache_hits_as_cached_not_as_seconds_since_the_start(monkeypatch):
+    plans = tune.candidates(Spec(head_dim=64), 2)
+    clock = iter([0.0, 14.0, 28.0])  # the tune's start, then readings as candidates finish
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(tune, "_build_report", lambda plan, cache_dir: {**GOOD_REPORT, "cached": plan is plans[0]})
+    lines = []
+    tune.build_all(plans, jobs=1, progress=lines.append)
+    assert lines[0].endswith(": kept (cached)"), lines
+    assert lines[1].endswith(": kept (14 s)"), lines
+
+
 def write_table(path, entries):
     path.write_text(json.dumps({"entries": entries}))
     return path
