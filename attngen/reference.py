@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attngen import expr as expr_mod
+from attngen import expr as expr_mod, tiles
 from attngen.hw import DTYPES, LOG2E
 
 # One ulp at 1.0 of each dtype (hw.DTYPES): the tolerance's floor is this times max|ref|.
@@ -108,7 +108,7 @@ def _check_shapes(q, k, v):
 
 def causal_visible(sq: int, skv: int) -> np.ndarray:
     """[Sq, Skv] bool: query i sees key j when j <= i + Skv - Sq (bottom-right alignment)."""
-    return np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
+    return tiles.visible(np.arange(sq)[:, None], np.arange(skv)[None, :], sq, skv, tiles.edges(True))
 
 
 def _pv(w, v, visible):
@@ -162,14 +162,7 @@ def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0,
         if score_mod and score_mod.strip():
             s = expr_mod.evaluate(expr_mod.parse(score_mod, "score_mod"), {**env, "score": s}, tensors)
         s = np.broadcast_to(np.asarray(s, dtype), (len(heads), sq, skv))
-    visible = np.ones((len(heads), sq, skv), bool)
-    if causal:
-        visible &= kj <= qi + off
-    left, right = window
-    if left >= 0:
-        visible &= kj >= qi + off - left
-    if right >= 0:
-        visible &= kj <= qi + off + right
+    visible = np.broadcast_to(tiles.visible(qi, kj, sq, skv, tiles.edges(causal, window)), (len(heads), sq, skv)).copy()
     if mask_mod and mask_mod.strip():
         visible &= np.asarray(expr_mod.evaluate(expr_mod.parse(mask_mod, "mask_mod"), env, tensors), bool)
     s = np.where(visible, s, dtype(-np.inf))
