@@ -173,10 +173,11 @@ def scaled(plan: Plan, x: str) -> str:
 # -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
 def tile_frame(plan: Plan) -> tiles.Frame:
     """The plan's problem in the kernel's names, with what is known of each value: kv_len >= 1 in a
-    bshd kernel (0 where a sequence or a split may have no key), the offset's value for a static shape."""
+    bshd kernel (0 where a sequence or a split may have no key), and the offset's value for a static
+    shape whose every row sees a key (the plan's guard_empty_rows is off)."""
     static = plan.shape is not None and not per_sequence(plan)
     kv_lo = 0 if per_sequence(plan) or plan.split_kv else (plan.shape.kv_len if static else 1)
-    off_lo = plan.shape.kv_len - plan.shape.q_len if static else None
+    off_lo = plan.shape.kv_len - plan.shape.q_len if static and not plan.guard_empty_rows else None
     return tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", kv_lo),
                        offset=tiles.Sym("causal_offset", off_lo), edges=tiles.Edges(plan.window_left, plan.window_right),
                        block_m=tiles.Sym("BLOCK_M", 1), block_n=tiles.Sym("BLOCK_N", 1))

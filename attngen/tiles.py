@@ -98,6 +98,10 @@ def sub(a, b) -> Expr:
 def mul(a, b) -> Expr:
     if isinstance(a, int) and isinstance(b, int):
         return a * b
+    if 0 in (a, b):
+        return 0
+    if 1 in (a, b):
+        return b if a == 1 else a
     return Op("*", a, b)
 
 
@@ -236,7 +240,7 @@ def visible(i, j, q_len: int, kv_len: int, e: Edges):
     """Does row i see key j (numpy arrays broadcast)? Rows past q_len follow the same formula."""
     off = kv_len - q_len
     i, j = np.asarray(i), np.asarray(j)
-    vis = (j >= 0) & (j < kv_len)
+    vis = np.broadcast_to((j >= 0) & (j < kv_len), np.broadcast_shapes(i.shape, j.shape))
     if e.left is not None:
         vis = vis & (j >= i + off - e.left)
     if e.right is not None:
