@@ -1,6 +1,6 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table, serving  ->  lower
+    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower
                  ->  build | emulator | runtime | gputime  ->  tune | timeline  ->  cli
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 LAYERS = {
     "version": 0, "hw": 0, "expr": 0, "tiles": 0, "toolchain": 0,  # tiles: the mask and tile-range algebra (render, reference, backward)
     "spec": 1, "reference": 1,
-    "plan": 2,
+    "plan": 2, "reference_bwd": 2,  # reference_bwd reads reference's forward and tolerance rule
     "render": 3, "tuning_table": 3, "serving": 3,
     "lower": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
