@@ -158,15 +158,20 @@ def _eval(text, env):
 
 def render_mismatches(plan, q_len, kv_len) -> list:
     """For each block and warpgroup: the visits the emitted n_tiles/first_tile give, and which of them
-    the emitted full_tiles/lead mask, against the dense matrix of the spec's edges."""
+    the emitted full_tiles/lead mask, against the dense visibility of the spec's edges. Packed GQA
+    rows r are query positions r // GQA_GROUP; a split plan is checked as one split (its shares:
+    test_split_shares_cover_the_block_once)."""
     spec = plan.spec
-    f = frame(q_len, kv_len, spec.causal, spec.window, spec.block_m, spec.block_n)
-    v, _, _ = dense(f)
-    bn, nk = spec.block_n, v.shape[1] // spec.block_n
+    group = spec.gqa_group if plan.pack_gqa else 1
+    e = tiles.edges(spec.causal, spec.window)
+    bn = spec.block_n
+    nk = max(-(-kv_len // bn), 1)
+    n_rows = -(-q_len * group // spec.block_m) * spec.block_m
+    v = tiles.visible((np.arange(n_rows) // group)[:, None], np.arange(nk * bn)[None, :], q_len, kv_len, e)
     env0 = {"q_len": q_len, "kv_len": kv_len, "causal_offset": kv_len - q_len, "BLOCK_M": spec.block_m,
-            "BLOCK_N": bn, "WG_ROWS": plan.wg_rows}
+            "BLOCK_N": bn, "WG_ROWS": plan.wg_rows, "GQA_GROUP": spec.gqa_group}
     bad = []
-    for q0 in range(0, q_len, spec.block_m):
+    for q0 in range(0, q_len * group, spec.block_m):
         env = dict(env0, q0=q0)
         first = _eval(render.first_tile_expr(plan), env) if render.first_tile_expr(plan) else 0
         env["first_tile"] = first
@@ -176,7 +181,7 @@ def render_mismatches(plan, q_len, kv_len) -> list:
         if (list(range(first, first + n)) != want) if want else not (n == 1 and first >= 0):
             bad.append(("visits", q0, first, n, want))
         for row0 in range(0, spec.block_m, plan.wg_rows):
-            if q0 + row0 >= q_len:  # a warpgroup of padding rows only: computed, never stored
+            if (q0 + row0) // group >= q_len:  # a warpgroup of padding rows only: computed, never stored
                 continue
             env["row0"] = row0
             full_tiles = _eval(render.full_tiles_expr(plan), env)
@@ -184,7 +189,7 @@ def render_mismatches(plan, q_len, kv_len) -> list:
             rows = v[q0 + row0:q0 + row0 + plan.wg_rows].reshape(plan.wg_rows, nk, bn)
             for k in range(n):
                 t = first + k
-                whole = t < nk and bool(rows[:, t].all())
+                whole = kv_len > 0 and bool(rows[:, t].all())
                 if (k < lead or k >= full_tiles) == whole:
                     bad.append(("mask", q0, row0, t, whole))
     return bad
@@ -192,14 +197,19 @@ def render_mismatches(plan, q_len, kv_len) -> list:
 
 RENDER_SPECS = [dict(causal=True), dict(), dict(window=[511, -1], causal=True), dict(window=[37, 21]),
                 dict(window=[0, 0]), dict(window=[-1, 5]), dict(window=[256, -1], block_n=64),
-                dict(window=[130, 300], causal=True), dict(window=[1, -1], block_n=64)]
+                dict(window=[130, 300], causal=True), dict(window=[1, -1], block_n=64),
+                dict(layout="varlen", causal=True), dict(layout="varlen"), dict(layout="varlen", window=[-1, 5]),
+                dict(layout="varlen", window=[40, 0]), dict(splits=3, causal=True), dict(splits=2),
+                dict(splits=2, causal=True, gqa_group=4, consumers=1), dict(causal=True, gqa_group=2, consumers=3)]
 LENGTHS = [(1, 1), (300, 100), (100, 300), (129, 257), (64, 400), (256, 256), (255, 257), (700, 650)]
+EMPTY = [(5, 0), (1, 0), (130, 0)]  # a sequence (or split) with no key: one fully masked visit
 
 
 @pytest.mark.parametrize("fields", RENDER_SPECS, ids=[str(s) for s in RENDER_SPECS])
 def test_render_ranges_match_the_dense_matrix(fields):
     plan = make_plan(Spec(head_dim=64, **fields))
-    for q_len, kv_len in LENGTHS:
+    per_sequence = fields.get("layout") == "varlen" or "splits" in fields
+    for q_len, kv_len in LENGTHS + (EMPTY if per_sequence else []):
         assert render_mismatches(plan, q_len, kv_len) == [], (q_len, kv_len)
 
 
