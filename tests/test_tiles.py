@@ -242,3 +242,18 @@ def test_split_shares_cover_the_block_once(n_block, splits):
         assert n == max(exact, 1)
         seen += list(range(env["first_tile"], env["first_tile"] + exact))
     assert seen == list(range(n_block))
+
+
+def test_a_varlen_sequence_with_no_key_under_a_right_only_window_runs_on_the_cpu_model():
+    """Before the algebra had one home, this kernel's n_tiles was 0 for a sequence with no key (its
+    comment said >= 1) and the CPU model deadlocked at the consumer's first k_full wait."""
+    import attngen
+    from attngen.reference import check_close, round_to
+
+    spec = attngen.Spec(head_dim=64, layout="varlen", window=[-1, 5], consumers=1)
+    rng = np.random.default_rng(0)
+    cu_q, cu_k = np.array([0, 10, 40], np.int32), np.array([0, 0, 90], np.int32)  # sequence 0 has no key
+    q, k, v = (round_to(rng.standard_normal(s), "float16") for s in [(40, 1, 64), (90, 1, 64), (90, 1, 64)])
+    out = np.asarray(attngen.emulate(spec, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=30))
+    assert np.all(out[:10] == 0)
+    assert check_close(out[None, 10:40], q[None, 10:40], k[None], v[None], False, dtype="float16", window=(-1, 5)).ok
