@@ -293,8 +293,13 @@ def test_the_tolerance_rule_passes_the_twin_and_fails_every_mutant(case):
     ref = attention_grad(*(round_to(x, dtype) for x in (q, k, v, dout)), causal, **variant)
     assume(all(np.abs(x).max() > 1e-3 for x in ref if x is not None))  # a gradient that is 0 everywhere has no mutant
     low = attention_grad_lowprec(q, k, v, dout, causal, dtype, **variant)
-    assert all(c.ok for c in check_grads(low, q, k, v, dout, causal, dtype=dtype, **variant).values())
+    honest = check_grads(low, q, k, v, dout, causal, dtype=dtype, **variant)
+    assert all(c.ok for c in honest.values())
     for name, (target, broken) in _mutants(low).items():
+        if name.endswith("x1.05") and 2 * honest[target].bound >= 0.05 * np.abs(getattr(ref, target)).max():
+            # a 5% change within twice the bound: the twin's own error (a cancelling sum, such as dsinks')
+            # may offset it, so no rule that passes the kernel rejects it for sure (docs/backward.md)
+            continue
         checks = check_grads(broken, q, k, v, dout, causal, dtype=dtype, **variant)
         assert not checks[target].ok, (name, str(checks[target]))
 

@@ -89,7 +89,7 @@ def problems(draw):
     return (q_len, kv_len, draw(st.booleans()), window, bm, bn), (r0, r1)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 @example(((64, 400, False, (270, -1), 64, 64), (0, 63)))
 def test_hypothesis_drawn_problems_are_exact_both_ways(drawn):
@@ -211,6 +211,26 @@ def test_render_ranges_match_the_dense_matrix(fields):
     per_sequence = fields.get("layout") == "varlen" or "splits" in fields
     for q_len, kv_len in LENGTHS + (EMPTY if per_sequence else []):
         assert render_mismatches(plan, q_len, kv_len) == [], (q_len, kv_len)
+
+
+@st.composite
+def render_problems(draw):
+    bn = draw(st.sampled_from([64, 128]))
+    edge = st.one_of(st.just(-1), st.integers(0, 600), st.builds(lambda m, d: max(m * bn + d, 0), st.integers(0, 4),
+                                                                  st.sampled_from([-1, 0, 1])))
+    fields = dict(head_dim=64, block_n=bn, consumers=draw(st.integers(1, 3)), causal=draw(st.booleans()),
+                  window=[draw(edge), draw(edge)], layout=draw(st.sampled_from(["bshd", "varlen"])))
+    lengths = st.one_of(st.integers(1, 700), st.builds(lambda m, d: max(m * 64 + d, 1), st.integers(1, 10),
+                                                       st.sampled_from([-1, 0, 1])))
+    kv = st.one_of(st.just(0), lengths) if fields["layout"] == "varlen" else lengths
+    return fields, draw(lengths), draw(kv)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(render_problems())
+def test_hypothesis_drawn_kernels_emit_exact_ranges(drawn):
+    fields, q_len, kv_len = drawn
+    assert render_mismatches(make_plan(Spec(**fields)), q_len, kv_len) == []
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(100, 300), (128, 128), (300, 100)])
