@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 
-from attngen import expr, hw
+from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
@@ -340,9 +340,7 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
 def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     """The variant fields' derived numbers: window bounds (causal folded in), parsed mods,
     the extra kernel parameters, whether rows can see no key."""
-    left, right = (None if x < 0 else x for x in spec.window)
-    if spec.causal:  # causal is the window's right edge at the diagonal
-        right = 0 if right is None else min(right, 0)
+    left, right = tiles.edges(spec.causal, spec.window)  # causal is the window's right edge at the diagonal
     score_expr = expr.parse(spec.score_mod, "score_mod") if spec.score_mod.strip() else None
     mask_expr = expr.parse(spec.mask_mod, "mask_mod") if spec.mask_mod.strip() else None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jinja2
 
-from attngen import expr, hw
+from attngen import expr, hw, tiles
 from attngen.version import __version__
 from attngen.plan import Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
@@ -170,33 +170,55 @@ def scaled(plan: Plan, x: str) -> str:
     return x if plan.prescaled else f"{x} * SCALE_LOG2"
 
 
+# -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
+def tile_frame(plan: Plan) -> tiles.Frame:
+    """The plan's problem in the kernel's names, with what is known of each value: kv_len >= 1 in a
+    bshd kernel (0 where a sequence or a split may have no key), and the offset's value for a static
+    shape whose every row sees a key (the plan's guard_empty_rows is off)."""
+    static = plan.shape is not None and not per_sequence(plan)
+    kv_lo = 0 if per_sequence(plan) or plan.split_kv else (plan.shape.kv_len if static else 1)
+    off_lo = plan.shape.kv_len - plan.shape.q_len if static and not plan.guard_empty_rows else None
+    return tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", kv_lo),
+                       offset=tiles.Sym("causal_offset", off_lo), edges=tiles.Edges(plan.window_left, plan.window_right),
+                       block_m=tiles.Sym("BLOCK_M", 1), block_n=tiles.Sym("BLOCK_N", 1))
+
+
+_Q0, _ROW0, _FIRST = tiles.Sym("q0", 0), tiles.Sym("row0", 0), tiles.Sym("first_tile", 0)
+
+
+def _row(plan: Plan, x) -> tiles.Expr:
+    return tiles.rowdiv(x, tiles.Sym("GQA_GROUP", 1)) if plan.pack_gqa else x
+
+
+def block_rows(plan: Plan) -> tiles.Rows:
+    """The block's query rows: q0 .. q0 + BLOCK_M - 1 (packed GQA: their query positions)."""
+    return tiles.Rows(_row(plan, _Q0), _row(plan, tiles.add(_Q0, tiles.Sym("BLOCK_M", 1), -1)))
+
+
+def warpgroup_rows(plan: Plan) -> tiles.Rows:
+    """One consumer warpgroup's rows: q0 + row0 .. q0 + row0 + WG_ROWS - 1."""
+    start = tiles.add(_Q0, _ROW0)
+    return tiles.Rows(_row(plan, start), _row(plan, tiles.add(start, tiles.Sym("WG_ROWS", 1), -1)))
+
+
+def _visits(plan: Plan, tile) -> tiles.Expr:
+    """A K tile index as a visit count from the block's first tile."""
+    return tiles.sub(tile, _FIRST) if has_first_tile(plan) else tile
+
+
 def full_tiles_expr(plan: Plan) -> str:
-    """Leading K tiles (visits) that every row of the warpgroup sees whole on the right (no mask needed)."""
-    spec = plan.spec
+    """Leading K tiles (visits) that every row of the warpgroup sees whole on the right (no mask needed).
+    A warpgroup's first row is a real row (< q_len) whenever its output is stored."""
     if plan.mask_expr is not None:
         return "0"  # a custom mask_mod masks every tile
-    if not windowed(plan):
-        if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset (< kv_len)
-            tiles = f"T.floordiv({row_pos(plan, 'q0 + row0')} + causal_offset + 1, BLOCK_N)"
-        else:
-            tiles = "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
-        return f"{tiles} - first_tile" if has_first_tile(plan) else tiles
-    right = plan.window_right
-    if right is None:
-        tiles = "T.floordiv(kv_len, BLOCK_N)"
-    else:
-        tiles = f"T.floordiv(T.max(q0 + row0 + causal_offset + {right + 1}, 0), BLOCK_N)"
-        if right:
-            tiles = f"T.min({tiles}, T.floordiv(kv_len, BLOCK_N))"
-    return f"{tiles} - first_tile" if has_first_tile(plan) else tiles
+    return tiles.text(_visits(plan, tile_frame(plan).kv_full_stop(warpgroup_rows(plan), first_row_real=True)))
 
 
 def lead_tiles_expr(plan: Plan) -> str:
     """Leading visits the window's left edge cuts for some row of this warpgroup (masked)."""
     if plan.window_left is None or plan.mask_expr is not None:
         return ""
-    return (f"T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
-            " - first_tile, 0)")
+    return tiles.text(tiles.max_(_visits(plan, tile_frame(plan).kv_full_first(warpgroup_rows(plan))), 0))
 
 
 def masked_visit_expr(plan: Plan) -> tuple[str, str]:
@@ -238,33 +260,33 @@ def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
 
 def first_tile_expr(plan: Plan) -> str:
     """The block's first visited K tile: the window's left edge for its first row."""
-    if plan.window_left is None:  # a split's first tile is laid out with the split (template)
+    if plan.window_left is None:  # a split's first tile is laid out with the split (split_exprs)
         return ""
-    return f"T.floordiv(T.max(q0 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
+    return tiles.text(tile_frame(plan).kv_first(block_rows(plan)))
 
 
 def n_tiles_expr(plan: Plan) -> str:
-    """K tiles a block of query rows visits (with its comment): causal blocks stop at the diagonal."""
-    if windowed(plan):
-        end = "T.ceildiv(kv_len, BLOCK_N)"
-        if plan.window_right is not None:
-            end = f"T.min({end}, T.ceildiv(T.max(q0 + BLOCK_M + causal_offset + {plan.window_right}, 1), BLOCK_N))"
-        if not has_first_tile(plan):
-            return end + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
-        return (f"T.max({end} - first_tile, 1)"
-                "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)")
-    if per_sequence(plan) or plan.split_kv:  # a sequence may have no key at all: kv_len = 0
-        tiles = "T.ceildiv(kv_len, BLOCK_N)"
-        if plan.spec.causal:
-            end = f"{row_pos(plan, 'q0 + BLOCK_M - 1')} + 1" if plan.pack_gqa else "q0 + BLOCK_M"
-            tiles = f"T.min({tiles}, T.ceildiv({end} + causal_offset, BLOCK_N))"
-        return f"T.max({tiles}, 1)  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
-    if not plan.spec.causal:
-        return "T.ceildiv(kv_len, BLOCK_N)"
-    if plan.guard_empty_rows:
-        return ("T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset, 1), BLOCK_N))"
-                "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0")
-    return "T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N))"
+    """K tiles a block of query rows visits (with its comment): the window's or the diagonal's, and
+    at least one (a block whose rows see no key runs one fully masked tile)."""
+    stop = tile_frame(plan).kv_stop(block_rows(plan))
+    windowed_first = windowed(plan) and has_first_tile(plan)
+    visits = _visits(plan, stop) if windowed_first else stop
+    n = tiles.at_least_one(visits)
+    if windowed_first:
+        return tiles.text(n) + "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)"
+    if n != visits:  # the clamp is not proven redundant: say why it is there
+        return tiles.text(n) + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
+    return tiles.text(n)
+
+
+def split_exprs(plan: Plan) -> dict:
+    """A split's share of the block's n_block_tiles visits (names the template binds)."""
+    if not plan.split_kv:
+        return {}
+    n, per = tiles.Sym("n_block_tiles", 1), tiles.Sym("tiles_per_split", 1)
+    return {"split_tiles_per": tiles.text(tiles.split_tiles_per(n, tiles.Sym("num_splits", 1))),
+            "split_first": tiles.text(tiles.split_first(tiles.Sym("split_idx", 0), per)),
+            "split_n_tiles": tiles.text(tiles.at_least_one(tiles.split_count(n, _FIRST, per)))}
 
 
 def scaled_max_expr(plan: Plan, masked: bool) -> str:
@@ -660,6 +682,7 @@ def template_context(plan: Plan) -> dict:
         "lse_index": lse_index(plan, row_pos(plan), row_head(plan)),
         "q_pack_index": q_pack_index(plan),
         **(combine_context(plan, dv) if plan.split_kv else {}),
+        **split_exprs(plan),
         "sink_init": sink_init(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,

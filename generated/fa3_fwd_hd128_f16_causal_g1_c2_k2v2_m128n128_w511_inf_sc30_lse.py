@@ -112,7 +112,7 @@ def build_kernel():
         T.mbarrier_arrive(k_empty[0])
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
             acc_s[i, j] = (SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)) * LOG2E
-        full_tiles = T.floordiv(T.max(q0 + row0 + causal_offset + 1, 0), BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
+        full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
         lead = T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - 511, 0), BLOCK_N) - first_tile, 0)  # leading visits the window's left edge cuts for these rows
         if full_tiles < 1 or lead > 0:  # the first visited tile is cut by an edge of the window
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
@@ -197,7 +197,7 @@ def build_kernel():
             kv_head = head // GQA_GROUP
             q0 = q_block * BLOCK_M
             first_tile = T.floordiv(T.max(q0 + causal_offset - 511, 0), BLOCK_N)  # the window's left edge for the block's first row
-            n_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset + 0, 1), BLOCK_N)) - first_tile, 1)  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)
+            n_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N)) - first_tile, 1)  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)
             tx = T.get_thread_binding()
 
             # Producer warpgroup: gives its registers away; one warp loads Q once, then K and V per tile.
