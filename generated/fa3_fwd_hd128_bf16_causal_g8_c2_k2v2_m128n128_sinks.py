@@ -95,7 +95,6 @@ def build_kernel():
         T.fill(acc_o, 0)
         T.fill(row_sum, 1.0)  # the sink's own term, exp(sink - m) with m = sink
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, -T.infinity(ACCUM))
         for i in T.Parallel(WG_ROWS):  # the sink joins the denominator as a key of logit sinks[h] and value 0
             m_cur[i] = Sinks[head] * SINK_TO_RAW
         T.mbarrier_wait_parity(q_full, 0)
