@@ -554,8 +554,12 @@ def header_lines(plan: Plan) -> list[str]:
         + (", ping-pong" if spec.pingpong else "")
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
-        "spec:",
     ]
+    inputs = [t for t in plan.extra if not t.output]
+    if inputs:  # a free axis takes any extent >= 1
+        lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
+                     + " (float32, passed by name at call time)")
+    lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
     return lines

@@ -6,6 +6,7 @@
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      196608 bytes dynamic (Q 32768, K 65536, V 65536, O 32768)
+# tensors:   sinks [heads] (float32, passed by name at call time)
 # spec:
 #   head_dim = 128
 #   dtype = "bfloat16"

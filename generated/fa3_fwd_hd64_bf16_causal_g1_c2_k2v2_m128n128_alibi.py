@@ -6,6 +6,7 @@
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      98304 bytes dynamic (Q 16384, K 32768, V 32768, O 16384)
+# tensors:   alibi_slopes [heads] (float32, passed by name at call time)
 # spec:
 #   head_dim = 64
 #   dtype = "bfloat16"

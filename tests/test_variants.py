@@ -60,6 +60,18 @@ def test_each_variant_changes_name_and_hash(field):
     assert plan.name.startswith(base.name)
 
 
+def test_the_header_names_the_call_time_tensors_and_their_shapes():
+    def header(**fields):
+        source = attngen.render_source(Spec(**fields))
+        return [line for line in source.splitlines() if line.startswith("# tensors:")]
+
+    assert header() == [] and header(lse=True) == []  # no call-time input; the LSE is an output
+    assert header(score_mod="score + rpb[h, q_idx - kv_idx + 7]", alibi=True, sinks=True) == [
+        "# tensors:   alibi_slopes [heads], sinks [heads], rpb [heads, any] (float32, passed by name at call time)"]
+    assert header(mask_mod="doc[b, q_idx] == doc[b, kv_idx]") == [
+        "# tensors:   doc [batch, any] (float32, passed by name at call time)"]  # q_len and kv_len: either extent
+
+
 def test_window_from_toml_is_a_tuple(tmp_path):
     path = tmp_path / "w.toml"
     path.write_text("window = [128, 0]\ncausal = true\nlse = true\n")
