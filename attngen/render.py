@@ -166,7 +166,12 @@ def transform_expr(plan: Plan, tile: str) -> str:
 
 
 def scaled(plan: Plan, x: str) -> str:
-    """A raw score or row max in the softmax's base-2 units."""
+    """A raw score or row max in the softmax's base-2 units.
+
+    The running max starts at the lowest float (T.min_value), so that a row whose scores so far
+    are all -inf has a finite max and exp2 gives 0 rather than NaN (-inf - -inf). Its scaled
+    value stays finite because SCALE_LOG2 = log2(e) / sqrt(HEAD_DIM) < 1 (a scale above ln 2,
+    SCALE_LOG2 > 1, would need a floor of min_value / SCALE_LOG2)."""
     return x if plan.prescaled else f"{x} * SCALE_LOG2"
 
 
@@ -242,17 +247,12 @@ def n_tiles_expr(plan: Plan) -> str:
     return "T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N))"
 
 
-def scaled_max_expr(plan: Plan, masked: bool) -> str:
-    """Row max times SCALE_LOG2; a fully masked row has max -inf and uses 0 so exp2 gives 0, not NaN."""
-    plain = scaled(plan, "m_cur[i]")
-    if masked and plan.guard_empty_rows:
-        return f"T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, {plain})"
-    return plain
-
-
 def normalize_stmt(plan: Plan) -> str:
-    """The epilogue's division by the row sum (guarded when a row may see no key)."""
-    if plan.guard_empty_rows and not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
+    """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
+    inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
+    The running max never reaches -inf (it starts at the lowest float, docs/online-softmax.md step
+    4), so this once-per-row test is the only guard: no tile pays for one."""
+    if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
         return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
     return "acc_o[i, j] /= row_sum[i]"
 
@@ -644,7 +644,6 @@ def template_context(plan: Plan) -> dict:
         "key_tile": lambda tile: key_tile(plan, tile),
         "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
-        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "q_rows": lambda g: q_rows(plan, g),
     }
 

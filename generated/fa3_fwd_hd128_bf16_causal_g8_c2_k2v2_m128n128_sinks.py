@@ -119,7 +119,7 @@ def build_kernel():
         for i in T.Parallel(WG_ROWS):  # rescale the sink's term to the new max
             alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         T.reduce_sum(acc_s, row_sum_tile, dim=1)
         for i in T.Parallel(WG_ROWS):
             row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
@@ -146,9 +146,9 @@ def build_kernel():
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
