@@ -92,14 +92,17 @@ def key_index(plan: Plan, tile: str) -> str:
 
 
 def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
-    """The plain causal mask's diagonal in visit `tile`: (name, value), row i seeing keys j <= i + name.
+    """The diagonal in visit `tile`: (name, value), row i's diagonal key being j = i + name.
 
-    The row-independent part is bound once per tile (a Let) so that the per-element test is
-    `i + diag >= j`: lowering then simplifies two indices per element, not the whole sum
-    (docs/build.md, "Emitted-source edits"). None for every other mask, and for packed GQA,
-    whose row position (q0 + row0 + i) // GQA_GROUP does not split off a row-independent part.
+    The row-independent part is bound once per tile (a Let) so that the per-element tests of
+    the causal mask and the window's edges are `i + diag >= j`, `j >= i + diag - left`: lowering
+    then simplifies two indices per element, not the whole sum (docs/build.md, "Emitted-source
+    edits"). A mask_mod kernel binds it for its causal or window part; the mod itself is an
+    arbitrary expression of q_idx and kv_idx with no such part. None without a causal mask or a
+    window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
+    off a row-independent part.
     """
-    if windowed(plan) or plan.mask_expr is not None or not plan.spec.causal or plan.pack_gqa:
+    if plan.pack_gqa or (plan.window_left is None and plan.window_right is None):
         return None
     t = key_tile(plan, tile)
     value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
@@ -112,7 +115,9 @@ def mask_binding(plan: Plan, tile: str) -> str:
     if diag is None:
         return ""
     name, value = diag
-    return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    if not windowed(plan) and plan.mask_expr is None:  # the plain causal mask
+        return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    return f"{name} = {value}  # row i's diagonal in tile {key_tile(plan, tile)} is key j = i + {name}"
 
 
 def mask_condition(plan: Plan, tile: str) -> str:
@@ -127,11 +132,14 @@ def mask_condition(plan: Plan, tile: str) -> str:
             return f"i + {diag[0]} >= j" if diag else f"{row} + causal_offset >= {key}"
         return f"{key} < kv_len"  # the partial last tile (not aligned)
     left, right = plan.window_left, plan.window_right
+    diag = causal_diag(plan, tile)
     parts = []
+    # row + causal_offset vs key, or with the diagonal bound (all but packed GQA): i + diag vs j
+    near, far = (f"i + {diag[0]}", "j") if diag else (f"{row} + causal_offset", key)
     if left is not None:
-        parts.append(f"{key} >= {row} + causal_offset - {left}")
+        parts.append(f"{far} >= {near} - {left}" if left or not diag else f"{far} >= {near}")
     if right is not None:
-        parts.append(f"{row} + causal_offset + {right} >= {key}" if right else f"{row} + causal_offset >= {key}")
+        parts.append(f"{near} + {right} >= {far}" if right else f"{near} >= {far}")
     if right != 0:  # right == 0 keeps every real row's keys below kv_len (see above)
         parts.append(f"{key} < kv_len")
     if plan.mask_expr is not None:

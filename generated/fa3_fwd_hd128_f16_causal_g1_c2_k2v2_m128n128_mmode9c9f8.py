@@ -107,8 +107,9 @@ def build_kernel():
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
         # a custom mask_mod: every tile is masked
+        diag0 = q0 + row0 + causal_offset  # row i's diagonal in tile 0 is key j = i + diag0
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
+            acc_s[i, j] = T.if_then_else(i + diag0 >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
@@ -129,8 +130,9 @@ def build_kernel():
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
+            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i's diagonal in tile k is key j = i + diag
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((k * BLOCK_N + j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(i + diag >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((k * BLOCK_N + j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):

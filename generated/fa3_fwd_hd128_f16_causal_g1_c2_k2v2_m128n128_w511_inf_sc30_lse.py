@@ -116,8 +116,9 @@ def build_kernel():
         full_tiles = T.floordiv(T.max(q0 + row0 + causal_offset + 1, 0), BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
         lead = T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - 511, 0), BLOCK_N) - first_tile, 0)  # leading visits the window's left edge cuts for these rows
         if full_tiles < 1 or lead > 0:  # the first visited tile is cut by an edge of the window
+            diag0 = q0 + row0 + causal_offset - first_tile * BLOCK_N  # row i's diagonal in tile first_tile is key j = i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(first_tile * BLOCK_N + j >= q0 + row0 + i + causal_offset - 511 and q0 + row0 + i + causal_offset >= first_tile * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(j >= i + diag0 - 511 and i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
@@ -141,8 +142,9 @@ def build_kernel():
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
                 acc_s[i, j] = (SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)) * LOG2E
             if k < lead or k >= full_tiles:  # cut by an edge of the window, or a diagonal or partial tile: masked
+                diag = q0 + row0 + causal_offset - (first_tile + k) * BLOCK_N  # row i's diagonal in tile (first_tile + k) is key j = i + diag
                 for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                    acc_s[i, j] = T.if_then_else((first_tile + k) * BLOCK_N + j >= q0 + row0 + i + causal_offset - 511 and q0 + row0 + i + causal_offset >= (first_tile + k) * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
+                    acc_s[i, j] = T.if_then_else(j >= i + diag - 511 and i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
