@@ -16,6 +16,7 @@ from attngen.plan import make_plan
 from attngen.reference import attention, check_lse, random_inputs, variant_of
 from attngen.runtime import InputError, check_extra, check_tensors
 from attngen.spec import Spec, SpecError
+from strategies import window_edge_kv_lens
 
 VARIANT_FIELDS = dict(lse=True, window=[64, 3], softcap=20.0, alibi=True, sinks=True, head_dim_v=64,
                       score_mod="score + bias[h]", mask_mod="kv_idx != 5")
@@ -163,6 +164,25 @@ def test_variant_kernel_matches_the_reference(fields, shape, policy):
     b, hkv, sq, skv = shape
     ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=5, policy=policy)
     assert ok, f"{plan.name} {shape} {policy}: {text}"
+
+
+# Window edges on a tile boundary and one key either side (issue 21): a bound off by one (the
+# left-edge count `WG_ROWS - 2`, an edge test `>` for `>=`) changes which keys a row sees only there.
+WINDOW_EDGE_CASES = [
+    (dict(window=[270, -1], consumers=1), 64, 420),  # kv_len 400: the last row's left edge is 128 + 1
+    (dict(window=[100, -1], causal=True, head_dim=64, block_n=64), 100, 200),
+    (dict(window=[37, 21], head_dim=64, consumers=3, k_stages=3, lse=True), 70, 150),
+]
+
+
+@pytest.mark.parametrize("fields, q_len, max_kv", WINDOW_EDGE_CASES, ids=lambda x: make_plan(Spec(**x)).name if isinstance(x, dict) else None)
+def test_window_edges_at_tile_multiples_match_the_reference(fields, q_len, max_kv):
+    plan = make_plan(Spec(**fields))
+    lens = window_edge_kv_lens(plan, q_len, max_kv)
+    assert len(lens) >= 9
+    for kv_len in lens:
+        ok, text, _ = check_emulated(plan, 1, plan.spec.gqa_group, 1, q_len, kv_len, seed=3)
+        assert ok, f"{plan.name} q_len={q_len} kv_len={kv_len}: {text}"
 
 
 def test_variant_inputs_make_the_document_mask_non_trivial():
