@@ -10,7 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 import attngen
 from attngen.plan import Shape, make_plan
 from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, random_inputs, round_to,
-                               tolerance, variant_of)
+                               check_lse, tolerance, variant_of)
 
 
 def randn(shape, seed, dtype=None):
@@ -314,7 +314,7 @@ def test_the_emulator_and_the_reference_agree_on_nan(where, causal):
 
 # Kernels without a guard for rows that see no key (non-causal; causal at a static shape with
 # q_len <= kv_len) and one with it (causal, dynamic), at 3 K tiles (block_n 128).
-ALL_INF_CASES = [(attngen.Spec(head_dim=64, gqa_group=2), None),
+ALL_INF_CASES = [(attngen.Spec(head_dim=64, gqa_group=2, lse=True), None),
                  (attngen.Spec(head_dim=64, gqa_group=2, causal=True), Shape(1, 2, 1, 150, 300)),
                  (attngen.Spec(head_dim=64, gqa_group=2, causal=True), None),
                  (attngen.Spec(head_dim=64, gqa_group=2, window=[200, -1]), None)]
@@ -335,8 +335,11 @@ def test_scores_of_minus_inf_from_the_inputs_give_the_reference_not_nan(spec, sh
         q[..., 0] = np.abs(q[..., 0]) + 0.01
         k[0, :128, 0, 0] = -np.inf
     out = attngen.emulate(plan, q, k, v)
-    ref, _ = attention(q, k, v, spec.causal, **variant_of(spec))
+    out, lse = out if spec.lse else (out, None)
+    ref, ref_lse = attention(q, k, v, spec.causal, **variant_of(spec))
     assert np.isfinite(ref).all()
     if case == "row":
         assert (ref[0, 7, 1] == 0).all() and (out[0, 7, 1] == 0).all()
     assert check_close(out, q, k, v, spec.causal, dtype="float16", **variant_of(spec)).ok
+    if lse is not None:  # the row of -inf scores: -inf, as a row that sees no key
+        assert check_lse(lse, q, k, v, spec.causal, dtype="float16").ok and (lse[0, 1, 7] == -np.inf) == (case == "row")
