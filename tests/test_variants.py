@@ -140,6 +140,39 @@ def test_window_kernels_visit_exactly_the_tiles_holding_visible_keys(window, cau
                 assert n == 1 and 0 <= first < -(-kv_len // bn)  # one fully masked tile, inside the tensor
 
 
+@pytest.mark.parametrize("window, causal, consumers", [((270, -1), False, 1), ((100, -1), True, 2), ((37, 21), False, 3),
+                                                       ((300, 0), False, 2), ((1, 200), False, 1), ((0, 0), False, 2)])
+def test_unmasked_visits_are_whole_for_every_row_of_the_warpgroup(window, causal, consumers):
+    """Exact, on the tile-count expressions: a visit the steady loop leaves unmasked (lead <= k < full_tiles)
+    holds only keys every valid row of the warpgroup sees, at shapes that put an edge of a warpgroup's
+    first or last row on m * BLOCK_N + {-1, 0, 1} (the `WG_ROWS - 2` left-edge count fails here)."""
+    plan = make_plan(Spec(window=list(window), causal=causal, consumers=consumers, head_dim=64, block_n=64))
+    bm, bn, rows = plan.spec.block_m, plan.spec.block_n, plan.wg_rows
+    lead_text = render.lead_tiles_expr(plan) or "0"
+    for q_len in (1, 64, 100, 130, 193):
+        for kv_len in window_edge_kv_lens(plan, q_len, 400):
+            off, keys = kv_len - q_len, np.arange(kv_len)
+            for q0 in range(0, q_len, bm):
+                first, n = _tiles(plan, q0, q_len, kv_len)
+                for g in range(consumers):
+                    env = {"T": _T, "q0": q0, "row0": g * rows, "WG_ROWS": rows, "BLOCK_N": bn, "kv_len": kv_len,
+                           "causal_offset": off, "first_tile": first}
+                    lead, full = eval(lead_text, env), eval(render.full_tiles_expr(plan), env)
+                    r = np.arange(q0 + g * rows, min(q0 + g * rows + rows, q_len))[:, None]  # valid rows only
+                    if not len(r):
+                        continue  # rows past q_len are computed, never stored
+                    vis = np.ones((len(r), kv_len), bool)
+                    if causal:
+                        vis &= keys <= r + off
+                    if window[0] >= 0:
+                        vis &= keys >= r + off - window[0]
+                    if window[1] >= 0:
+                        vis &= keys <= r + off + window[1]
+                    for k in range(max(lead, 1), min(full, n)):  # unmasked steady visits
+                        t = first + k
+                        assert (t + 1) * bn <= kv_len and vis[:, t * bn:(t + 1) * bn].all(), (q_len, kv_len, q0, g, k)
+
+
 # -- the kernel on the CPU model vs the fp64 reference ------------------------------------
 CASES = [
     (dict(causal=True, window=[100, -1], softcap=30.0, lse=True), (1, 1, 300, 100)),
