@@ -119,7 +119,7 @@ class Plan:
     mask_expr: expr.Expr | None = None  # the parsed mask_mod
     extra: tuple = ()  # ExtraTensor per prim_func parameter after O, in order
     prescaled: bool = False  # a score transform runs: acc_s holds the final score in base-2 units
-    guard_empty_rows: bool = False  # some query rows may see no key: guard -inf maxima and 0 sums
+    guard_empty_rows: bool = False  # some query rows may see no key: a block still visits one tile, such a row's LSE is -inf
     # Serving (docs/serving.md): packed sequences, a paged KV cache, split-KV.
     varlen: bool = False  # q, k, v packed (total, heads, D); per-sequence lengths from cu_seqlens / seqused_k
     page_size: int = 0  # keys per page of the paged K/V cache; 0: K and V are dense

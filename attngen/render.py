@@ -92,14 +92,17 @@ def key_index(plan: Plan, tile: str) -> str:
 
 
 def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
-    """The plain causal mask's diagonal in visit `tile`: (name, value), row i seeing keys j <= i + name.
+    """The diagonal in visit `tile`: (name, value), row i's diagonal key being j = i + name.
 
-    The row-independent part is bound once per tile (a Let) so that the per-element test is
-    `i + diag >= j`: lowering then simplifies two indices per element, not the whole sum
-    (docs/build.md, "Emitted-source edits"). None for every other mask, and for packed GQA,
-    whose row position (q0 + row0 + i) // GQA_GROUP does not split off a row-independent part.
+    The row-independent part is bound once per tile (a Let) so that the per-element tests of
+    the causal mask and the window's edges are `i + diag >= j`, `j >= i + diag - left`: lowering
+    then simplifies two indices per element, not the whole sum (docs/build.md, "Emitted-source
+    edits"). A mask_mod kernel binds it for its causal or window part; the mod itself is an
+    arbitrary expression of q_idx and kv_idx with no such part. None without a causal mask or a
+    window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
+    off a row-independent part.
     """
-    if windowed(plan) or plan.mask_expr is not None or not plan.spec.causal or plan.pack_gqa:
+    if plan.pack_gqa or (plan.window_left is None and plan.window_right is None):
         return None
     t = key_tile(plan, tile)
     value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
@@ -112,7 +115,9 @@ def mask_binding(plan: Plan, tile: str) -> str:
     if diag is None:
         return ""
     name, value = diag
-    return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    if not windowed(plan) and plan.mask_expr is None:  # the plain causal mask
+        return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    return f"{name} = {value}  # row i's diagonal in tile {key_tile(plan, tile)} is key j = i + {name}"
 
 
 def mask_condition(plan: Plan, tile: str) -> str:
@@ -127,11 +132,14 @@ def mask_condition(plan: Plan, tile: str) -> str:
             return f"i + {diag[0]} >= j" if diag else f"{row} + causal_offset >= {key}"
         return f"{key} < kv_len"  # the partial last tile (not aligned)
     left, right = plan.window_left, plan.window_right
+    diag = causal_diag(plan, tile)
     parts = []
+    # row + causal_offset vs key, or with the diagonal bound (all but packed GQA): i + diag vs j
+    near, far = (f"i + {diag[0]}", "j") if diag else (f"{row} + causal_offset", key)
     if left is not None:
-        parts.append(f"{key} >= {row} + causal_offset - {left}")
+        parts.append(f"{far} >= {near} - {left}" if left or not diag else f"{far} >= {near}")
     if right is not None:
-        parts.append(f"{row} + causal_offset + {right} >= {key}" if right else f"{row} + causal_offset >= {key}")
+        parts.append(f"{near} + {right} >= {far}" if right else f"{near} >= {far}")
     if right != 0:  # right == 0 keeps every real row's keys below kv_len (see above)
         parts.append(f"{key} < kv_len")
     if plan.mask_expr is not None:
@@ -166,7 +174,12 @@ def transform_expr(plan: Plan, tile: str) -> str:
 
 
 def scaled(plan: Plan, x: str) -> str:
-    """A raw score or row max in the softmax's base-2 units."""
+    """A raw score or row max in the softmax's base-2 units.
+
+    The running max starts at the lowest float (T.min_value), so that a row whose scores so far
+    are all -inf has a finite max and exp2 gives 0 rather than NaN (-inf - -inf). Its scaled
+    value stays finite because SCALE_LOG2 = log2(e) / sqrt(HEAD_DIM) < 1 (a scale above ln 2,
+    SCALE_LOG2 > 1, would need a floor of min_value / SCALE_LOG2)."""
     return x if plan.prescaled else f"{x} * SCALE_LOG2"
 
 
@@ -289,17 +302,12 @@ def split_exprs(plan: Plan) -> dict:
             "split_n_tiles": tiles.text(tiles.at_least_one(tiles.split_count(n, _FIRST, per)))}
 
 
-def scaled_max_expr(plan: Plan, masked: bool) -> str:
-    """Row max times SCALE_LOG2; a fully masked row has max -inf and uses 0 so exp2 gives 0, not NaN."""
-    plain = scaled(plan, "m_cur[i]")
-    if masked and plan.guard_empty_rows:
-        return f"T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, {plain})"
-    return plain
-
-
 def normalize_stmt(plan: Plan) -> str:
-    """The epilogue's division by the row sum (guarded when a row may see no key)."""
-    if plan.guard_empty_rows and not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
+    """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
+    inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
+    The running max never reaches -inf (it starts at the lowest float, docs/online-softmax.md step
+    4), so this once-per-row test is the only guard: no tile pays for one."""
+    if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
         return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
     return "acc_o[i, j] /= row_sum[i]"
 
@@ -601,8 +609,12 @@ def header_lines(plan: Plan) -> list[str]:
         + (", ping-pong" if spec.pingpong else "")
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
-        "spec:",
     ]
+    inputs = [t for t in plan.extra if not t.output]
+    if inputs:  # a free axis takes any extent >= 1
+        lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
+                     + " (float32, passed by name at call time)")
+    lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
     return lines
@@ -691,7 +703,6 @@ def template_context(plan: Plan) -> dict:
         "key_tile": lambda tile: key_tile(plan, tile),
         "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
-        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "q_rows": lambda g: q_rows(plan, g),
     }
 

@@ -220,7 +220,7 @@ def test_unsupported_construct_names_it_and_its_line():
 
 def test_if_on_element_values_is_unsupported():
     spec = attngen.Spec()
-    src = mutate(spec, "            acc_o[i, j] /= row_sum[i]\n",
+    src = mutate(spec, "            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0\n",
                  "            if row_sum[i] > 0:\n                acc_o[i, j] /= row_sum[i]\n")
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(UnsupportedConstruct, match="T.if_then_else") as e:
