@@ -2,7 +2,7 @@
 
 The report is what an engineer checks before spending GPU time: registers,
 spills, local memory, shared memory, whether setmaxnreg took effect, and a
-SASS census. Builds are cached under a key that hashes the emitted source and
+SASS census. Builds are cached (attngen.cache) under a key that hashes the emitted source and
 the tool versions; entries are written atomically, so a second build of the
 same spec is a file read, and its report says so ("cached": true, with the
 seconds and the toolkit of the build that made the entry).
@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import functools
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -29,7 +25,7 @@ import time
 from pathlib import Path
 
 from attngen import toolchain
-from attngen.version import __version__
+from attngen.cache import cache_key, cache_root, locked, tool_versions
 from attngen.lower import lower_source
 from attngen.plan import Plan, Shape, as_plan
 from attngen.render import render_source
@@ -55,25 +51,8 @@ class BuildResult:
 COMBINE_REPORT = ("kernel", "registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "cached")
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    return Path(os.environ.get("ATTNGEN_CACHE", Path.home() / ".cache" / "attngen"))
-
-
 def nvcc_path() -> str:
     return toolchain.current().nvcc
-
-
-@functools.lru_cache(maxsize=1)
-def tool_versions() -> dict:
-    # importlib.metadata, not `import tilelang`: a cache hit must not pay TileLang's import (seconds)
-    return {"attngen": __version__, "tilelang": importlib.metadata.version("tilelang"), "nvcc": "V" + toolchain.current().version}
-
-
-def cache_key(source: str, versions: dict, flags: list) -> str:
-    blob = json.dumps({"source": source, "versions": versions, "flags": flags}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def nvcc_command(cu: Path, cubin: Path, compile_flags: list) -> list:
@@ -126,17 +105,6 @@ def dyn_smem_bytes(lowered) -> int | None:
     return None
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def build_source(source: str, name: str, flags, *, plan_smem: int | None = None, cache_dir=None, extra: dict | None = None,
                  builder: str = "build_kernel") -> BuildResult:
     """Lower, compile (nvcc `flags`) and report one emitted source; cached by content and tool versions.
@@ -148,7 +116,7 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
     if (entry / "report.json").exists():
         return _load_entry(entry, cached=True)
 
-    with _locked(cache_root(cache_dir) / f".{name}-{key}.lock"):
+    with locked(cache_root(cache_dir) / f".{name}-{key}.lock"):
         if (entry / "report.json").exists():  # another process built it while we waited
             return _load_entry(entry, cached=True)
         tc = toolchain.current()
@@ -286,25 +254,63 @@ def _build_job(path: str, shape: str | None, cache_dir) -> Outcome:
     return Outcome(label, report=result.report)
 
 
-def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int = 1, progress=None) -> list[Outcome]:
+def _worker_init() -> None:
+    """A build worker: its own process group (its nvcc and ptxas children join it), deaf to SIGINT.
+
+    A terminal's Ctrl-C then reaches only the parent, which stops the workers itself
+    (worker_pool): no worker prints a KeyboardInterrupt traceback of its own, and
+    killing a worker's group stops the nvcc it was running too."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgrp()
+
+
+@contextlib.contextmanager
+def worker_pool(jobs: int):
+    """A pool of `jobs` spawned build processes that an exception (a KeyboardInterrupt above all)
+    stops at once: pending builds are cancelled and each worker's process group is killed,
+    where leaving the `with` would otherwise wait for every running build to finish."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import signal
+
+    # spawn, not fork: TVM's thread pools do not survive a fork, and each worker imports TileLang once
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+    try:
+        yield pool
+    except BaseException:
+        workers = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public list
+        pool.shutdown(wait=False, cancel_futures=True)
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.pid, signal.SIGKILL)  # the worker and the nvcc/ptxas it started
+        for w in workers:
+            w.join(timeout=5)
+        raise
+    pool.shutdown(wait=True)
+
+
+def build_many(paths: list, shape: str | None = None, cache_dir=None, jobs: int = 1, progress=None, job=None) -> list[Outcome]:
     """Build several spec files, `jobs` at a time in worker processes; results in the order given.
 
     `progress(done, total, outcome)` is called as each kernel finishes (outcome None for a
     periodic tick while waiting). A kernel that fails is reported, the others still build.
+    `job(path, shape, cache_dir) -> Outcome`, a module-level function that never raises, is
+    what each kernel runs (default: `attngen build`'s; `attngen precompile` passes its own).
     """
     import concurrent.futures as cf
-    import multiprocessing as mp
 
+    job = job or _build_job
     progress = progress or (lambda done, total, outcome: None)
     outcomes: list[Outcome | None] = [None] * len(paths)
     if jobs <= 1 or len(paths) == 1:
         for i, path in enumerate(paths):
-            outcomes[i] = _build_job(str(path), shape, cache_dir)
+            outcomes[i] = job(str(path), shape, cache_dir)
             progress(i + 1, len(paths), outcomes[i])
         return outcomes
-    # spawn, not fork: TVM's thread pools do not survive a fork, and each worker imports TileLang once
-    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(paths)), mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_build_job, str(p), shape, cache_dir): i for i, p in enumerate(paths)}
+    with worker_pool(min(jobs, len(paths))) as pool:
+        futures = {pool.submit(job, str(p), shape, cache_dir): i for i, p in enumerate(paths)}
         pending, done = set(futures), 0
         while pending:
             finished, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
@@ -354,7 +360,8 @@ class Progress:
             return f"FAILED {o.label}: {o.error}"
         r = o.report
         how = "from cache" if r.get("cached") else f"built in {round(sum(r['seconds'].values()), 1)} s"
-        return f"ok {r['kernel']} ({o.label}): {r['registers']} registers, {how}"
+        registers = f"{r['registers']} registers, " if "registers" in r else ""  # a precompile reports no resources
+        return f"ok {r['kernel']} ({o.label}): {registers}{how}"
 
 
 def format_summary(outcomes: list) -> str:

@@ -1,4 +1,4 @@
-"""`attngen` command line: generate, show, diff, build, check, tune, emulate, timeline.
+"""`attngen` command line: generate, show, diff, build, precompile, check, tune, emulate, timeline.
 
 Every user error (a bad spec, a bad shape or option, a missing file, a run too big for
 memory) is printed as one line, `attngen: error: ...`, naming the field or option, the
@@ -14,6 +14,7 @@ import difflib
 import json
 import os
 import sys
+from pathlib import Path
 
 from attngen.plan import Shape, make_plan
 from attngen.render import generate, render_source
@@ -63,9 +64,12 @@ def cmd_diff(args) -> int:
 
 def cmd_build(args) -> int:
     from attngen.build import Progress, build, build_many, format_report, format_summary
+    from attngen.timeline.command import check_output_file
 
     check_dir_option("--cache-dir", args.cache_dir)
     check_positive(args, "--jobs")
+    if args.cuda:
+        check_output_file("--cuda", args.cuda)
     shape = Shape.parse(args.shape) if args.shape else None  # a bad shape is one error, not one per kernel
     if len(args.spec) > 1:  # several kernels: worker processes, progress on stderr, one row each
         if args.cuda:
@@ -83,6 +87,76 @@ def cmd_build(args) -> int:
     report = result.report
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
     return 0
+
+
+PRESETS = Path(__file__).resolve().parent.parent / "examples"  # the presets: the source tree's examples/*.toml
+
+
+def preset_files() -> list:
+    """`--presets`: every preset spec file (InputError when the package runs without its source tree)."""
+    found = sorted(PRESETS.glob("*.toml"))
+    if not found:
+        raise InputError("--presets", str(PRESETS), "a source checkout's examples/*.toml (the presets are not "
+                         "installed with the package): pass the spec files instead")
+    return [str(p) for p in found]
+
+
+def _precompile_job(path: str, shape: str | None, cache_dir):
+    """One spec of `attngen precompile` (run in a worker process): never raises."""
+    from attngen.build import Outcome, one_line
+    from attngen.runtime import precompile
+
+    label = path if shape is None else f"{path} --shape {shape}"
+    try:
+        plan = make_plan(load(path), Shape.parse(shape) if shape else None)
+        done = precompile(plan, cache_dir=cache_dir)
+    except SpecError as e:
+        return Outcome(label, error=one_line(e), user_error=True)
+    except Exception as e:  # noqa: BLE001 - reported per kernel, one line
+        return Outcome(label, error=one_line(e))
+    report = {"kernel": plan.name, "cached": done.cached, "seconds": {"precompile": round(done.seconds, 1)},
+              "entry": done.path.name}
+    return Outcome(label, report=report)
+
+
+def cmd_precompile(args) -> int:
+    """Fill the runtime's kernel cache ahead of the first call (docs/build.md, "Kernels before the first call")."""
+    from attngen.build import Progress, build_many
+    from attngen.cache import RUNTIME, cache_root
+
+    check_dir_option("--cache-dir", args.cache_dir)
+    check_positive(args, "--jobs")
+    specs = list(args.spec) + (preset_files() if args.presets else [])
+    if not specs:
+        raise InputError("SPEC", "none", "one or more spec files, or --presets")
+    shape = Shape.parse(args.shape) if args.shape else None  # a bad shape is one error, not one per kernel
+    where = cache_root(args.cache_dir) / RUNTIME
+    hint = "" if args.cache_dir is None else f" (at run time: ATTNGEN_CACHE={cache_root(args.cache_dir)})"
+    if len(specs) == 1:  # in this process, like `attngen build` of one spec: a bad spec is one error line
+        from attngen.build import BuildError, one_line
+        from attngen.runtime import precompile
+
+        plan = plan_of(specs[0], shape)
+        print(f"precompiling {plan.name} into {where} (TileLang's lowering and nvcc: tens of seconds)", flush=True)
+        try:
+            done = precompile(plan, cache_dir=args.cache_dir)
+        except (BuildError, OSError):
+            raise
+        except Exception as e:  # TileLang and TVM raise many types: one line, exit 1
+            raise BuildError(f"precompiling {plan.name} failed: {one_line(e)}") from None
+        how = "was there already" if done.cached else f"built in {done.seconds:.1f} s"
+        print(f"{done.path.name}  {how}{hint}")
+        return 0
+    outcomes = build_many(specs, shape=args.shape, cache_dir=args.cache_dir, jobs=args.jobs, progress=Progress(sys.stderr),
+                          job=_precompile_job)
+    for o in outcomes:
+        if o.error is None:
+            r = o.report
+            how = "was there" if r["cached"] else f"built in {r['seconds']['precompile']} s"
+            print(f"{r['entry']}  {how}  ({o.label})")
+    done = [o for o in outcomes if o.error is None]
+    print(f"{len(done)} of {len(outcomes)} kernel(s) ready in {where}{hint}")
+    return 2 if any(o.user_error for o in outcomes) else 1 if any(o.error for o in outcomes) else 0
 
 
 def build_verdicts(report: dict) -> list:
@@ -258,6 +332,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     b.set_defaults(func=cmd_build)
 
+    pc = sub.add_parser("precompile", help="fill the GPU runtime's kernel cache ahead of the first call (no GPU needed)")
+    pc.add_argument("spec", nargs="*", help="spec TOML file(s); several build in parallel (-j)")
+    pc.add_argument("--presets", action="store_true", help="also every preset (the source tree's examples/*.toml)")
+    pc.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="kernels built at once (default: the CPU count)")
+    pc.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV (default: dynamic shapes)")
+    pc.add_argument("--cache-dir", default=None, help="cache directory to fill; point $ATTNGEN_CACHE at it at run time "
+                    "(default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    pc.set_defaults(func=cmd_precompile)
+
     c = sub.add_parser("check", help="generate, build and emulate a kernel; one verdict (the main job)")
     c.add_argument("spec", help="spec TOML file")
     c.add_argument("-o", "--output", default="generated", help="where the emitted kernel is written")
@@ -272,7 +355,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=8192, help="tune at this sequence length (default: 8192)")
     t.add_argument("--shape", help="tune at this shape B,H,HKV,SQ,SKV instead (default: 16k tokens at --seq-len)")
     t.add_argument("--dry-run", action="store_true", help="no GPU: build the candidates and list their reports")
-    t.add_argument("--max-candidates", type=int, default=16, help="build at most this many schedules (default: 16)")
+    t.add_argument("--max-candidates", type=int, default=16, help="build at most this many candidates; a schedule's one-loop and split-loop forms are two (default: 16)")
     t.add_argument("-j", "--jobs", type=int, default=2, help="parallel builds (default: 2)")
     t.add_argument("--cache-dir", default=None, help="build cache (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     t.add_argument("--table", default=None, help="tuned table to update (default: the package's attngen/tuned/h200.json)")
@@ -287,7 +370,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-len", type=int, default=128, help="key length")
     e.add_argument("--seed", type=int, default=0, help="scheduler and input seed (>= 0)")
     e.add_argument("--policy", default="random", choices=POLICIES, help="agent scheduling policy")
-    e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec")
+    e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec; "
+                   "FILE is executed as Python with your privileges (like `python FILE`): only pass files you trust")
     e.set_defaults(func=cmd_emulate)
 
     from attngen.timeline.command import add_subcommand  # `attngen timeline` (docs/timeline.md)
@@ -304,6 +388,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: build workers are already stopped (build.worker_pool); no traceback
+        print(("\r\033[K" if sys.stderr.isatty() else "") + "attngen: interrupted", file=sys.stderr)
+        return 130
     except (SpecError, InputError) as e:  # the user's input: fix the spec, the shape or the option
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2

@@ -324,3 +324,90 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
         raise AssertionError(ast.dump(node))
 
     return ev(expr.tree)
+
+
+# -- the symbolic derivative (the backward pass) ------------------------------------------
+def derivative(e: Expr) -> Expr:
+    """d(score_mod)/d(score) as an expression of the same language, parsed like any score_mod: the
+    reference evaluates it with `evaluate` and a backward kernel prints it with `emit`.
+
+    Rules: d score = 1; a literal, b, h, q_idx, kv_idx or a tensor entry (its indices are integers)
+    has derivative 0; sums, products and quotients by the usual rules; tanh(u)' = (1 - tanh(u)^2) u',
+    exp(u)' = exp(u) u', log(u)' = u' / u; abs(u)' = sign(u) u' (0 at u = 0, as torch); min(a, b)'
+    and max(a, b)' take the derivative of the operand chosen (b's at a tie); where(c, a, b)' =
+    where(c, a', b'). Products with 0 and 1 and sums with 0 are folded, so `score * 2` gives `2`.
+    """
+    if e.kind != "score_mod":
+        raise ValueError(f"derivative: a {e.kind} has no derivative with respect to the score")
+    zero, one = ast.Constant(0), ast.Constant(1)
+
+    def is_const(n, v):
+        return isinstance(n, ast.Constant) and n.value == v
+
+    def add(a, b, op=ast.Add):
+        if is_const(b, 0):
+            return a
+        if is_const(a, 0):
+            return b if op is ast.Add else ast.UnaryOp(ast.USub(), b)
+        return ast.BinOp(a, op(), b)
+
+    def mul(a, b):
+        if is_const(a, 0) or is_const(b, 0):
+            return zero
+        if is_const(a, 1):
+            return b
+        if is_const(b, 1):
+            return a
+        return ast.BinOp(a, ast.Mult(), b)
+
+    def div(a, b):
+        return zero if is_const(a, 0) else ast.BinOp(a, ast.Div(), b)
+
+    def call(fn, *args):
+        return ast.Call(ast.Name(fn, ast.Load()), list(args), [])
+
+    def d(n):
+        if isinstance(n, ast.Name):
+            return one if n.id == "score" else zero
+        if isinstance(n, (ast.Constant, ast.Subscript)):
+            return zero
+        if isinstance(n, ast.UnaryOp):
+            du = d(n.operand)
+            return du if isinstance(n.op, ast.UAdd) or is_const(du, 0) else ast.UnaryOp(ast.USub(), du)
+        if isinstance(n, ast.BinOp):
+            a, b = n.left, n.right
+            da, db = d(a), d(b)
+            if isinstance(n.op, (ast.Add, ast.Sub)):
+                return add(da, db, type(n.op))
+            if isinstance(n.op, ast.Mult):
+                return add(mul(da, b), mul(a, db))
+            # (a / b)' = a' / b - a b' / (b b)
+            return add(div(da, b), div(mul(a, db), ast.BinOp(b, ast.Mult(), b)), ast.Sub)
+        if isinstance(n, ast.Call):
+            fn, args = n.func.id, n.args
+            if fn == "where":
+                da, db = d(args[1]), d(args[2])
+                return zero if is_const(da, 0) and is_const(db, 0) else call("where", args[0], da, db)
+            if fn in ("min", "max"):
+                da, db = d(args[0]), d(args[1])
+                if is_const(da, 0) and is_const(db, 0):
+                    return zero
+                op = ast.Lt() if fn == "min" else ast.Gt()
+                return call("where", ast.Compare(args[0], [op], [args[1]]), da, db)
+            du = d(args[0])
+            if is_const(du, 0):
+                return zero
+            u = args[0]
+            if fn == "tanh":
+                return mul(ast.BinOp(one, ast.Sub(), ast.BinOp(call("tanh", u), ast.Mult(), call("tanh", u))), du)
+            if fn == "exp":
+                return mul(call("exp", u), du)
+            if fn == "log":
+                return div(du, u)
+            if fn == "abs":
+                sign = call("where", ast.Compare(u, [ast.Gt()], [zero]), one,
+                            call("where", ast.Compare(u, [ast.Lt()], [zero]), ast.UnaryOp(ast.USub(), one), zero))
+                return mul(sign, du)
+        raise AssertionError(ast.dump(n))
+
+    return parse(ast.unparse(ast.fix_missing_locations(d(e.tree))), "score_mod")

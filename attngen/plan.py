@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 
-from attngen import expr, hw
+from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
@@ -119,7 +119,7 @@ class Plan:
     mask_expr: expr.Expr | None = None  # the parsed mask_mod
     extra: tuple = ()  # ExtraTensor per prim_func parameter after O, in order
     prescaled: bool = False  # a score transform runs: acc_s holds the final score in base-2 units
-    guard_empty_rows: bool = False  # some query rows may see no key: guard -inf maxima and 0 sums
+    guard_empty_rows: bool = False  # some query rows may see no key: a block still visits one tile, such a row's LSE is -inf
     # Serving (docs/serving.md): packed sequences, a paged KV cache, split-KV.
     varlen: bool = False  # q, k, v packed (total, heads, D); per-sequence lengths from cu_seqlens / seqused_k
     page_size: int = 0  # keys per page of the paged K/V cache; 0: K and V are dense
@@ -150,6 +150,8 @@ def kernel_name(spec: Spec) -> str:
         parts.append("nopp")
     if spec.aligned:
         parts.append("aligned")
+    if spec.steady_loop != "one":
+        parts.append("splitloop")
     parts += variant_tags(spec) + serving_tags(spec)
     return "_".join(parts)
 
@@ -236,10 +238,23 @@ def default_block_n(spec: Spec) -> int:
     return fits_page[-1]
 
 
+def masks_some_tile(spec: Spec) -> bool:
+    """Some K tile may need a mask: causal, a window, a mask_mod, or lengths not tile multiples."""
+    return spec.causal or not spec.aligned or spec.window != (-1, -1) or bool(spec.mask_mod.strip())
+
+
+def splits_steady_loop(spec: Spec) -> bool:
+    """steady_loop = "split" makes a different kernel: some visits are masked and some are not
+    (a mask_mod masks every visit; without a mask there is nothing to set apart)."""
+    return masks_some_tile(spec) and not spec.mask_mod.strip()
+
+
 def resolve(spec: Spec) -> Spec:
     """The spec with every "choose for me" field filled in."""
     if spec.paged_kv and spec.page_size is None:
         spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
+    if not splits_steady_loop(spec):  # both forms are one loop: one name and hash for one kernel
+        spec = dataclasses.replace(spec, steady_loop="one")
     return dataclasses.replace(
         spec,
         head_dim_v=head_dim_v(spec),
@@ -325,9 +340,7 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
 def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     """The variant fields' derived numbers: window bounds (causal folded in), parsed mods,
     the extra kernel parameters, whether rows can see no key."""
-    left, right = (None if x < 0 else x for x in spec.window)
-    if spec.causal:  # causal is the window's right edge at the diagonal
-        right = 0 if right is None else min(right, 0)
+    left, right = tiles.edges(spec.causal, spec.window)  # causal is the window's right edge at the diagonal
     score_expr = expr.parse(spec.score_mod, "score_mod") if spec.score_mod.strip() else None
     mask_expr = expr.parse(spec.mask_mod, "mask_mod") if spec.mask_mod.strip() else None
 

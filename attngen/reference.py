@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attngen import expr as expr_mod
+from attngen import expr as expr_mod, tiles
 from attngen.hw import DTYPES, LOG2E
 
 # One ulp at 1.0 of each dtype (hw.DTYPES): the tolerance's floor is this times max|ref|.
@@ -108,7 +108,7 @@ def _check_shapes(q, k, v):
 
 def causal_visible(sq: int, skv: int) -> np.ndarray:
     """[Sq, Skv] bool: query i sees key j when j <= i + Skv - Sq (bottom-right alignment)."""
-    return np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
+    return tiles.visible(np.arange(sq)[:, None], np.arange(skv)[None, :], sq, skv, tiles.edges(True))
 
 
 def _pv(w, v, visible):
@@ -143,37 +143,39 @@ def _prescaled(variant: dict) -> bool:
 
 
 def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                    score_mod="", mask_mod="", tensors=None, dtype=np.float64):
+                    score_mod="", mask_mod="", tensors=None, dtype=np.float64, grad=False):
     """Scores s [g, Sq, Skv] (q . k * scale, natural units) of batch bi and query heads `heads`
     through softcap, ALiBi, score_mod, then the masks (causal, window, mask_mod): masked -> -inf.
-    Returns (scores, visible [g, Sq, Skv], the heads' sink logits [g, 1, 1] or None)."""
+    Returns (scores, visible [g, Sq, Skv], the heads' sink logits [g, 1, 1] or None), and with
+    `grad` a fourth value: d(score)/d(s) [g, Sq, Skv] through the same chain (softcap's
+    1 - tanh^2, ALiBi's 1, score_mod's symbolic derivative, expr.derivative), meaningful where visible."""
     off = skv - sq
     qi = np.arange(sq)[None, :, None]
     kj = np.arange(skv)[None, None, :]
     hh = np.asarray(heads)[:, None, None]
     tensors = {n: to_numpy(t).astype(np.float64) for n, t in (tensors or {}).items()}
     env = {"b": bi, "h": hh, "q_idx": qi, "kv_idx": kj}
+    dsds = 1.0
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         if softcap:
-            s = softcap * np.tanh(s / softcap)
+            t = np.tanh(s / softcap)
+            s, dsds = softcap * t, 1.0 - t * t
         if alibi_slopes is not None:
             slopes = to_numpy(alibi_slopes).astype(np.float64)[hh]
             s = s - slopes * np.abs(qi + off - kj)
         if score_mod and score_mod.strip():
-            s = expr_mod.evaluate(expr_mod.parse(score_mod, "score_mod"), {**env, "score": s}, tensors)
+            e = expr_mod.parse(score_mod, "score_mod")
+            if grad:
+                dsds = dsds * expr_mod.evaluate(expr_mod.derivative(e), {**env, "score": s}, tensors)
+            s = expr_mod.evaluate(e, {**env, "score": s}, tensors)
         s = np.broadcast_to(np.asarray(s, dtype), (len(heads), sq, skv))
-    visible = np.ones((len(heads), sq, skv), bool)
-    if causal:
-        visible &= kj <= qi + off
-    left, right = window
-    if left >= 0:
-        visible &= kj >= qi + off - left
-    if right >= 0:
-        visible &= kj <= qi + off + right
+    visible = np.broadcast_to(tiles.visible(qi, kj, sq, skv, tiles.edges(causal, window)), (len(heads), sq, skv)).copy()
     if mask_mod and mask_mod.strip():
         visible &= np.asarray(expr_mod.evaluate(expr_mod.parse(mask_mod, "mask_mod"), env, tensors), bool)
     s = np.where(visible, s, dtype(-np.inf))
     sink = None if sinks is None else to_numpy(sinks).astype(dtype)[hh]
+    if grad:
+        return s, visible, sink, np.broadcast_to(np.asarray(dsds, dtype), s.shape)
     return s, visible, sink
 
 

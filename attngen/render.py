@@ -17,9 +17,9 @@ from pathlib import Path
 
 import jinja2
 
-from attngen import expr, hw
+from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.plan import Plan, Shape, as_plan
+from attngen.plan import Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
@@ -92,14 +92,17 @@ def key_index(plan: Plan, tile: str) -> str:
 
 
 def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
-    """The plain causal mask's diagonal in visit `tile`: (name, value), row i seeing keys j <= i + name.
+    """The diagonal in visit `tile`: (name, value), row i's diagonal key being j = i + name.
 
-    The row-independent part is bound once per tile (a Let) so that the per-element test is
-    `i + diag >= j`: lowering then simplifies two indices per element, not the whole sum
-    (docs/build.md, "Emitted-source edits"). None for every other mask, and for packed GQA,
-    whose row position (q0 + row0 + i) // GQA_GROUP does not split off a row-independent part.
+    The row-independent part is bound once per tile (a Let) so that the per-element tests of
+    the causal mask and the window's edges are `i + diag >= j`, `j >= i + diag - left`: lowering
+    then simplifies two indices per element, not the whole sum (docs/build.md, "Emitted-source
+    edits"). A mask_mod kernel binds it for its causal or window part; the mod itself is an
+    arbitrary expression of q_idx and kv_idx with no such part. None without a causal mask or a
+    window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
+    off a row-independent part.
     """
-    if windowed(plan) or plan.mask_expr is not None or not plan.spec.causal or plan.pack_gqa:
+    if plan.pack_gqa or (plan.window_left is None and plan.window_right is None):
         return None
     t = key_tile(plan, tile)
     value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
@@ -112,7 +115,9 @@ def mask_binding(plan: Plan, tile: str) -> str:
     if diag is None:
         return ""
     name, value = diag
-    return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    if not windowed(plan) and plan.mask_expr is None:  # the plain causal mask
+        return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
+    return f"{name} = {value}  # row i's diagonal in tile {key_tile(plan, tile)} is key j = i + {name}"
 
 
 def mask_condition(plan: Plan, tile: str) -> str:
@@ -127,11 +132,14 @@ def mask_condition(plan: Plan, tile: str) -> str:
             return f"i + {diag[0]} >= j" if diag else f"{row} + causal_offset >= {key}"
         return f"{key} < kv_len"  # the partial last tile (not aligned)
     left, right = plan.window_left, plan.window_right
+    diag = causal_diag(plan, tile)
     parts = []
+    # row + causal_offset vs key, or with the diagonal bound (all but packed GQA): i + diag vs j
+    near, far = (f"i + {diag[0]}", "j") if diag else (f"{row} + causal_offset", key)
     if left is not None:
-        parts.append(f"{key} >= {row} + causal_offset - {left}")
+        parts.append(f"{far} >= {near} - {left}" if left or not diag else f"{far} >= {near}")
     if right is not None:
-        parts.append(f"{row} + causal_offset + {right} >= {key}" if right else f"{row} + causal_offset >= {key}")
+        parts.append(f"{near} + {right} >= {far}" if right else f"{near} >= {far}")
     if right != 0:  # right == 0 keeps every real row's keys below kv_len (see above)
         parts.append(f"{key} < kv_len")
     if plan.mask_expr is not None:
@@ -166,44 +174,72 @@ def transform_expr(plan: Plan, tile: str) -> str:
 
 
 def scaled(plan: Plan, x: str) -> str:
-    """A raw score or row max in the softmax's base-2 units."""
+    """A raw score or row max in the softmax's base-2 units.
+
+    The running max starts at the lowest float (T.min_value), so that a row whose scores so far
+    are all -inf has a finite max and exp2 gives 0 rather than NaN (-inf - -inf). Its scaled
+    value stays finite because SCALE_LOG2 = log2(e) / sqrt(HEAD_DIM) < 1 (a scale above ln 2,
+    SCALE_LOG2 > 1, would need a floor of min_value / SCALE_LOG2)."""
     return x if plan.prescaled else f"{x} * SCALE_LOG2"
 
 
+# -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
+def tile_frame(plan: Plan) -> tiles.Frame:
+    """The plan's problem in the kernel's names, with what is known of each value: kv_len >= 1 in a
+    bshd kernel (0 where a sequence or a split may have no key), and the offset's value for a static
+    shape whose every row sees a key (the plan's guard_empty_rows is off)."""
+    static = plan.shape is not None and not per_sequence(plan)
+    kv_lo = 0 if per_sequence(plan) or plan.split_kv else (plan.shape.kv_len if static else 1)
+    off_lo = plan.shape.kv_len - plan.shape.q_len if static and not plan.guard_empty_rows else None
+    return tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", kv_lo),
+                       offset=tiles.Sym("causal_offset", off_lo), edges=tiles.Edges(plan.window_left, plan.window_right),
+                       block_m=tiles.Sym("BLOCK_M", 1), block_n=tiles.Sym("BLOCK_N", 1))
+
+
+_Q0, _ROW0, _FIRST = tiles.Sym("q0", 0), tiles.Sym("row0", 0), tiles.Sym("first_tile", 0)
+
+
+def _row(plan: Plan, x) -> tiles.Expr:
+    return tiles.rowdiv(x, tiles.Sym("GQA_GROUP", 1)) if plan.pack_gqa else x
+
+
+def block_rows(plan: Plan) -> tiles.Rows:
+    """The block's query rows: q0 .. q0 + BLOCK_M - 1 (packed GQA: their query positions)."""
+    return tiles.Rows(_row(plan, _Q0), _row(plan, tiles.add(_Q0, tiles.Sym("BLOCK_M", 1), -1)))
+
+
+def warpgroup_rows(plan: Plan) -> tiles.Rows:
+    """One consumer warpgroup's rows: q0 + row0 .. q0 + row0 + WG_ROWS - 1."""
+    start = tiles.add(_Q0, _ROW0)
+    return tiles.Rows(_row(plan, start), _row(plan, tiles.add(start, tiles.Sym("WG_ROWS", 1), -1)))
+
+
+def _visits(plan: Plan, tile) -> tiles.Expr:
+    """A K tile index as a visit count from the block's first tile."""
+    return tiles.sub(tile, _FIRST) if has_first_tile(plan) else tile
+
+
 def full_tiles_expr(plan: Plan) -> str:
-    """Leading K tiles (visits) that every row of the warpgroup sees whole on the right (no mask needed)."""
-    spec = plan.spec
+    """Leading K tiles (visits) that every row of the warpgroup sees whole on the right (no mask needed).
+    A warpgroup's first row is a real row (< q_len) whenever its output is stored."""
     if plan.mask_expr is not None:
         return "0"  # a custom mask_mod masks every tile
-    if not windowed(plan):
-        if spec.causal:  # tile t is whole for row r when (t + 1) * BLOCK_N - 1 <= r + causal_offset (< kv_len)
-            tiles = f"T.floordiv({row_pos(plan, 'q0 + row0')} + causal_offset + 1, BLOCK_N)"
-        else:
-            tiles = "T.floordiv(kv_len, BLOCK_N)"  # the last tile is partial unless kv_len is a multiple of BLOCK_N
-        return f"{tiles} - first_tile" if has_first_tile(plan) else tiles
-    right = plan.window_right
-    if right is None:
-        tiles = "T.floordiv(kv_len, BLOCK_N)"
-    else:
-        tiles = f"T.floordiv(T.max(q0 + row0 + causal_offset + {right + 1}, 0), BLOCK_N)"
-        if right:
-            tiles = f"T.min({tiles}, T.floordiv(kv_len, BLOCK_N))"
-    return f"{tiles} - first_tile" if has_first_tile(plan) else tiles
+    return tiles.text(_visits(plan, tile_frame(plan).kv_full_stop(warpgroup_rows(plan), first_row_real=True)))
 
 
 def lead_tiles_expr(plan: Plan) -> str:
     """Leading visits the window's left edge cuts for some row of this warpgroup (masked)."""
     if plan.window_left is None or plan.mask_expr is not None:
         return ""
-    return (f"T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
-            " - first_tile, 0)")
+    return tiles.text(tiles.max_(_visits(plan, tile_frame(plan).kv_full_first(warpgroup_rows(plan))), 0))
 
 
 def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     """(condition, comment): is visit k of the steady loop masked? Leading visits the window's left edge
-    cuts and every visit from the first diagonal or partial tile on. One loop with a branch, not a
-    masked and an unmasked copy of the loop: TileLang's layout inference grows with the square of
-    a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4 times slower (docs/build.md)."""
+    cuts and every visit from the first diagonal or partial tile on (steady_loop = "one"). One loop
+    with a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows
+    with the square of a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4
+    times slower (docs/build.md)."""
     if plan.mask_expr is not None:
         return "", ""  # a custom mask_mod masks every visit, unconditionally
     if lead_tiles_expr(plan):
@@ -211,48 +247,67 @@ def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     return "k >= full_tiles", "a diagonal or partial tile: masked"
 
 
+def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
+    """The steady loop's form (spec.steady_loop): the lines that split its visits, and each loop's
+    range, comment and mask ("test": a per-visit `if`, "always", "never").
+
+    "one": one loop over every visit; the mask runs under masked_visit_expr's test. "split": the
+    seed's and FlashAttention-3's form, a copy without mask code (nor -inf guard) over the tiles
+    every row sees whole and a masked copy over the rest, and before them, with a window's left
+    edge, a masked copy over the visits it cuts. Same values; two copies cost build time
+    (docs/build.md)."""
+    spec = plan.spec
+    if spec.steady_loop == "one":  # also every spec with nothing to split (make_plan resolves it to "one")
+        mask = "always" if plan.mask_expr is not None else "test" if masks_some_tile(spec) else "never"
+        return [], [{"start": "1", "end": "n_tiles", "comment": "", "mask": mask}]
+    masked = {"end": "n_tiles", "comment": "diagonal and partial tiles: masked", "mask": "always"}
+    if not lead_tiles_expr(plan):
+        return (["split = T.max(1, T.min(n_tiles, full_tiles))"],
+                [{"start": "1", "end": "split", "comment": "tiles every row sees whole", "mask": "never"},
+                 {**masked, "start": "split"}])
+    return (["split_lo = T.max(1, T.min(n_tiles, lead))", "split = T.max(split_lo, T.min(n_tiles, full_tiles))"],
+            [{"start": "1", "end": "split_lo", "comment": "tiles the window's left edge cuts: masked", "mask": "always"},
+             {"start": "split_lo", "end": "split", "comment": "tiles every row sees whole", "mask": "never"},
+             {**masked, "start": "split"}])
+
+
 def first_tile_expr(plan: Plan) -> str:
     """The block's first visited K tile: the window's left edge for its first row."""
-    if plan.window_left is None:  # a split's first tile is laid out with the split (template)
+    if plan.window_left is None:  # a split's first tile is laid out with the split (split_exprs)
         return ""
-    return f"T.floordiv(T.max(q0 + causal_offset - {plan.window_left}, 0), BLOCK_N)"
+    return tiles.text(tile_frame(plan).kv_first(block_rows(plan)))
 
 
 def n_tiles_expr(plan: Plan) -> str:
-    """K tiles a block of query rows visits (with its comment): causal blocks stop at the diagonal."""
-    if windowed(plan):
-        end = "T.ceildiv(kv_len, BLOCK_N)"
-        if plan.window_right is not None:
-            end = f"T.min({end}, T.ceildiv(T.max(q0 + BLOCK_M + causal_offset + {plan.window_right}, 1), BLOCK_N))"
-        if not has_first_tile(plan):
-            return end + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
-        return (f"T.max({end} - first_tile, 1)"
-                "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)")
-    if per_sequence(plan) or plan.split_kv:  # a sequence may have no key at all: kv_len = 0
-        tiles = "T.ceildiv(kv_len, BLOCK_N)"
-        if plan.spec.causal:
-            end = f"{row_pos(plan, 'q0 + BLOCK_M - 1')} + 1" if plan.pack_gqa else "q0 + BLOCK_M"
-            tiles = f"T.min({tiles}, T.ceildiv({end} + causal_offset, BLOCK_N))"
-        return f"T.max({tiles}, 1)  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
-    if not plan.spec.causal:
-        return "T.ceildiv(kv_len, BLOCK_N)"
-    if plan.guard_empty_rows:
-        return ("T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset, 1), BLOCK_N))"
-                "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0")
-    return "T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N))"
+    """K tiles a block of query rows visits (with its comment): the window's or the diagonal's, and
+    at least one (a block whose rows see no key runs one fully masked tile)."""
+    stop = tile_frame(plan).kv_stop(block_rows(plan))
+    windowed_first = windowed(plan) and has_first_tile(plan)
+    visits = _visits(plan, stop) if windowed_first else stop
+    n = tiles.at_least_one(visits)
+    if windowed_first:
+        return tiles.text(n) + "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)"
+    if n != visits:  # the clamp is not proven redundant: say why it is there
+        return tiles.text(n) + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
+    return tiles.text(n)
 
 
-def scaled_max_expr(plan: Plan, masked: bool) -> str:
-    """Row max times SCALE_LOG2; a fully masked row has max -inf and uses 0 so exp2 gives 0, not NaN."""
-    plain = scaled(plan, "m_cur[i]")
-    if masked and plan.guard_empty_rows:
-        return f"T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, {plain})"
-    return plain
+def split_exprs(plan: Plan) -> dict:
+    """A split's share of the block's n_block_tiles visits (names the template binds)."""
+    if not plan.split_kv:
+        return {}
+    n, per = tiles.Sym("n_block_tiles", 1), tiles.Sym("tiles_per_split", 1)
+    return {"split_tiles_per": tiles.text(tiles.split_tiles_per(n, tiles.Sym("num_splits", 1))),
+            "split_first": tiles.text(tiles.split_first(tiles.Sym("split_idx", 0), per)),
+            "split_n_tiles": tiles.text(tiles.at_least_one(tiles.split_count(n, _FIRST, per)))}
 
 
 def normalize_stmt(plan: Plan) -> str:
-    """The epilogue's division by the row sum (guarded when a row may see no key)."""
-    if plan.guard_empty_rows and not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
+    """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
+    inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
+    The running max never reaches -inf (it starts at the lowest float, docs/online-softmax.md step
+    4), so this once-per-row test is the only guard: no tile pays for one."""
+    if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
         return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
     return "acc_o[i, j] /= row_sum[i]"
 
@@ -554,8 +609,12 @@ def header_lines(plan: Plan) -> list[str]:
         + (", ping-pong" if spec.pingpong else "")
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
-        "spec:",
     ]
+    inputs = [t for t in plan.extra if not t.output]
+    if inputs:  # a free axis takes any extent >= 1
+        lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
+                     + " (float32, passed by name at call time)")
+    lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
     return lines
@@ -564,10 +623,11 @@ def header_lines(plan: Plan) -> list[str]:
 def template_context(plan: Plan) -> dict:
     """Every name the template uses (documented at the top of the template)."""
     spec = plan.spec
-    has_masked = spec.causal or not spec.aligned or windowed(plan) or plan.mask_expr is not None
+    has_masked = masks_some_tile(spec)
     dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
+    loop_setup, loops = steady_loops(plan)
     return {
         "header": header_lines(plan),
         "kernel_name": plan.name,
@@ -609,6 +669,8 @@ def template_context(plan: Plan) -> dict:
         "lead_tiles": lead_tiles_expr(plan),
         "masked_visit": masked_visit,
         "masked_visit_comment": masked_visit_comment,
+        "steady_setup": loop_setup,
+        "steady_loops": loops,
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),
@@ -632,6 +694,7 @@ def template_context(plan: Plan) -> dict:
         "lse_index": lse_index(plan, row_pos(plan), row_head(plan)),
         "q_pack_index": q_pack_index(plan),
         **(combine_context(plan, dv) if plan.split_kv else {}),
+        **split_exprs(plan),
         "sink_init": sink_init(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,
@@ -640,7 +703,6 @@ def template_context(plan: Plan) -> dict:
         "key_tile": lambda tile: key_tile(plan, tile),
         "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
-        "scaled_max": lambda masked: scaled_max_expr(plan, masked),
         "q_rows": lambda g: q_rows(plan, g),
     }
 

@@ -1,6 +1,7 @@
 """Generated kernels, callable from PyTorch on a Hopper GPU.
 
-    kernel = attngen.runtime.compile_kernel(spec)   # JIT: plan -> render -> TileLang -> nvcc (sm_90a)
+    kernel = attngen.runtime.compile_kernel(spec)   # JIT: plan -> render -> TileLang -> nvcc (sm_90a), or the cache
+    attngen.runtime.precompile(spec)                # the same build ahead of time, into the cache (no GPU needed)
     out = kernel(q, k, v)                           # q [B, Sq, H, D], k/v [B, Skv, HKV, D]
     out = attngen.runtime.attention(q, k, v, causal=True)   # spec picked from the tensors
 
@@ -9,23 +10,30 @@ capability 9.0. Every input is checked before anything is launched, and a bad
 input raises `InputError` (a ValueError) that names the argument, the value and
 what was expected.
 
-Caching: `compile_kernel` memoizes per (spec, shape) in this process, and TileLang's own
-disk cache (content-keyed: the TIR script, target, flags, pass configs and the
-TileLang build) lets a second process load the built library instead of running
-nvcc again. The disk cache lives under $TILELANG_CACHE_DIR (default
-~/.tilelang/cache), in <version>/<platform>/kernels/<sha256>/.
+Caching: `compile_kernel` memoizes per (spec, shape) in this process; across processes the
+attngen cache ($ATTNGEN_CACHE, default ~/.cache/attngen; attngen.cache) keeps a runtime entry
+per kernel, runtime/<kernel>-<key>/ (key: the emitted source, the nvcc flags, attngen's and
+TileLang's versions), holding TileLang's compiled library, its parameters and the prim_func as
+JSON. A hit loads it the way TileLang loads its own disk cache: no lowering, no nvcc, no process
+started, no emitted code run. A miss lowers and compiles with `tilelang.compile` (which also
+fills TileLang's cache under $TILELANG_CACHE_DIR) and stores the entry. `precompile(spec)` (and
+`attngen precompile`) makes entries ahead of the first call; an entry holds no absolute path, so
+a cache folder built on one machine serves another (docs/build.md, "Kernels before the first call").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from attngen import serving
+from attngen.cache import RUNTIME, cache_key, cache_root, locked, package_versions, tool_versions
 from attngen.hw import CAPABILITY, DTYPES, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
@@ -364,8 +372,8 @@ class Kernel:
 
     plan: Plan
     jit: object  # tilelang JITKernel
-    cache_path: str | None  # TileLang disk-cache entry of this kernel
-    origin: str  # "compiled" (nvcc ran in this process) or "disk" (TileLang's cache)
+    cache_path: str | None  # the attngen cache's runtime entry of this kernel (runtime_entry)
+    origin: str  # "compiled" (nvcc ran in this process) or "disk" (loaded from the attngen or TileLang cache)
     compile_seconds: float
     combine_jit: object = None  # the split-KV combine kernel (build_combine_kernel), for a spec with splits != 1
 
@@ -527,37 +535,170 @@ def _failure_message(plan: Plan, err: Exception) -> str:
     return f"building {plan.name} failed{where}:\n{tail}"
 
 
+RUNTIME_FORMAT = "tilelang-jit-1"  # what a runtime entry holds; a change of layout changes every key
+
+
+def runtime_key(plan: Plan, source: str) -> str:
+    """The runtime entry's key: the emitted source, the nvcc flags, attngen's and TileLang's versions.
+    Not the local nvcc's version (unlike `attngen build`'s reports): a deployment that ships a
+    precompiled cache needs no CUDA toolkit, and a hit must start no process at all."""
+    import platform
+    import sys
+
+    # the library is a host shared object: an entry serves the OS and CPU architecture it was built on
+    versions = {**package_versions(), "format": RUNTIME_FORMAT, "platform": f"{sys.platform}-{platform.machine()}"}
+    return cache_key(source, versions, list(plan.compile_flags))
+
+
+def runtime_entry(plan: Plan, source: str | None = None, cache_dir=None) -> Path:
+    """Where the runtime entry of the plan's kernel (or of an edited `source`) lives, built or not:
+    `<cache>/runtime/<kernel>-<key>`, under $ATTNGEN_CACHE unless `cache_dir` is given."""
+    text = source or render_source(plan)
+    name = plan.name if plan.shape is None else f"{plan.name}_static"
+    return cache_root(cache_dir) / RUNTIME / f"{name}-{runtime_key(plan, text)}"
+
+
+@dataclasses.dataclass
+class Precompiled:
+    """A runtime entry `precompile` made or found: its folder, whether it was there already, the seconds spent."""
+
+    path: Path
+    cached: bool
+    seconds: float
+
+
+def precompile(spec_or_plan: Spec | Plan, shape: Shape | None = None, *, cache_dir=None) -> Precompiled:
+    """Fill the runtime cache with the planned kernel (and a split-KV kernel's combine kernel) ahead
+    of the first call: TileLang's lowering and nvcc run now, so that compile_kernel (and
+    attngen.attention) in any later process, pointed at the same or a copied cache, only loads it.
+    Needs a CUDA toolkit, no GPU. `attngen precompile` runs this for each spec (docs/build.md)."""
+    if not isinstance(spec_or_plan, (Spec, Plan)):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    plan = as_plan(spec_or_plan, shape)
+    start = time.time()
+    entry = runtime_entry(plan, cache_dir=cache_dir)
+    if (entry / "meta.json").exists():
+        return Precompiled(entry, True, time.time() - start)
+    _built_entry(plan, render_source(plan), entry, require=True)
+    return Precompiled(entry, False, time.time() - start)
+
+
 def _build(plan: Plan, source: str | None = None) -> Kernel:
-    import tilelang
+    """Load the kernel's runtime entry from the attngen cache (no lowering, no nvcc), or build it
+    with TileLang and store it there for the next process."""
+    name = plan.name if plan.shape is None else f"{plan.name}_static"
+    text = source or render_source(plan)
+    entry = runtime_entry(plan, text)
+    start = time.time()
+    if (entry / "meta.json").exists():
+        try:
+            jit, combine_jit = _load_entry(entry, plan)
+        except Exception as e:  # a damaged or incomplete copy: say which entry, do not rebuild behind the user's back
+            raise RuntimeError(f"the runtime cache entry {entry} could not be loaded ({type(e).__name__}: {e}); "
+                               "remove that folder to rebuild the kernel") from e
+        origin = "disk"
+    else:
+        jit, combine_jit, origin = _built_entry(plan, text, entry, module_name=name if source is None else f"{name}_edited")
+    return Kernel(plan=plan, jit=jit, cache_path=str(entry), origin=origin, compile_seconds=time.time() - start,
+                  combine_jit=combine_jit)
+
+
+def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | None = None, require: bool = False):
+    """Build (under the entry's lock: one build per entry across processes) and store the entry;
+    returns (jit, combine jit, origin). `require`: a kernel whose entry cannot be stored is an error
+    (precompile's whole point), where a first call would still run it."""
+    with locked(entry.parent / f".{entry.name}.lock"):
+        if (entry / "meta.json").exists():  # another process built it while we waited
+            return (*_load_entry(entry, plan), "disk")
+        import tilelang
+        from tvm.target import Target
+
+        name = plan.name if plan.shape is None else f"{plan.name}_static"
+        module = load_module(source, module_name or name)
+        target = Target(TARGET)
+        kernels = {"main": "build_kernel"}
+        if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
+            kernels["combine"] = "build_combine_kernel"
+        built, start = {}, time.time()
+        for part, builder in kernels.items():
+            with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
+                prim_func = getattr(module, builder)()
+            # out_idx=None (not [3]): the caller's `out` buffer is passed in, so tests can poison it;
+            # with out_idx=[3] TileLang would allocate O itself and ignore any buffer given.
+            jit = tilelang.compile(prim_func, out_idx=None, target=target, pass_configs=module.PASS_CONFIGS,
+                                   compile_flags=list(plan.compile_flags))
+            built[part] = (prim_func, jit)
+        stored = _store_entry(entry, built, module.PASS_CONFIGS)
+        if require and not stored:
+            raise RuntimeError(f"{name}: TileLang wrote no kernel-cache entry to copy into {entry.parent} "
+                               "(is TileLang's cache disabled? unset TILELANG_DISABLE_CACHE)")
+        # TileLang's entry appears by an atomic rename during its build: one older than this call was loaded
+        tl_entry = getattr(built["main"][1], "_tilelang_cache_path", None)
+        origin = "disk" if tl_entry and os.path.isdir(tl_entry) and os.stat(tl_entry).st_mtime < start else "compiled"
+        return built["main"][1], built.get("combine", (None, None))[1], origin
+
+
+def _store_entry(entry: Path, built: dict, pass_configs: dict) -> bool:
+    """Copy TileLang's cache entry of each built kernel (its library, parameters and sources) into
+    `entry`/<part>/, with the prim_func as JSON (what TileLang's loader needs beside them, so a hit
+    runs no emitted code) and meta.json (last: its presence marks a whole entry). No absolute path
+    is stored. Returns False when TileLang kept no entry to copy."""
+    import shutil
+    import tempfile
+
+    import tvm
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
+    try:
+        parts = {}
+        for part, (prim_func, jit) in built.items():
+            src = getattr(jit, "_tilelang_cache_path", None)
+            library = next((n for n in LIBRARIES if src and os.path.isfile(os.path.join(src, n))), None)
+            if library is None or not os.path.isfile(os.path.join(src, "params.json")):
+                return False
+            (work / part).mkdir()
+            for n in (library, "params.json", "device_kernel.cu", "host_kernel.cu"):
+                if os.path.isfile(os.path.join(src, n)):
+                    shutil.copyfile(os.path.join(src, n), work / part / n)
+            (work / part / "prim_func.json").write_text(tvm.ir.save_json(prim_func))
+            parts[part] = {"library": library, "execution_backend": jit.execution_backend}
+        meta = {"format": RUNTIME_FORMAT, "parts": parts, "versions": tool_versions(),
+                "pass_configs": {str(getattr(k, "value", k)): v for k, v in pass_configs.items()},
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (work / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        os.replace(work, entry)  # atomic: readers see a whole entry or none
+        return True
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+LIBRARIES = ("executable.so", "kernel_lib.so")  # TileLang's library file, by execution backend (tvm_ffi, cython)
+
+
+def _load_entry(entry: Path, plan: Plan) -> tuple:
+    """(jit, combine jit or None) from a runtime entry, the way TileLang loads its own disk cache:
+    no lowering, no nvcc, no emitted code run."""
+    import tvm
+    from tilelang.engine.param import load_kernel_params
+    from tilelang.jit import JITKernel
+    from tilelang.jit.adapter.base import CachedTextSource
     from tvm.target import Target
 
-    name = plan.name if plan.shape is None else f"{plan.name}_static"
-    module = load_module(source or render_source(plan), name if source is None else f"{name}_edited")
-    target = Target(TARGET)
-    start = time.time()
-    with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
-        prim_func = module.build_kernel()
-    # out_idx=None (not [3]): the caller's `out` buffer is passed in, so tests can poison it;
-    # with out_idx=[3] TileLang would allocate O itself and ignore any buffer given.
-    jit = tilelang.compile(
-        prim_func,
-        out_idx=None,
-        target=target,
-        pass_configs=module.PASS_CONFIGS,
-        compile_flags=list(plan.compile_flags),
-    )
-    combine_jit = None
-    if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
-        with target:
-            combine_func = module.build_combine_kernel()
-        combine_jit = tilelang.compile(combine_func, out_idx=None, target=target, pass_configs=module.PASS_CONFIGS,
-                                       compile_flags=list(plan.compile_flags))
-    seconds = time.time() - start
-    path = getattr(jit, "_tilelang_cache_path", None)
-    # The cache entry appears by an atomic rename of a directory made during the build,
-    # so an entry older than this call was loaded, not built.
-    origin = "disk" if path and os.path.isdir(path) and os.stat(path).st_mtime < start else "compiled"
-    return Kernel(plan=plan, jit=jit, cache_path=path, origin=origin, compile_seconds=seconds, combine_jit=combine_jit)
+    meta = json.loads((entry / "meta.json").read_text())
+    jits = {}
+    for part, info in meta["parts"].items():
+        folder = entry / part
+        jits[part] = JITKernel.from_database(
+            func=tvm.ir.load_json((folder / "prim_func.json").read_text()),
+            host_kernel_source=CachedTextSource(path=str(folder / "host_kernel.cu")),
+            device_kernel_source=CachedTextSource(path=str(folder / "device_kernel.cu")),
+            kernel_lib_path=str(folder / info["library"]),
+            params=load_kernel_params((folder / "params.json").read_text()),
+            target=Target(TARGET), target_host=None, out_idx=None, execution_backend=info["execution_backend"],
+            pass_configs=meta["pass_configs"], compile_flags=list(plan.compile_flags),
+        )
+    return jits["main"], jits.get("combine")
 
 
 def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
@@ -667,7 +808,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 
 __all__ = [
-    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "attention", "check_device", "check_extra", "check_layout",
+    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
     "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
     "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]

@@ -80,6 +80,9 @@ class Spec:
     block_n: int | None = None  # None: the largest tile within the budgets (plan.py)
     pingpong: bool | None = None  # None: on when there are 2+ consumers
     aligned: bool = False
+    # "split": the steady loop as two copies, masked tiles apart (the seed's and FlashAttention-3's
+    # form); "one": one loop that masks under a per-tile test (faster to build: docs/build.md).
+    steady_loop: str = "one"
     # Variants (docs/variants.md). At their defaults they leave the kernel, its name, hash and
     # header byte-identical to a kernel of a spec without these fields.
     lse: bool = False  # also return the natural-log log-sum-exp per row, float32 (batch, heads, q_len)
@@ -123,7 +126,8 @@ class Spec:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
-VARIANT_DEFAULTS = {"lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
+STEADY_LOOPS = ("one", "split")
+VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "",
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1}
 
@@ -182,6 +186,9 @@ def check_fields(s: Spec) -> None:
         _need_int("block_n", s.block_n, valid)
         if not (BLOCK_N_STEP <= s.block_n <= MAX_BLOCK_N and s.block_n % BLOCK_N_STEP == 0):
             raise SpecError("block_n", s.block_n, f"expected {valid}")
+    if not isinstance(s.steady_loop, str) or s.steady_loop not in STEADY_LOOPS:
+        raise SpecError("steady_loop", s.steady_loop, 'expected "one" (one loop, a per-tile mask test) or "split" '
+                        '(an unmasked and a masked copy of the loop)')
     check_variant_fields(s)
     check_serving_fields(s)
     if s.pingpong and s.consumers < 2:

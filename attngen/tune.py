@@ -1,11 +1,13 @@
 """`attngen tune`: search a spec's neighbourhood for the fastest kernel, and the table it fills.
 
 1. Enumerate the neighbours of a spec: consumers 1/2/3, k_stages and v_stages 1-4,
-   block_n in steps of 16, ping-pong on and off (head_dim, dtype, causal, gqa_group and
-   aligned stay the user's).
+   block_n in steps of 16, ping-pong on and off, and both forms of the steady loop where they
+   differ (steady_loop "one" and "split": some tiles masked, not all); head_dim, dtype, causal,
+   gqa_group and aligned stay the user's.
 2. Prune with the plan's budgets (registers, shared memory), then keep the most promising
    `max_candidates` (largest tiles first, then deeper pipelines: what the register and
-   shared-memory budgets allow, FlashAttention-3's own preference).
+   shared-memory budgets allow, FlashAttention-3's own preference; each schedule's one loop
+   just before its split loop, so both forms of the best schedules are built and timed).
 3. Build the survivors in parallel and prune again with the build report: no spills, no
    local memory, setmaxnreg applied.
 4. On a GPU, time each survivor at one shape (the method of attngen.gputime) and write the
@@ -13,7 +15,7 @@
    gqa_group and a sequence-length bucket. Without a GPU (`dry_run`), stop after step 3.
 
 `attngen.attention` reads the table to choose the schedule (consumers, stages, block_n,
-ping-pong) when the caller names none. An empty table, or no entry for a key, means "use
+ping-pong, steady loop) when the caller names none. An empty table, or no entry for a key, means "use
 the plan's defaults" and is never an error.
 """
 
@@ -23,13 +25,12 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 
-from attngen.build import build
-from attngen.plan import Plan, Shape, make_plan
-from attngen.spec import BLOCK_N_STEP, MAX_BLOCK_N, MAX_CONSUMERS, MAX_STAGES, Spec, SpecError
+from attngen.build import build, worker_pool
+from attngen.plan import Plan, Shape, make_plan, splits_steady_loop
+from attngen.spec import BLOCK_N_STEP, MAX_BLOCK_N, MAX_CONSUMERS, MAX_STAGES, STEADY_LOOPS, Spec, SpecError
 from attngen.tuning_table import SCHEDULE_FIELDS, TABLE, table_key
 
 DEFAULT_TOKENS = 16384  # batch * seq_len of a tuning shape, as the benchmark's rows
@@ -48,13 +49,14 @@ def neighbours(spec: Spec) -> list[Spec]:
     """Every schedule of `spec` within the budgets (the plan decides)."""
     out = []
     block_ns = range(BLOCK_N_STEP, MAX_BLOCK_N + 1, BLOCK_N_STEP)
-    for c, ks, vs, bn, pp in itertools.product(range(1, MAX_CONSUMERS + 1), range(1, MAX_STAGES + 1),
-                                               range(1, MAX_STAGES + 1), block_ns, (True, False)):
+    loops = STEADY_LOOPS if splits_steady_loop(spec) else ("one",)  # elsewhere both forms are one kernel
+    for c, ks, vs, bn, pp, loop in itertools.product(range(1, MAX_CONSUMERS + 1), range(1, MAX_STAGES + 1),
+                                                     range(1, MAX_STAGES + 1), block_ns, (True, False), loops):
         if pp and c < 2:
             continue
         try:
             candidate = Spec(**{**spec.to_dict(), "consumers": c, "k_stages": ks, "v_stages": vs, "block_n": bn,
-                                "pingpong": pp if c >= 2 else False, "block_m": None})
+                                "pingpong": pp if c >= 2 else False, "block_m": None, "steady_loop": loop})
             make_plan(candidate)
         except SpecError:  # over a register or shared-memory budget
             continue
@@ -63,9 +65,11 @@ def neighbours(spec: Spec) -> list[Spec]:
 
 
 def promise(spec: Spec) -> tuple:
-    """Sort key, most promising first: big K/V tiles, then more consumers, then deeper rings, ping-pong on."""
+    """Sort key, most promising first: big K/V tiles, then more consumers, then deeper rings, ping-pong on;
+    of one schedule (ties in stage order, as enumerated), the default one loop first, then the split loop
+    right after it (which is faster is the GPU's to say)."""
     return (-spec.block_n, -spec.consumers, -min(spec.k_stages, spec.v_stages), -(spec.k_stages + spec.v_stages),
-            not spec.pingpong)
+            not spec.pingpong, spec.k_stages, spec.v_stages, spec.steady_loop != "one")
 
 
 def candidates(spec: Spec, max_candidates: int) -> list[Plan]:
@@ -98,10 +102,12 @@ def build_all(plans: list[Plan], jobs: int, cache_dir=None, progress=print) -> l
         cand.report = report
         cand.rejected = f"build failed: {error}" if error else build_reject(report)
         finished.append(name)
-        progress(f"  [{len(finished)}/{len(out)}] {name}: {cand.rejected or 'kept'} ({time.perf_counter() - t0:.0f} s)")
+        # a cache hit says so: the seconds since the tune started are not this kernel's build time
+        how = "cached" if report and report.get("cached") else f"{time.perf_counter() - t0:.0f} s"
+        progress(f"  [{len(finished)}/{len(out)}] {name}: {cand.rejected or 'kept'} ({how})")
 
     if jobs > 1 and len(plans) > 1:
-        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(plans)), mp_context=mp.get_context("spawn")) as pool:
+        with worker_pool(min(jobs, len(plans))) as pool:
             futures = {pool.submit(_build_report, p, cache_dir): p.name for p in plans}
             for f in cf.as_completed(futures):
                 try:

@@ -17,7 +17,7 @@ from attngen.plan import make_plan
 from attngen.spec import Spec, SpecError
 
 TABLE = Path(__file__).resolve().parent / "tuned" / "h200.json"
-SCHEDULE_FIELDS = ("consumers", "k_stages", "v_stages", "block_n", "pingpong")  # what tuning chooses
+SCHEDULE_FIELDS = ("consumers", "k_stages", "v_stages", "block_n", "pingpong", "steady_loop")  # what tuning chooses
 SEQ_BUCKETS = (1024, 2048, 4096, 8192, 16384)  # a length is tuned at the smallest bucket >= it (the last above)
 
 

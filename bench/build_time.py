@@ -19,8 +19,9 @@ import, which is timed apart; rounds interleave the kernels so that load from ot
 on the machine spreads over all of them. The table gives each kernel's lowering seconds (min
 and median over rounds) and its ratio to the seed's, both taken from this run.
 
-Variants are textual edits (old -> new) of the rendered source: the template is edited
-elsewhere, so a winning edit is reported here, with its measurement, and moved into the
+Variants are textual edits (old -> new) of the rendered source, or spec fields to render with
+(split-masked-loop: steady_loop = "split", the generator's own two-loop form): the template is
+edited elsewhere, so a winning edit is reported here, with its measurement, and moved into the
 template at merge time. Each edit must match exactly once (marked "all": at least once), or
 the run stops; a variant is measured on a kernel only where all its edits (but those marked
 "optional") apply.
@@ -29,6 +30,7 @@ the run stops; a variant is measured on a kernel only where all its edits (but t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,37 +63,17 @@ _M_NEW = ("            T.reduce_max(acc_s, m_prev, dim=1, clear=True)  # this ti
           "            for i in T.Parallel(WG_ROWS):\n                m_prev[i] = T.max(m_prev[i], m_cur[i])  # the new running max\n")
 
 
-def split_masked_loop(source: str) -> str:
-    """The steady loop as emitted before it was merged: an unmasked loop over the tiles every row
-    sees whole (no -inf guard), then a masked loop over the diagonal and partial tiles."""
-    head = "        for k in T.serial(1, n_tiles):\n"
-    test = "            if k >= full_tiles:  # a diagonal or partial tile: masked\n"
-    if head not in source or test not in source:
-        return source
-    start = source.index(head) + len(head)
-    end = source.index("\n        # Epilogue", start)
-    body = source[start:end]
-    before, after = body.split(test)
-    lines = after.splitlines(keepends=True)
-    n = next(i for i, line in enumerate(lines) if not line.startswith(" " * 16))
-    mask, rest = "".join(line[4:] for line in lines[:n]), "".join(lines[n:])
-    plain = (before + rest).replace(_GUARD, "m_cur[i] * SCALE_LOG2")
-    return (source[:source.index(head)]
-            + "        split = T.max(1, T.min(n_tiles, full_tiles))\n"
-            + "        for k in T.serial(1, split):  # tiles every row sees whole\n" + plain
-            + "        for k in T.serial(split, n_tiles):  # diagonal and partial tiles: masked\n" + before + mask + rest
-            + source[end:])
-
-
-_SPLIT = (split_masked_loop,)  # first edit of the variants measured on the two-loop text
+# A variant's edit is a text edit (old, new, flags...) of the rendered source, or a dict of spec
+# fields to render with: the generator's own choices (steady_loop = "split") are not rewritten here.
+_SPLIT = {"steady_loop": "split"}  # first edit of the variants measured on the two-loop text
 
 
 VARIANTS: dict[str, tuple[str, list[tuple]]] = {
     "baseline": ("the rendered source as it is", []),
     "split-masked-loop": (
-        "DIAGNOSTIC, the same values: the steady loop as emitted before it was merged (an unmasked copy over the "
-        "whole tiles, then a masked copy), to measure the merge in the same run; the variants below that start "
-        "with it were measured on that text",
+        "DIAGNOSTIC, the same values: the spec with steady_loop = \"split\" (an unmasked copy of the steady loop over "
+        "the whole tiles, then a masked copy; the seed's form), to measure the one loop against it in the same run; "
+        "the variants below that start with it were measured on that text",
         [_SPLIT],
     ),
     "undo-cold-build-edits": (
@@ -308,13 +290,17 @@ def variant_edits(variant: str) -> list:
     return [e for name in variant.split("+") for e in VARIANTS[name][1]]
 
 
+def variant_spec(spec, variant: str):
+    """The spec a variant renders: its spec-field edits applied (the spec itself for text-only variants)."""
+    fields = {k: v for edit in variant_edits(variant) if isinstance(edit, dict) for k, v in edit.items()}
+    return dataclasses.replace(spec, **fields) if fields else spec
+
+
 def apply_variant(source: str, variant: str) -> tuple[str, int]:
-    """The source with the variant's edits; also how many edits applied (0 where none matched)."""
+    """The source with the variant's text edits; also how many applied (0 where none matched)."""
     applied = 0
     for edit in variant_edits(variant):
-        if callable(edit[0]):  # an edit made by a function (split_masked_loop)
-            edited = edit[0](source)
-            source, applied = edited, applied + (edited != source)
+        if isinstance(edit, dict):  # spec fields: render_variant renders with them
             continue
         old, new, *flags = edit
         count = source.count(old)
@@ -325,18 +311,33 @@ def apply_variant(source: str, variant: str) -> tuple[str, int]:
     return source, applied
 
 
+def render_variant(spec, shape, variant: str) -> tuple[str, int]:
+    """The variant's source for `spec` at `shape` (None: dynamic), and how many of its edits applied:
+    a spec-field edit applies where it changes the planned kernel (make_plan folds a split of a loop
+    that has no masked tile back into one loop)."""
+    from attngen.plan import make_plan
+    from attngen.render import render_source
+
+    edited = variant_spec(spec, variant)
+    applied = int(make_plan(edited).spec != make_plan(spec).spec)
+    source, text_applied = apply_variant(render_source(edited, shape), variant)
+    return source, applied + text_applied
+
+
 def required_edits(variant: str) -> int:
-    return sum(callable(edit[0]) or "optional" not in edit[2:] for edit in variant_edits(variant))
+    return sum(isinstance(edit, dict) or "optional" not in edit[2:] for edit in variant_edits(variant))
+
+
+def default_spec():
+    from attngen.spec import load
+
+    return load(ROOT / "examples" / "default.toml")
 
 
 def rendered(kind: str, variant: str) -> tuple[str, int]:
     from attngen.plan import Shape
-    from attngen.render import render_source as render
-    from attngen.spec import load
 
-    spec = load(ROOT / "examples" / "default.toml")
-    source = render(spec, Shape(*SEED_SHAPE) if kind == "static" else None)
-    return apply_variant(source, variant)
+    return render_variant(default_spec(), Shape(*SEED_SHAPE) if kind == "static" else None, variant)
 
 
 def worker(kind: str, variant: str, notes: Path, profile: bool, cu_out: str | None) -> dict:
@@ -404,12 +405,12 @@ def verify(variant: str, cache_dir: Path) -> bool:
     from attngen.spec import load
 
     spec = load(ROOT / "examples" / "default.toml")
-    plan = make_plan(spec)
     keys = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "dynamic_smem_bytes", "static_smem_bytes", "setmaxnreg_applied", "sass")
     edits = variant_edits(variant)
     base = "split-masked-loop" if edits and edits[0] is _SPLIT and variant != "split-masked-loop" else "baseline"
     reports = {}
     for v in (base, variant):
+        plan = make_plan(variant_spec(spec, v))  # the prim_func's name: a spec-field edit renames it
         r = build_source(rendered("dynamic", v)[0], plan.name, plan.compile_flags, cache_dir=cache_dir).report
         reports[v] = {k: r[k] for k in keys}
         print(f"  {v}: {reports[v]}")
@@ -419,7 +420,7 @@ def verify(variant: str, cache_dir: Path) -> bool:
     source = rendered("dynamic", variant)[0]
     for q_len, kv_len in VERIFY_SHAPES:
         q, k, v = random_inputs(spec.dtype, spec.head_dim, 1, 2, 2, q_len, kv_len, 0)
-        out = emulate(spec, q, k, v, seed=0, source=source)
+        out = emulate(variant_spec(spec, variant), q, k, v, seed=0, source=source)
         res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
         print(f"  CPU model Sq={q_len} Skv={kv_len}: {res}")
         ok &= res.ok

@@ -6,6 +6,7 @@
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      196608 bytes dynamic (Q 32768, K 65536, V 65536, O 32768)
+# tensors:   sinks [heads] (float32, passed by name at call time)
 # spec:
 #   head_dim = 128
 #   dtype = "bfloat16"
@@ -95,7 +96,6 @@ def build_kernel():
         T.fill(acc_o, 0)
         T.fill(row_sum, 1.0)  # the sink's own term, exp(sink - m) with m = sink
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, -T.infinity(ACCUM))
         for i in T.Parallel(WG_ROWS):  # the sink joins the denominator as a key of logit sinks[h] and value 0
             m_cur[i] = Sinks[head] * SINK_TO_RAW
         T.mbarrier_wait_parity(q_full, 0)
@@ -119,7 +119,7 @@ def build_kernel():
         for i in T.Parallel(WG_ROWS):  # rescale the sink's term to the new max
             alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         T.reduce_sum(acc_s, row_sum_tile, dim=1)
         for i in T.Parallel(WG_ROWS):
             row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
@@ -146,9 +146,9 @@ def build_kernel():
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])

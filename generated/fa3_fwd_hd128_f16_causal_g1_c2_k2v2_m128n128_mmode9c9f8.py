@@ -6,6 +6,7 @@
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      196608 bytes dynamic (Q 32768, K 65536, V 65536, O 32768)
+# tensors:   doc_id [batch, any] (float32, passed by name at call time)
 # spec:
 #   head_dim = 128
 #   dtype = "float16"
@@ -93,6 +94,7 @@ def build_kernel():
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
+        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -105,11 +107,12 @@ def build_kernel():
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
         # a custom mask_mod: every tile is masked
+        diag0 = q0 + row0 + causal_offset  # row i's diagonal in tile 0 is key j = i + diag0
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)
+            acc_s[i, j] = T.if_then_else(i + diag0 >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
@@ -127,14 +130,15 @@ def build_kernel():
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
+            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i's diagonal in tile k is key j = i + diag
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((k * BLOCK_N + j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
+                acc_s[i, j] = T.if_then_else(i + diag >= j and (X_doc_id[batch_idx, T.min((q0 + row0 + i), X_doc_id_dim1 - 1)] == X_doc_id[batch_idx, T.min((k * BLOCK_N + j), X_doc_id_dim1 - 1)]), acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])

@@ -99,6 +99,7 @@ def build_kernel():
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
+        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -112,14 +113,15 @@ def build_kernel():
         T.mbarrier_arrive(k_empty[0])
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
             acc_s[i, j] = (SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)) * LOG2E
-        full_tiles = T.floordiv(T.max(q0 + row0 + causal_offset + 1, 0), BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
+        full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N) - first_tile  # leading K tiles that need no mask for these rows
         lead = T.max(T.ceildiv(T.max(q0 + row0 + WG_ROWS - 1 + causal_offset - 511, 0), BLOCK_N) - first_tile, 0)  # leading visits the window's left edge cuts for these rows
         if full_tiles < 1 or lead > 0:  # the first visited tile is cut by an edge of the window
+            diag0 = q0 + row0 + causal_offset - first_tile * BLOCK_N  # row i's diagonal in tile first_tile is key j = i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.if_then_else(first_tile * BLOCK_N + j >= q0 + row0 + i + causal_offset - 511 and q0 + row0 + i + causal_offset >= first_tile * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)
+                acc_s[i, j] = T.if_then_else(j >= i + diag0 - 511 and i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i]))
+            acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
@@ -140,14 +142,15 @@ def build_kernel():
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
                 acc_s[i, j] = (SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)) * LOG2E
             if k < lead or k >= full_tiles:  # cut by an edge of the window, or a diagonal or partial tile: masked
+                diag = q0 + row0 + causal_offset - (first_tile + k) * BLOCK_N  # row i's diagonal in tile (first_tile + k) is key j = i + diag
                 for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                    acc_s[i, j] = T.if_then_else((first_tile + k) * BLOCK_N + j >= q0 + row0 + i + causal_offset - 511 and q0 + row0 + i + causal_offset >= (first_tile + k) * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
+                    acc_s[i, j] = T.if_then_else(j >= i + diag - 511 and i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i]))
+                alpha[i] = T.exp2(m_prev[i] - m_cur[i])
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i]))
+                acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
@@ -197,7 +200,7 @@ def build_kernel():
             kv_head = head // GQA_GROUP
             q0 = q_block * BLOCK_M
             first_tile = T.floordiv(T.max(q0 + causal_offset - 511, 0), BLOCK_N)  # the window's left edge for the block's first row
-            n_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(T.max(q0 + BLOCK_M + causal_offset + 0, 1), BLOCK_N)) - first_tile, 1)  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)
+            n_tiles = T.max(T.min(T.ceildiv(kv_len, BLOCK_N), T.ceildiv(q0 + BLOCK_M + causal_offset, BLOCK_N)) - first_tile, 1)  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)
             tx = T.get_thread_binding()
 
             # Producer warpgroup: gives its registers away; one warp loads Q once, then K and V per tile.

@@ -90,6 +90,7 @@ def build_kernel():
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
+        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 2:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -105,7 +106,7 @@ def build_kernel():
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else(j < kv_len, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
@@ -150,7 +151,7 @@ def build_kernel():
         T.wait_wgmma(0)
         T.mbarrier_arrive(v_empty[v_stage_last])
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
-            acc_o[i, j] /= row_sum[i]
+            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0
         T.copy(acc_o, O_shared[g, :, :])
         T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
         T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store

@@ -18,6 +18,7 @@ def spec_fields(draw, head_dims=HEAD_DIMS):
         "k_stages": draw(st.integers(1, MAX_STAGES)),
         "v_stages": draw(st.integers(1, MAX_STAGES)),
         "aligned": draw(st.booleans()),
+        "steady_loop": draw(st.sampled_from(["one", "split"])),
     }
     if draw(st.booleans()):
         fields["block_n"] = draw(st.sampled_from([32, 64, 80, 96, 128, 176, 256]))
@@ -101,3 +102,30 @@ def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int =
         "block_n": block_n,
         "num_splits": draw(st.integers(1, tiles + 2)),
     }
+
+
+# -- window edges (issue 21): a bound off by one shows only where an edge meets a tile boundary ----
+def window_edge_kv_lens(plan, q_len: int, max_kv: int, deltas=(-1, 0, 1)) -> list:
+    """Key lengths at which a window edge of a warpgroup's first or last row, or of the last
+    valid row, falls on key m * BLOCK_N + d (d in `deltas`), for the plan's window and this q_len.
+
+    Row r's left edge is r + (kv_len - q_len) - left, its right edge r + (kv_len - q_len) + right;
+    solving for kv_len puts an edge exactly there. `window = [270, -1]`, 1 consumer, q_len 64:
+    kv_len 400 puts the last row's left edge at 129 = 128 + 1 (where `WG_ROWS - 2` would miscount).
+    """
+    rows = {q_len - 1}
+    for q0 in range(0, q_len, plan.spec.block_m):
+        for g in range(plan.spec.consumers):
+            rows |= {q0 + g * plan.wg_rows, q0 + g * plan.wg_rows + plan.wg_rows - 1}
+    reach = [-plan.window_left] if plan.window_left is not None else []
+    reach += [plan.window_right] if plan.window_right is not None else []
+    bn = plan.spec.block_n
+    lens = set()
+    for r in rows:
+        if r >= q_len:
+            continue
+        for e in reach:
+            for m in range(0, max_kv // bn + 2):
+                kv = m * bn - r + q_len - e  # edge r + kv - q_len + e = m * bn
+                lens |= {kv + d for d in deltas if 1 <= kv + d <= max_kv}
+    return sorted(lens)

@@ -1,6 +1,6 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw, expr, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table, serving  ->  lower
+    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache
                  ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli
 
 ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
@@ -19,11 +19,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 
 LAYERS = {
-    "version": 0, "hw": 0, "expr": 0, "toolchain": 0,
+    "version": 0, "hw": 0, "expr": 0, "tiles": 0, "toolchain": 0,  # tiles: the mask and tile-range algebra (render, reference, backward)
     "spec": 1, "reference": 1,
-    "plan": 2,
+    "plan": 2, "reference_bwd": 2,  # reference_bwd reads reference's forward and tolerance rule
     "render": 3, "tuning_table": 3, "serving": 3,
-    "lower": 4,
+    "lower": 4, "cache": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
     "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
     "cli": 7,
@@ -108,6 +108,12 @@ def test_the_package_imports_one_way():
 
 def test_hw_imports_nothing_from_attngen():
     assert package_imports()["attngen.hw"] == set()
+
+
+def test_the_tile_algebra_has_one_home_below_render_and_reference():
+    graph = package_imports()
+    assert graph["attngen.tiles"] == set()
+    assert {"attngen.render", "attngen.reference", "attngen.plan"} <= {m for m, deps in graph.items() if "attngen.tiles" in deps}
 
 
 @pytest.mark.parametrize("graph, expect", [

@@ -60,6 +60,20 @@ def test_second_build_is_a_cache_hit_without_lowering(cache_dir, monkeypatch):
     assert not list(Path(cache_dir).glob(".*-*/")), "no half-written entries left behind"
 
 
+def test_one_spec_with_a_different_source_is_a_cache_miss(cache_dir):
+    """The key hashes the emitted source: the same spec (same kernel name) specialized to a static shape
+    emits other text, so it must build its own entry, not get the dynamic kernel's cubin."""
+    spec = attngen.load_spec(ROOT / "examples" / "default.toml")
+    static = attngen.make_plan(spec, attngen.Shape(1, 2, 2, 256, 384))
+    dynamic = build(spec, cache_dir=cache_dir)
+    assert static.name == dynamic.report["kernel"]  # one name: only the source tells the two apart
+    fixed = build(static, cache_dir=cache_dir)
+    assert fixed.report["shape"] == str(static.shape) and dynamic.report["shape"] == "dynamic"
+    assert fixed.report["cache_key"] != dynamic.report["cache_key"]
+    assert fixed.cubin_path != dynamic.cubin_path
+    assert fixed.cuda_source != dynamic.cuda_source and "384" in fixed.cuda_source
+
+
 def test_ptxas_parser_sees_spills_and_ignored_setmaxnreg():
     text = (
         "ptxas info    : Compiling entry function 'k_kernel' for 'sm_90a'\n"

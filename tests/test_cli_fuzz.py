@@ -82,6 +82,7 @@ OPTIONS = {
     "show": {},
     "diff": {},
     "build": {"--json": None, "--shape": "shape", "--cuda": "file", "--cache-dir": "dir"},
+    "precompile": {"-j": "small", "--shape": "shape", "--cache-dir": "dir"},  # one spec: in-process, like build
     "check": {"-o": "dir", "--cache-dir": "dir", "--q-len": "int", "--kv-len": "int", "--seed": "int"},
     "emulate": {"--batch": "small", "--heads": "small", "--kv-heads": "small", "--q-len": "len", "--kv-len": "len",
                 "--seed": "int", "--policy": "policy", "--source": "file"},
@@ -165,6 +166,7 @@ def no_nvcc(monkeypatch):
 
     monkeypatch.setattr(attngen.build, "build", stub)
     monkeypatch.setattr("attngen.tune.build", stub)  # tune's candidates too
+    monkeypatch.setattr("attngen.runtime.precompile", stub)  # and precompile's TileLang build
 
 
 # 8x the profile's examples: 160 with the ci profile, 2400 with dev

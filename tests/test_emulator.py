@@ -220,7 +220,7 @@ def test_unsupported_construct_names_it_and_its_line():
 
 def test_if_on_element_values_is_unsupported():
     spec = attngen.Spec()
-    src = mutate(spec, "            acc_o[i, j] /= row_sum[i]\n",
+    src = mutate(spec, "            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0\n",
                  "            if row_sum[i] > 0:\n                acc_o[i, j] /= row_sum[i]\n")
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(UnsupportedConstruct, match="T.if_then_else") as e:
@@ -462,6 +462,59 @@ def test_unsynchronized_shared_memory_handoff_is_a_race_in_every_schedule(first,
                              r"|consumer 0 \(ordinary code\) writes S while producer \(ordinary code\) reads it)", report), report
             assert f"line {store}:" in report and f"line {load}:" in report
             assert "a race in every schedule" in report
+
+
+RING_MINI = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    @T.prim_func
+    def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+        with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
+            S = T.alloc_shared([64, 64], "float16")
+            full = T.alloc_barrier([128])
+            F = T.alloc_fragment([64, 64], "float")
+            tx = T.get_thread_binding()
+            with T.ws(1):
+                T.copy(Q[0, 0:64, 0, :], F)
+                T.copy(F, S)  # phase 0's tile
+                T.mbarrier_arrive(full)  # 128 arrivals: phase 0 completes
+                T.copy(K[0, 0:64, 0, :], F)
+                {refill}
+                if tx < 160:
+                    T.mbarrier_arrive(full)  # one warp arrives for phase 1, which stays open
+            with T.ws(0):
+                T.mbarrier_wait_parity(full, 0)
+                T.copy(S, F)  # phase 0's tile, read
+                T.copy(F, O[0, 0:64, 0, :])
+
+    return mini
+'''
+
+
+def test_a_wait_acquires_the_completed_phase_not_arrivals_for_the_next_one():
+    """The producer overwrites S for phase 1 without waiting for the consumer, then arrives for phase 1
+    (which stays open). The consumer's phase-0 wait orders it after phase 0's arrivals only: the
+    overwrite races with its read in every schedule, including those where the phase-1 arrival came
+    before the consumer resumed (a model that joined the barrier's current clock would miss it there)."""
+    spec = attngen.Spec(head_dim=64)
+    q, k, v = inputs(spec, 1, 1, 64, 64)
+    refill = "T.copy(F, S)  # phase 1's tile, over phase 0's"
+    out = emulate(spec, q, k, v, source=RING_MINI.format(refill="pass"), policy="producer-first")
+    np.testing.assert_array_equal(out, q)  # without the refill, the hand-off is synchronized
+    source = RING_MINI.format(refill=refill)
+    store, load = line_of(source, "phase 1's tile"), line_of(source, "phase 0's tile, read")
+    for policy in POLICIES:
+        for seed in range(3):
+            with pytest.raises(HazardError) as e:
+                emulate(spec, q, k, v, source=source, policy=policy, seed=seed)
+            report = e.value.report
+            assert re.search(r"HAZARD: (producer \(ordinary code\) writes S while consumer 0 \(ordinary code\) reads it"
+                             r"|consumer 0 \(ordinary code\) reads S while producer \(ordinary code\) writes it)", report), report
+            assert f"line {store}:" in report and f"line {load}:" in report, report
 
 
 def test_happens_before_is_transitive_through_a_third_warpgroup():

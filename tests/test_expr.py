@@ -116,3 +116,17 @@ def test_indices_are_clamped_to_the_extent():
     got = expr.evaluate(e, {"score": 0.0, "q_idx": np.array([0, 5]), "kv_idx": np.array([3, 0])}, {"table": table})
     assert list(got) == [10.0, 30.0]  # -3 -> 0, 5 -> 2
     assert "T.min(T.max(" in expr.emit(e, {"score": "s", "q_idx": "q", "kv_idx": "k"}, str, lambda n, a: "n")
+
+
+@pytest.mark.parametrize("text", [t for t, kind in EXPRS if kind == "score_mod"])
+def test_the_derivatives_emitted_text_computes_what_evaluate_computes(text):
+    """expr.derivative gives an expression like any other: the backward kernel's text (emit) and the
+    reference's numbers (evaluate) agree."""
+    rng = np.random.default_rng(1)
+    d = expr.derivative(expr.parse(text, "score_mod"))
+    env = {"score": rng.standard_normal((1, 9, 11)), "b": 0, "h": np.arange(3)[:, None, None],
+           "q_idx": np.arange(9)[None, :, None], "kv_idx": np.arange(11)[None, None, :]}
+    tensors = {"bias": rng.standard_normal(3), "table": rng.standard_normal(17)}
+    want = expr.evaluate(d, env, tensors)
+    got = _emitted_value(d, env, tensors)
+    np.testing.assert_allclose(np.broadcast_to(got, np.shape(want)), np.broadcast_to(want, np.shape(got)), rtol=1e-12)

@@ -30,6 +30,7 @@ def specs(draw):
         "k_stages": draw(st.integers(1, 3)),
         "v_stages": draw(st.integers(1, 3)),
         "aligned": draw(st.booleans()),
+        "steady_loop": draw(st.sampled_from(["one", "split"])),
     }
     if fields["consumers"] >= 2:
         fields["pingpong"] = draw(st.booleans())

@@ -10,6 +10,7 @@ from hypothesis import assume, given, note, settings, strategies as st
 import attngen
 from attngen.emulator import POLICIES
 from attngen.emulator.driver import check_emulated
+from strategies import window_edge_kv_lens
 
 WORK_CAP = 600_000  # B*H*Sq*Skv per example: the variants' extra element-wise work costs a little more
 EXAMPLES = 6 * settings().max_examples
@@ -58,6 +59,9 @@ def cases(draw):
         q_len, kv_len = spec.block_m * draw(st.integers(1, 3)), spec.block_n * draw(st.integers(1, 5))
     else:
         q_len, kv_len = draw(st.integers(1, 500)), draw(st.integers(1, 500))
+        edges = window_edge_kv_lens(plan, q_len, 500) if plan.window_left is not None or plan.window_right is not None else []
+        if edges and draw(st.booleans()):  # an edge at m * BLOCK_N + {-1, 0, 1} (a row bound off by one shows there)
+            kv_len = draw(st.sampled_from(edges))
     if batch * kv_heads * spec.gqa_group * q_len * kv_len > WORK_CAP:
         batch = kv_heads = 1
     return plan, (batch, kv_heads, q_len, kv_len), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES))

@@ -1,5 +1,6 @@
 """The GPU check's own machinery, on the CPU: the smoke stage's timeouts and the seed kernel's extraction."""
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -42,23 +43,41 @@ def test_slow_loading_does_not_eat_the_launch_timeout():
     assert smoke.run_child(child(code), load_timeout=10, launch_timeout=1).startswith("ok")
 
 
-def test_the_benchmark_times_the_seed_configuration_as_emitted_and_with_two_loops():
-    """bench_gpu's A/B row: the same spec and shape, the steady loop split back into two copies."""
+def test_the_benchmark_times_the_seed_configuration_in_both_loop_forms():
+    """bench_gpu's A/B row: the same spec and shape, the seed's two copies of the steady loop
+    (the preset's steady_loop = "split") and the default one loop, each emitted by the generator."""
+    import attngen
     from attngen.render import render_source
 
     gpu = bench_module("bench_gpu")
     rows = gpu.plan([], [1024], 16384)
-    emitted, two_loops = rows[0], rows[1]
-    assert (emitted.spec, emitted.shape) == (two_loops.spec, two_loops.shape) and emitted.static and two_loops.static
-    assert emitted.variant is None and two_loops.variant == "split-masked-loop"
-    assert emitted.kernel_key != two_loops.kernel_key and two_loops.kernel_name.endswith("[split-masked-loop]")
-    sys.path.insert(0, str(ROOT / "bench"))
-    from build_time import apply_variant
+    split, one = rows[0], rows[1]
+    assert split.spec == attngen.load_spec(ROOT / "examples" / "seed_parity.toml")
+    assert dataclasses.replace(split.spec, steady_loop="one") == one.spec and split.shape == one.shape
+    assert split.static and one.static and split.variant is None and one.variant is None
+    assert split.kernel_key != one.kernel_key and split.kernel_name.endswith("_splitloop") and one.kernel_name.endswith("_aligned")
+    two_copies, one_loop = render_source(split.spec, split.shape), render_source(one.spec, one.shape)
+    assert "for k in T.serial(split, n_tiles):" in two_copies and "if k >= full_tiles:" not in two_copies
+    assert "for k in T.serial(split, n_tiles):" not in one_loop and "if k >= full_tiles:" in one_loop
 
-    source = render_source(emitted.spec, emitted.shape)
-    edited, applied = apply_variant(source, two_loops.variant)
-    assert applied == 1 and "for k in T.serial(split, n_tiles):" in edited and "if k >= full_tiles:" not in edited
-    assert "for k in T.serial(split, n_tiles):" not in source and "if k >= full_tiles:" in source
+
+def test_a_text_variant_of_the_benchmark_renders_with_its_spec_fields():
+    """build_time.py's variants that start from the two-loop text render it with steady_loop = "split"."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from build_time import render_variant, required_edits, variant_spec
+    from attngen.plan import SEED_SHAPE, make_plan
+    from attngen.render import render_source
+
+    spec = bench_module("bench_gpu").SEED_SPEC
+    one = dataclasses.replace(spec, steady_loop="one")
+    source, applied = render_variant(one, SEED_SHAPE, "split-masked-loop")
+    assert applied == required_edits("split-masked-loop") == 1 and source == render_source(spec, SEED_SHAPE)
+    source, applied = render_variant(one, SEED_SHAPE, "row-sum-in-reduce")
+    assert applied == required_edits("row-sum-in-reduce") and variant_spec(one, "row-sum-in-reduce") == spec
+    assert "for k in T.serial(split, n_tiles):" in source and "row_sum_tile" not in source
+    assert make_plan(spec).name in source
+    # a spec-field edit that changes nothing (a loop with no masked tile) does not count as applied
+    assert render_variant(dataclasses.replace(one, causal=False), SEED_SHAPE, "split-masked-loop")[1] == 0
 
 
 def test_the_prebuild_covers_the_presets_the_smoke_stage_launches_but_the_benchmark_skips():

@@ -123,6 +123,11 @@ MUTANTS = [
            "without the guard, rows that see no key (Sq > Skv, causal) divide 0 by 0",
            [("T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])", "acc_o[i, j] / row_sum[i]")],
            "numeric", shape=(1, 1, 300, 100)),
+    Mutant("running_max_starts_at_minus_inf",
+           "the running max starts at -inf instead of the lowest float: a row that sees no key in a tile "
+           "subtracts -inf from -inf in its exp2 (NaN)",
+           [("T.fill(m_cur, T.min_value(ACCUM))", "T.fill(m_cur, -T.infinity(ACCUM))")],
+           "numeric", shape=(1, 1, 300, 100)),
 ]
 
 

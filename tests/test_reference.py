@@ -8,8 +8,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import attngen
+from attngen.plan import Shape, make_plan
 from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, random_inputs, round_to,
-                               tolerance)
+                               check_lse, tolerance, variant_of)
 
 
 def randn(shape, seed, dtype=None):
@@ -309,3 +310,36 @@ def test_the_emulator_and_the_reference_agree_on_nan(where, causal):
         assert (np.isnan(out) >= np.isnan(ref)).all()
     else:
         assert check_close(out, q, k, v, causal, dtype="float16").ok
+
+
+# Kernels without a guard for rows that see no key (non-causal; causal at a static shape with
+# q_len <= kv_len) and one with it (causal, dynamic), at 3 K tiles (block_n 128).
+ALL_INF_CASES = [(attngen.Spec(head_dim=64, gqa_group=2, lse=True), None),
+                 (attngen.Spec(head_dim=64, gqa_group=2, causal=True), Shape(1, 2, 1, 150, 300)),
+                 (attngen.Spec(head_dim=64, gqa_group=2, causal=True), None),
+                 (attngen.Spec(head_dim=64, gqa_group=2, window=[200, -1]), None)]
+
+
+@pytest.mark.parametrize("spec, shape", ALL_INF_CASES, ids=["full", "causal-static", "causal", "window"])
+@pytest.mark.parametrize("case", ["row", "leading-tile"])
+def test_scores_of_minus_inf_from_the_inputs_give_the_reference_not_nan(spec, shape, case):
+    """q = +inf against all-negative k makes a row's every score -inf (output 0, as a row that sees no
+    key); an inf in k[..., 0] of tile 0's keys makes every row's first tile -inf, later tiles finite
+    (those keys weigh 0). Neither comes from a mask, so no kernel may rely on its mask guard for them."""
+    plan = make_plan(spec, shape)
+    q, k, v = random_inputs("float16", 64, 1, 2, 1, 150, 300, 11)
+    if case == "row":
+        q[0, 7, 1] = np.inf
+        k[:] = -np.abs(k) - 0.01
+    else:
+        q[..., 0] = np.abs(q[..., 0]) + 0.01
+        k[0, :128, 0, 0] = -np.inf
+    out = attngen.emulate(plan, q, k, v)
+    out, lse = out if spec.lse else (out, None)
+    ref, ref_lse = attention(q, k, v, spec.causal, **variant_of(spec))
+    assert np.isfinite(ref).all()
+    if case == "row":
+        assert (ref[0, 7, 1] == 0).all() and (out[0, 7, 1] == 0).all()
+    assert check_close(out, q, k, v, spec.causal, dtype="float16", **variant_of(spec)).ok
+    if lse is not None:  # the row of -inf scores: -inf, as a row that sees no key
+        assert check_lse(lse, q, k, v, spec.causal, dtype="float16").ok and (lse[0, 1, 7] == -np.inf) == (case == "row")

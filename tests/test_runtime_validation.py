@@ -326,7 +326,7 @@ def test_property_one_mutation_one_named_error(p, mutation):
     assert info.value.argument == argument
 
 
-# -- a real build: nvcc once, then a second process loads TileLang's disk cache ---------------
+# -- a real build: nvcc once, then a second process loads the runtime entry from the attngen cache ---
 
 CHILD = textwrap.dedent(
     """
@@ -362,7 +362,7 @@ def _no_toolkit() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(_no_toolkit(), reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")
 def test_second_process_loads_from_disk_cache(tmp_path):
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tlcache"))
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tlcache"), ATTNGEN_CACHE=str(tmp_path / "cache"))
 
     def child():
         run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
@@ -371,8 +371,8 @@ def test_second_process_loads_from_disk_cache(tmp_path):
 
     cold, warm = child(), child()
     assert cold["origin"] == "compiled" and warm["origin"] == "disk", (cold, warm)
-    assert cold["path"] == warm["path"] and cold["path"].startswith(str(tmp_path / "tlcache"))
-    assert os.path.isfile(os.path.join(warm["path"], "params.json"))
+    assert cold["path"] == warm["path"] and cold["path"].startswith(str(tmp_path / "cache" / "runtime"))
+    assert os.path.isfile(os.path.join(warm["path"], "main", "params.json"))
     assert warm["seconds"] < cold["seconds"] / 4, (cold["seconds"], warm["seconds"])
     assert cold["memo"] and warm["memo"]
     # a built kernel still checks its inputs before TileLang's stub sees them

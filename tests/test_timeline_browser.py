@@ -2,14 +2,16 @@
 
 Each page is opened twice: `--dump-dom` of `page.html#selftest` (the page hovers its first
 span itself and writes the tooltip, its lane count and any error it caught into the DOM)
-and `--screenshot` (the pixels must not be blank). The screenshots are the ones in
-docs/timeline.md: a run copies a screenshot into docs/timeline/ only when its pixels
-differ from the committed one (see `update_doc_image`).
+and `--screenshot` (the pixels must not be blank, into a temporary folder). The screenshots
+are the ones in docs/timeline.md; a test run never writes them: with UPDATE_SCREENSHOTS=1 in
+the environment, a run copies a screenshot into docs/timeline/ when its pixels differ from the
+committed one (see `update_doc_image`).
 """
 
 from __future__ import annotations
 
 import html
+import os
 import re
 import shutil
 import struct
@@ -27,6 +29,7 @@ from attngen.spec import load as load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "timeline"
+UPDATE_SCREENSHOTS = "ATTNGEN_UPDATE_SCREENSHOTS"  # =1: refresh the committed screenshots in DOCS
 SHAPE = ["--q-len", "1024", "--kv-len", "1024"]
 
 
@@ -168,4 +171,23 @@ def test_screenshot_is_not_blank_and_documents_the_chart(pages, name, tmp_path):
     assert pixels.var() > 500, pixels.var()  # a blank or single-colour page is ~0
     colours = {tuple(c) for c in pixels[::4, ::4].reshape(-1, 3).astype(int)}
     assert len(colours) > 20
-    update_doc_image(shot, f"{name}.png")
+    if os.environ.get(UPDATE_SCREENSHOTS) == "1":  # only when asked: a test run leaves the working tree alone
+        update_doc_image(shot, f"{name}.png")
+
+
+def test_a_test_run_leaves_the_committed_screenshots_alone(pages, tmp_path, monkeypatch):
+    """The screenshot test writes into DOCS only with ATTNGEN_UPDATE_SCREENSHOTS=1 (here DOCS is a copy
+    whose default.png is another picture, so any copy into it would show)."""
+    docs = tmp_path / "docs"
+    shutil.copytree(DOCS, docs)
+    other = (docs / "pingpong-off.png").read_bytes()
+    (docs / "default.png").write_bytes(other)
+    monkeypatch.setitem(globals(), "DOCS", docs)  # update_doc_image reads the module's DOCS
+    monkeypatch.delenv(UPDATE_SCREENSHOTS, raising=False)
+    (tmp_path / "run").mkdir()
+    test_screenshot_is_not_blank_and_documents_the_chart(pages, "default", tmp_path / "run")
+    assert (docs / "default.png").read_bytes() == other, "a test run rewrote a committed screenshot"
+    monkeypatch.setenv(UPDATE_SCREENSHOTS, "1")  # asked: the differing picture is refreshed
+    (tmp_path / "asked").mkdir()
+    test_screenshot_is_not_blank_and_documents_the_chart(pages, "default", tmp_path / "asked")
+    assert (docs / "default.png").read_bytes() != other

@@ -1,5 +1,6 @@
 """`attngen tune` without a GPU: the neighbourhood, the pruning, the dry run, and the tuned table."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -40,6 +41,29 @@ def test_candidates_are_the_most_promising_first():
     assert plans[0].spec.block_n == max(s.block_n for s in tune.neighbours(Spec(head_dim=64)))
 
 
+def test_tune_explores_both_steady_loop_forms_where_they_differ():
+    causal = tune.neighbours(Spec(head_dim=64, causal=True))
+    assert {s.steady_loop for s in causal} == {"one", "split"}
+    one = {dataclasses.replace(s, steady_loop="split") for s in causal if s.steady_loop == "one"}
+    assert one == {s for s in causal if s.steady_loop == "split"}  # every schedule in both forms
+    # the two most promising candidates: the best schedule, the default one loop first, then its split loop
+    first, second = tune.candidates(Spec(head_dim=64, causal=True), 2)
+    assert dataclasses.replace(first.spec, steady_loop="split") == second.spec
+    assert (first.spec.steady_loop, second.spec.steady_loop) == ("one", "split") and first.name != second.name
+    # no masked tile (aligned, not causal), or every tile masked (mask_mod): one kernel, one form
+    for spec in (Spec(head_dim=64, aligned=True), Spec(head_dim=64, mask_mod="kv_idx <= q_idx")):
+        assert {s.steady_loop for s in tune.neighbours(spec)} == {"one"}
+
+
+def test_the_tuned_table_chooses_the_loop_form(tmp_path, monkeypatch):
+    q = torch.zeros(1, 3000, 8, 128, dtype=torch.float16)
+    k = torch.zeros(1, 3000, 2, 128, dtype=torch.float16)
+    key = tuning_table.table_key(Spec(head_dim=128, causal=True, gqa_group=4), 3000)
+    monkeypatch.setattr(tuning_table, "TABLE", write_table(tmp_path / "t.json", {key: {"block_n": 128, "steady_loop": "split"}}))
+    assert runtime.spec_for(q, k, causal=True).steady_loop == "split"
+    assert runtime.spec_for(q, k, causal=True, steady_loop="one").steady_loop == "one"  # named: the table stays out
+
+
 @pytest.mark.parametrize("change, why", [
     ({"spill_store_bytes": 8}, "spills"), ({"stack_frame_bytes": 16}, "local memory"),
     ({"sass": {"LDL": 2, "STL": 0}}, "local memory"), ({"setmaxnreg_applied": False}, "setmaxnreg"),
@@ -62,6 +86,17 @@ def test_build_all_keeps_going_past_a_failed_build(monkeypatch):
     cands = tune.build_all(plans, jobs=1, progress=lines.append)
     assert [c.rejected for c in cands] == ["", "build failed: nvcc exploded", "spills 4 B"]
     assert len(lines) == 3 and lines[-1].startswith("  [3/3]")
+
+
+def test_a_rerun_reports_cache_hits_as_cached_not_as_seconds_since_the_start(monkeypatch):
+    plans = tune.candidates(Spec(head_dim=64), 2)
+    clock = iter([0.0, 14.0, 28.0])  # the tune's start, then readings as candidates finish
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(tune, "_build_report", lambda plan, cache_dir: {**GOOD_REPORT, "cached": plan is plans[0]})
+    lines = []
+    tune.build_all(plans, jobs=1, progress=lines.append)
+    assert lines[0].endswith(": kept (cached)"), lines
+    assert lines[1].endswith(": kept (14 s)"), lines
 
 
 def write_table(path, entries):

@@ -45,10 +45,10 @@ def softcap_after_mask(source):
 MUTANTS = [
     Mutant("window_left_off_by_one", "the window's left edge drops its last key (> instead of >=)",
            dict(window=[37, 21], head_dim=64, lse=True),
-           replace(">= q0 + row0 + i + causal_offset - 37", "> q0 + row0 + i + causal_offset - 37")),
+           replace("j >= i + diag", "j > i + diag")),
     Mutant("window_right_off_by_one", "the window's right edge takes one key too many",
            dict(window=[37, 21], head_dim=64, consumers=3),
-           replace("q0 + row0 + i + causal_offset + 21 >=", "q0 + row0 + i + causal_offset + 22 >=")),
+           replace(" + 21 >= j", " + 22 >= j")),
     Mutant("softcap_after_mask", "softcap applied to the masked scores: tanh(-inf) gives -softcap, a finite weight",
            dict(causal=True, softcap=2.0), softcap_after_mask),
     Mutant("sink_missing_from_denominator", "the row sum starts at 0, not at the sink's exp(0)",
@@ -64,6 +64,11 @@ MUTANTS = [
     Mutant("window_lead_tiles_unmasked", "the tiles the window's left edge cuts run unmasked",
            dict(window=[100, -1], causal=True, head_dim=64, block_n=32),
            replace("if k < lead or k >= full_tiles:", "if k >= full_tiles:")),
+    Mutant("window_lead_from_second_to_last_row",
+           "the left-edge count takes the edge of the warpgroup's row WG_ROWS - 2, not its last row: where the last "
+           "row's edge is a tile multiple plus 1, the tile it cuts at its first key runs unmasked",
+           dict(window=[270, -1], consumers=1),
+           replace("WG_ROWS - 1 + causal_offset - 270", "WG_ROWS - 2 + causal_offset - 270"), shape=(1, 1, 64, 400)),
     Mutant("alibi_sign", "ALiBi adds the distance penalty instead of subtracting it",
            dict(alibi=True, head_dim=64), replace(" - Alibi[head] * ", " + Alibi[head] * ")),
     Mutant("alibi_without_offset", "ALiBi measures |i - j|, not from the bottom-right diagonal",
@@ -77,8 +82,8 @@ MUTANTS = [
            lambda s: re.sub(r" and \(X_doc\[.*\), acc_s\[i, j\], -T", ", acc_s[i, j], -T", s)),
     Mutant("head_dim_v_half_output", "O is normalised over only half of head_dim_v's columns",
            dict(head_dim=64, head_dim_v=128),
-           replace("for i, j in T.Parallel(WG_ROWS, HEAD_DIM_V):\n            acc_o[i, j] /= row_sum[i]",
-                   "for i, j in T.Parallel(WG_ROWS, HEAD_DIM):\n            acc_o[i, j] /= row_sum[i]")),
+           replace("for i, j in T.Parallel(WG_ROWS, HEAD_DIM_V):\n            acc_o[i, j] = T.if_then_else(row_sum[i] == 0",
+                   "for i, j in T.Parallel(WG_ROWS, HEAD_DIM):\n            acc_o[i, j] = T.if_then_else(row_sum[i] == 0")),
 ]
 
 

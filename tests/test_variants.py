@@ -16,6 +16,7 @@ from attngen.plan import make_plan
 from attngen.reference import attention, check_lse, random_inputs, variant_of
 from attngen.runtime import InputError, check_extra, check_tensors
 from attngen.spec import Spec, SpecError
+from strategies import window_edge_kv_lens
 
 VARIANT_FIELDS = dict(lse=True, window=[64, 3], softcap=20.0, alibi=True, sinks=True, head_dim_v=64,
                       score_mod="score + bias[h]", mask_mod="kv_idx != 5")
@@ -58,6 +59,18 @@ def test_each_variant_changes_name_and_hash(field):
     plan = make_plan(Spec(**{field: VARIANT_FIELDS[field]}))
     assert plan.name != base.name and plan.hash != base.hash
     assert plan.name.startswith(base.name)
+
+
+def test_the_header_names_the_call_time_tensors_and_their_shapes():
+    def header(**fields):
+        source = attngen.render_source(Spec(**fields))
+        return [line for line in source.splitlines() if line.startswith("# tensors:")]
+
+    assert header() == [] and header(lse=True) == []  # no call-time input; the LSE is an output
+    assert header(score_mod="score + rpb[h, q_idx - kv_idx + 7]", alibi=True, sinks=True) == [
+        "# tensors:   alibi_slopes [heads], sinks [heads], rpb [heads, any] (float32, passed by name at call time)"]
+    assert header(mask_mod="doc[b, q_idx] == doc[b, kv_idx]") == [
+        "# tensors:   doc [batch, any] (float32, passed by name at call time)"]  # q_len and kv_len: either extent
 
 
 def test_window_from_toml_is_a_tuple(tmp_path):
@@ -127,6 +140,39 @@ def test_window_kernels_visit_exactly_the_tiles_holding_visible_keys(window, cau
                 assert n == 1 and 0 <= first < -(-kv_len // bn)  # one fully masked tile, inside the tensor
 
 
+@pytest.mark.parametrize("window, causal, consumers", [((270, -1), False, 1), ((100, -1), True, 2), ((37, 21), False, 3),
+                                                       ((300, 0), False, 2), ((1, 200), False, 1), ((0, 0), False, 2)])
+def test_unmasked_visits_are_whole_for_every_row_of_the_warpgroup(window, causal, consumers):
+    """Exact, on the tile-count expressions: a visit the steady loop leaves unmasked (lead <= k < full_tiles)
+    holds only keys every valid row of the warpgroup sees, at shapes that put an edge of a warpgroup's
+    first or last row on m * BLOCK_N + {-1, 0, 1} (the `WG_ROWS - 2` left-edge count fails here)."""
+    plan = make_plan(Spec(window=list(window), causal=causal, consumers=consumers, head_dim=64, block_n=64))
+    bm, bn, rows = plan.spec.block_m, plan.spec.block_n, plan.wg_rows
+    lead_text = render.lead_tiles_expr(plan) or "0"
+    for q_len in (1, 64, 100, 130, 193):
+        for kv_len in window_edge_kv_lens(plan, q_len, 400):
+            off, keys = kv_len - q_len, np.arange(kv_len)
+            for q0 in range(0, q_len, bm):
+                first, n = _tiles(plan, q0, q_len, kv_len)
+                for g in range(consumers):
+                    env = {"T": _T, "q0": q0, "row0": g * rows, "WG_ROWS": rows, "BLOCK_N": bn, "kv_len": kv_len,
+                           "causal_offset": off, "first_tile": first}
+                    lead, full = eval(lead_text, env), eval(render.full_tiles_expr(plan), env)
+                    r = np.arange(q0 + g * rows, min(q0 + g * rows + rows, q_len))[:, None]  # valid rows only
+                    if not len(r):
+                        continue  # rows past q_len are computed, never stored
+                    vis = np.ones((len(r), kv_len), bool)
+                    if causal:
+                        vis &= keys <= r + off
+                    if window[0] >= 0:
+                        vis &= keys >= r + off - window[0]
+                    if window[1] >= 0:
+                        vis &= keys <= r + off + window[1]
+                    for k in range(max(lead, 1), min(full, n)):  # unmasked steady visits
+                        t = first + k
+                        assert (t + 1) * bn <= kv_len and vis[:, t * bn:(t + 1) * bn].all(), (q_len, kv_len, q0, g, k)
+
+
 # -- the kernel on the CPU model vs the fp64 reference ------------------------------------
 CASES = [
     (dict(causal=True, window=[100, -1], softcap=30.0, lse=True), (1, 1, 300, 100)),
@@ -151,6 +197,25 @@ def test_variant_kernel_matches_the_reference(fields, shape, policy):
     b, hkv, sq, skv = shape
     ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=5, policy=policy)
     assert ok, f"{plan.name} {shape} {policy}: {text}"
+
+
+# Window edges on a tile boundary and one key either side (issue 21): a bound off by one (the
+# left-edge count `WG_ROWS - 2`, an edge test `>` for `>=`) changes which keys a row sees only there.
+WINDOW_EDGE_CASES = [
+    (dict(window=[270, -1], consumers=1), 64, 420),  # kv_len 400: the last row's left edge is 128 + 1
+    (dict(window=[100, -1], causal=True, head_dim=64, block_n=64), 100, 200),
+    (dict(window=[37, 21], head_dim=64, consumers=3, k_stages=3, lse=True), 70, 150),
+]
+
+
+@pytest.mark.parametrize("fields, q_len, max_kv", WINDOW_EDGE_CASES, ids=lambda x: make_plan(Spec(**x)).name if isinstance(x, dict) else None)
+def test_window_edges_at_tile_multiples_match_the_reference(fields, q_len, max_kv):
+    plan = make_plan(Spec(**fields))
+    lens = window_edge_kv_lens(plan, q_len, max_kv)
+    assert len(lens) >= 9
+    for kv_len in lens:
+        ok, text, _ = check_emulated(plan, 1, plan.spec.gqa_group, 1, q_len, kv_len, seed=3)
+        assert ok, f"{plan.name} q_len={q_len} kv_len={kv_len}: {text}"
 
 
 def test_variant_inputs_make_the_document_mask_non_trivial():

@@ -410,6 +410,11 @@ class TLang:
     def infinity(self, dtype):
         return float("inf")
 
+    def min_value(self, dtype):
+        if dtype not in ("float", "float32"):
+            raise UnsupportedConstruct(f"T.min_value({dtype!r}): the CPU model knows float32's only")
+        return float(np.finfo(np.float32).min)
+
     def if_then_else(self, cond, t, f):
         r = np.where(cond, t, f)
         return r.astype(np.float32) if r.dtype == np.float64 else r

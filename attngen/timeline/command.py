@@ -31,6 +31,20 @@ def add_subcommand(sub):
     t.set_defaults(func=command)
 
 
+def check_output_file(option: str, path: str) -> None:
+    """A file the command will write: not a directory, in a directory that exists (checked before any work,
+    so a typo costs no emulation and gives one line, not the file system's raw [Errno 2])."""
+    from attngen.reference import InputError
+
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(option, path, "a file to write, but it is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        why = "is a file" if parent.exists() else "does not exist"
+        raise InputError(option, path, f"a file in an existing directory, but {parent} {why}")
+
+
 def blocks_to_record(grid, chosen, limit) -> set:
     """The query blocks of head 0, batch 0 (every head and batch repeats their timing: no control flow
     depends on head, batch or data), sampled evenly beyond `limit`, plus the chosen block."""
@@ -87,6 +101,7 @@ def command(args) -> int:
                             "chart the same spec without layout, paged_kv and splits")
     if args.max_blocks < 1:
         raise InputError("--max-blocks", args.max_blocks, "a positive integer")
+    check_output_file("--output", args.output)
     for plan in plans:  # sizes, seed and memory, before anything is emulated
         spec = plan.spec
         check_run(spec, Shape(args.batch, args.kv_heads * spec.gqa_group, args.kv_heads, args.q_len, args.kv_len), args.seed,
@@ -112,7 +127,10 @@ def command(args) -> int:
         return 2
     heading = "attngen timeline: " + " vs ".join(p.name for p in plans)
     page = render_page(charts, heading=heading)
-    Path(args.output).write_text(page)
+    try:
+        Path(args.output).write_text(page)
+    except OSError as e:  # removed or made read-only while the emulator ran
+        raise InputError("--output", args.output, f"a writable file ({e.strerror})") from None
     for c in charts:
         s = c["summary"]
         print(f"{c['title']} ({c['origin']}): block {tuple(c['block'])}, {s['cycles']:.0f} cycles, "

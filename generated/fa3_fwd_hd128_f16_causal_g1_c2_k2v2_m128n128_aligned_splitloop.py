@@ -1,7 +1,7 @@
 # ==============================================================================
 # attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.
-# kernel:    fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned
-# spec hash: 640484de722c
+# kernel:    fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned_splitloop
+# spec hash: ecd37e18740f
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
@@ -18,13 +18,14 @@
 #   block_n = 128
 #   pingpong = true
 #   aligned = true
+#   steady_loop = "split"
 # ==============================================================================
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-KERNEL_NAME = "fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned"
-SPEC_HASH = "640484de722c"
+KERNEL_NAME = "fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned_splitloop"
+SPEC_HASH = "ecd37e18740f"
 
 HEAD_DIM = 128
 DTYPE = "float16"
@@ -91,6 +92,7 @@ def build_kernel():
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
+        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -107,14 +109,15 @@ def build_kernel():
             diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
         # Steady state, tile k: QK(k), rescale, PV(k-1), softmax(k).
-        for k in T.serial(1, n_tiles):
+        split = T.max(1, T.min(n_tiles, full_tiles))
+        for k in T.serial(1, split):  # tiles every row sees whole
             k_stage = k % K_STAGES
             v_stage_prev = (k - 1) % V_STAGES
             T.sync_threads(wait_bar, PINGPONG_THREADS)  # ping-pong: my turn on the tensor cores
@@ -127,16 +130,40 @@ def build_kernel():
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
-            if k >= full_tiles:  # a diagonal or partial tile: masked
-                diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag
-                for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                    acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2))
+                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            T.reduce_sum(acc_s, row_sum_tile, dim=1)
+            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
+            T.mbarrier_arrive(v_empty[v_stage_prev])
+            for i in T.Parallel(WG_ROWS):
+                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
+            T.copy(acc_s, p_reg)
+        for k in T.serial(split, n_tiles):  # diagonal and partial tiles: masked
+            k_stage = k % K_STAGES
+            v_stage_prev = (k - 1) % V_STAGES
+            T.sync_threads(wait_bar, PINGPONG_THREADS)  # ping-pong: my turn on the tensor cores
+            T.mbarrier_wait_parity(k_full[k_stage], (k // K_STAGES) % 2)
+            T.wgmma_gemm(Q_shared[g, :, :], K_shared[k_stage, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
+            for i, j in T.Parallel(WG_ROWS, HEAD_DIM):  # rescale by the carried alpha while QK runs
+                acc_o[i, j] *= alpha[i]
+            T.mbarrier_wait_parity(v_full[v_stage_prev], ((k - 1) // V_STAGES) % 2)
+            T.wgmma_gemm(p_reg, V_shared[v_stage_prev, :, :], acc_o, policy=POLICY, clear_accum=False)  # delayed PV of tile k-1
+            T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
+            T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
+            T.mbarrier_arrive(k_empty[k_stage])
+            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag
+            for i, j in T.Parallel(WG_ROWS, BLOCK_N):
+                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))
+            T.copy(m_cur, m_prev)
+            T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+            for i in T.Parallel(WG_ROWS):
+                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            for i, j in T.Parallel(WG_ROWS, BLOCK_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
@@ -160,7 +187,7 @@ def build_kernel():
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func
-    def fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned(
+    def fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned_splitloop(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
@@ -207,4 +234,4 @@ def build_kernel():
             with T.ws(1):
                 consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx)
 
-    return fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned
+    return fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_aligned_splitloop

@@ -1,0 +1,420 @@
+"""The mask and tile-range algebra, stated once: which KV tiles a Q tile sees, which Q tiles a KV
+tile sees, and which of them are full (no mask needed) or partial (the mask runs).
+
+Visibility (bottom-right alignment, offset = kv_len - q_len): query row i sees key j when
+
+    0 <= j < kv_len,   j >= i + offset - left  (a window's left edge),   j <= i + offset + right
+
+`Edges` holds (left, right); None is unbounded, and causal is the right edge at the diagonal
+(right = 0, or min(right, 0) with a window). A mask_mod is not part of this algebra: a kernel with
+one masks every tile it visits.
+
+Rows are whatever range the caller names (`Rows(start, last)`): the forward passes a block's or a
+warpgroup's rows, past q_len too (those rows are computed, never stored). The transposed direction
+tiles rows [0, ceildiv(q_len, block_m) * block_m) the same way. Because left, right >= 0, the keys
+a run of rows sees form one interval (each row's interval is the previous one moved right by one),
+so every range below is a contiguous run of tiles: [first, stop) visible, [full_first, full_stop)
+inside it full, the rest partial.
+
+Every function is written once over a tiny integer expression builder (`add`, `min_`, `max_`,
+`floordiv`, `ceildiv`): called with Python ints it returns ints (the reference, the tests, block
+masks, the backward's loop bounds); called with `Sym`s it returns an expression whose `text()` is
+TileLang (render.py prints it). The builder folds constants (`x + 0`, adjacent constants), drops
+a max/min that a known lower bound decides, and nothing else, so the text stays the reader's.
+This module imports nothing from attngen: render and reference both sit above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Union
+
+import numpy as np
+
+
+# -- the expression builder ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sym:
+    """A kernel name (q0, kv_len, BLOCK_N, ...) and a lower bound of its value, if known."""
+    name: str
+    lo: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sum:
+    terms: tuple  # ((sign, term), ...): term an int (sign +1, the value signed) or a non-Sum node
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    fn: str  # "min", "max", "floordiv", "ceildiv": printed T.fn(a, b)
+    args: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    op: str  # "//" (floor division, the packed-GQA row) or "*"
+    a: object
+    b: object
+
+
+Expr = Union[int, Sym, Sum, Call, Op]
+
+
+def _terms(x, sign=1):
+    if isinstance(x, int):
+        return [(1, sign * x)]
+    if isinstance(x, Sum):
+        return [(1, s * sign * t) if isinstance(t, int) else (s * sign, t) for s, t in x.terms]
+    return [(sign, x)]
+
+
+def add(*xs) -> Expr:
+    """x0 + x1 + ...: flattened; adjacent constants merged and zeros dropped, order kept."""
+    if all(isinstance(x, int) for x in xs):
+        return sum(xs)
+    out = []
+    for s, t in (st for x in xs for st in _terms(x)):
+        if isinstance(t, int) and out and isinstance(out[-1][1], int):
+            out[-1] = (1, out[-1][1] + t)
+        else:
+            out.append((s, t))
+    out = [(s, t) for s, t in out if t != 0 or not isinstance(t, int)]
+    if not out:
+        return 0
+    if len(out) == 1 and out[0][0] == 1:
+        return out[0][1]
+    return Sum(tuple(out))
+
+
+def neg(x) -> Expr:
+    return -x if isinstance(x, int) else Sum(tuple(_terms(x, -1)))
+
+
+def sub(a, b) -> Expr:
+    return add(a, neg(b))
+
+
+def mul(a, b) -> Expr:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    if 0 in (a, b):
+        return 0
+    if 1 in (a, b):
+        return b if a == 1 else a
+    return Op("*", a, b)
+
+
+def lower_bound(x) -> int | None:
+    """A proven lower bound of x's value (None: unknown). Divisors are positive (tile sizes)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, Sym):
+        return x.lo
+    if isinstance(x, Sum):
+        total = 0
+        for s, t in x.terms:
+            lo = lower_bound(t) if s == 1 else (-t if isinstance(t, int) else None)
+            if lo is None:
+                return None
+            total += lo
+        return total
+    if isinstance(x, Call):
+        lows = [lower_bound(a) for a in x.args]
+        if x.fn == "min":
+            return None if None in lows else min(lows)
+        if x.fn == "max":
+            known = [lo for lo in lows if lo is not None]
+            return max(known) if known else None
+        lo = lows[0]
+        if lo is None or lo < 0:
+            return None
+        return (1 if lo >= 1 else 0) if x.fn == "ceildiv" else 0
+    return None
+
+
+def _at_least(x, c: int) -> bool:
+    lo = lower_bound(x)
+    return lo is not None and lo >= c
+
+
+def max_(a, b) -> Expr:
+    """max(a, b), simplified by identities that hold for every value (n >= 1):
+    max(x, c) = x when x >= c is proven; max(min(A, B), c) = min(A, max(B, c)) when A >= c, and
+    there max(ceildiv(x, n), 1) = ceildiv(max(x, 1), n) (the bound on the row, where a reader looks)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    if isinstance(a, int):
+        a, b = b, a
+    if a == b:
+        return a
+    if isinstance(b, int):
+        if _at_least(a, b):
+            return a
+        if isinstance(a, Call) and a.fn == "min":
+            x, y = a.args
+            if _at_least(x, b):  # (the first operand only: the bound's place in the text stays put)
+                y = max_(y, b)
+                if isinstance(y, Call) and y.fn == "max" and isinstance(y.args[0], Call) and y.args[0].fn == "ceildiv" and b == 1:
+                    y = ceildiv(max_(y.args[0].args[0], 1), y.args[0].args[1])
+                return min_(x, y)
+    return Call("max", (a, b))
+
+
+def min_(a, b) -> Expr:
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    if a == b:
+        return a
+    return Call("min", (a, b))
+
+
+def floordiv(a, n) -> Expr:
+    if isinstance(a, int) and isinstance(n, int):
+        return a // n
+    return 0 if a == 0 else Call("floordiv", (a, n))
+
+
+def ceildiv(a, n) -> Expr:
+    if isinstance(a, int) and isinstance(n, int):
+        return -(-a // n)
+    return 0 if a == 0 else Call("ceildiv", (a, n))
+
+
+def rowdiv(a, n) -> Expr:
+    """a // n printed with the operator (the packed-GQA row position)."""
+    if isinstance(a, int) and isinstance(n, int):
+        return a // n
+    return Op("//", a, n)
+
+
+def text(x) -> str:
+    """TileLang source of an expression."""
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, Sym):
+        return x.name
+    if isinstance(x, Call):
+        return f"T.{x.fn}({', '.join(text(a) for a in x.args)})"
+    if isinstance(x, Op):
+        def side(y):
+            return f"({text(y)})" if isinstance(y, Sum) or (isinstance(y, int) and y < 0) else text(y)
+        return f"{side(x.a)} {x.op} {side(x.b)}"
+    out = ""
+    for n, (s, t) in enumerate(x.terms):
+        negative = s < 0 or (isinstance(t, int) and t < 0)
+        body = str(abs(t)) if isinstance(t, int) else text(t)
+        out += ("-" + body if negative else body) if n == 0 else (f" - {body}" if negative else f" + {body}")
+    return out
+
+
+def evaluate(x, env: dict) -> int:
+    """The value of an expression with each Sym's name bound in env (floor and ceiling division)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, Sym):
+        return env[x.name]
+    if isinstance(x, Sum):
+        return sum(s * evaluate(t, env) for s, t in x.terms)
+    a, b = (evaluate(y, env) for y in ((x.a, x.b) if isinstance(x, Op) else x.args))
+    fn = x.op if isinstance(x, Op) else x.fn
+    return {"min": min, "max": max, "*": lambda p, q: p * q,
+            "floordiv": lambda p, q: p // q, "//": lambda p, q: p // q, "ceildiv": lambda p, q: -(-p // q)}[fn](a, b)
+
+
+# -- the algebra ----------------------------------------------------------------------------
+class Edges(NamedTuple):
+    left: int | None  # keys before row + offset - left are masked; None: unbounded
+    right: int | None  # keys after row + offset + right are masked; causal: 0
+
+
+def edges(causal: bool, window=(-1, -1)) -> Edges:
+    """A spec's causal flag and window [left, right] (-1 unbounded) as Edges, causal folded in."""
+    left, right = (None if x < 0 else x for x in window)
+    if causal:  # causal is the window's right edge at the diagonal
+        right = 0 if right is None else min(right, 0)
+    return Edges(left, right)
+
+
+def visible(i, j, q_len: int, kv_len: int, e: Edges):
+    """Does row i see key j (numpy arrays broadcast)? Rows past q_len follow the same formula."""
+    off = kv_len - q_len
+    i, j = np.asarray(i), np.asarray(j)
+    vis = np.broadcast_to((j >= 0) & (j < kv_len), np.broadcast_shapes(i.shape, j.shape))
+    if e.left is not None:
+        vis = vis & (j >= i + off - e.left)
+    if e.right is not None:
+        vis = vis & (j <= i + off + e.right)
+    return vis
+
+
+class Rows(NamedTuple):
+    """Rows start..last (inclusive) of one block, one warpgroup, or one Q tile."""
+    start: Expr
+    last: Expr
+
+    @property
+    def stop(self) -> Expr:
+        return add(self.last, 1)
+
+
+class Span(NamedTuple):
+    """Exact tile ranges (ints): tiles [first, stop) hold a visible entry, [full_first, full_stop)
+    are wholly visible; both empty (first == stop) when nothing is visible."""
+    first: int
+    stop: int
+    full_first: int
+    full_stop: int
+
+    @property
+    def tiles(self) -> range:
+        return range(self.first, self.stop)
+
+    @property
+    def full(self) -> range:
+        return range(self.full_first, self.full_stop)
+
+    @property
+    def partial(self) -> list:
+        return [t for t in self.tiles if t not in self.full]
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One attention problem's lengths, edges and tile sizes: ints, or Syms for the kernel's text."""
+    q_len: Expr
+    kv_len: Expr
+    offset: Expr  # kv_len - q_len (a Sym in the kernel: causal_offset)
+    edges: Edges
+    block_m: Expr  # Q tile rows (the transposed direction's tiles)
+    block_n: Expr  # KV tile keys
+
+    @classmethod
+    def of(cls, q_len: int, kv_len: int, e: Edges, block_m: int, block_n: int) -> "Frame":
+        return cls(q_len, kv_len, kv_len - q_len, e, block_m, block_n)
+
+    # -- a run of query rows -> KV tiles (the forward's loop; the backward's dQ) ----------
+    def key_first(self, row):
+        """First key row `row` may see (unclamped), or 0 without a left edge."""
+        return 0 if self.edges.left is None else add(row, self.offset, -self.edges.left)
+
+    def kv_first(self, rows: Rows):
+        """The first KV tile holding a key the rows see (exact when they see any)."""
+        if self.edges.left is None:
+            return 0
+        return floordiv(max_(self.key_first(rows.start), 0), self.block_n)
+
+    def kv_stop(self, rows: Rows):
+        """One past the last KV tile holding a key the rows see (exact when they see any; <= kv_first
+        or <= 0 when they see none because of the right edge)."""
+        end = ceildiv(self.kv_len, self.block_n)
+        if self.edges.right is None:
+            return end
+        return min_(end, ceildiv(add(rows.stop, self.offset, self.edges.right), self.block_n))
+
+    def kv_full_first(self, rows: Rows):
+        """The first KV tile no row's left edge cuts: every row sees its first key."""
+        if self.edges.left is None:
+            return 0
+        return ceildiv(max_(self.key_first(rows.last), 0), self.block_n)
+
+    def kv_full_stop(self, rows: Rows, first_row_real: bool = False):
+        """One past the last KV tile wholly visible on the right: inside kv_len and left of the first
+        row's right edge (may be < 1: none). `first_row_real`: rows.start < q_len, so with right = 0
+        its edge start + offset + 1 <= kv_len and the min with kv_len is dropped (the kernel's text)."""
+        whole = floordiv(self.kv_len, self.block_n)
+        if self.edges.right is None:
+            return whole
+        edge = add(rows.start, self.offset, self.edges.right, 1)
+        if first_row_real and self.edges.right == 0:
+            return floordiv(edge, self.block_n)
+        return floordiv(min_(edge, self.kv_len), self.block_n)
+
+    def rows_see_any(self, rows: Rows) -> bool:
+        """Do rows start..last see any key? (ints)"""
+        e = self.edges
+        return bool(self.kv_len > 0 and rows.start <= rows.last
+                    and (e.right is None or rows.last + self.offset + e.right >= 0)
+                    and (e.left is None or rows.start + self.offset - e.left <= self.kv_len - 1))
+
+    def kv_span(self, rows: Rows) -> Span:
+        """The exact KV tile ranges of rows (ints)."""
+        if not self.rows_see_any(rows):
+            return Span(0, 0, 0, 0)
+        first, stop = self.kv_first(rows), self.kv_stop(rows)
+        lo = min(max(self.kv_full_first(rows), first), stop)
+        hi = max(min(self.kv_full_stop(rows), stop), lo)
+        return Span(first, stop, lo, hi)
+
+    # -- a KV tile -> the Q tiles that see it (the backward's loop over Q tiles) ------------
+    def q_tiles(self):
+        return ceildiv(self.q_len, self.block_m)
+
+    def q_first(self, kv_tile):
+        """The first Q tile with a row that sees a key of KV tile `kv_tile` (exact when any does)."""
+        if self.edges.right is None:
+            return 0
+        c0 = mul(kv_tile, self.block_n)
+        return floordiv(max_(sub(c0, add(self.offset, self.edges.right)), 0), self.block_m)
+
+    def q_stop(self, kv_tile):
+        """One past the last such Q tile: the tile's last key (inside kv_len) with the left edge."""
+        if self.edges.left is None:
+            return self.q_tiles()
+        keys_stop = min_(mul(add(kv_tile, 1), self.block_n), self.kv_len)
+        return min_(self.q_tiles(), ceildiv(add(sub(keys_stop, self.offset), self.edges.left), self.block_m))
+
+    def q_full_first(self, kv_tile):
+        """The first Q tile whose first row sees the KV tile's last key (right edge)."""
+        if self.edges.right is None:
+            return 0
+        last_key = add(mul(kv_tile, self.block_n), self.block_n, -1)
+        return ceildiv(max_(sub(last_key, add(self.offset, self.edges.right)), 0), self.block_m)
+
+    def q_full_stop(self, kv_tile):
+        """One past the last Q tile whose last row sees the KV tile's first key (left edge); no Q tile
+        is full for a KV tile that passes kv_len."""
+        stop = self.q_tiles() if self.edges.left is None else min_(
+            self.q_tiles(), floordiv(add(sub(mul(kv_tile, self.block_n), self.offset), self.edges.left, 1), self.block_m))
+        return stop
+
+    def kv_tile_seen(self, kv_tile: int) -> bool:
+        """Does any row of the Q tiles see a key of KV tile `kv_tile`? (ints)"""
+        e = self.edges
+        c0 = kv_tile * self.block_n
+        c_last = min(c0 + self.block_n, self.kv_len) - 1
+        rows_last = self.q_tiles() * self.block_m - 1
+        return bool(c0 < self.kv_len and self.q_len > 0
+                    and (e.right is None or c0 - self.offset - e.right <= rows_last)
+                    and (e.left is None or c_last - self.offset + e.left >= 0))
+
+    def q_span(self, kv_tile: int) -> Span:
+        """The exact Q tile ranges of KV tile `kv_tile` (ints)."""
+        if not self.kv_tile_seen(kv_tile):
+            return Span(0, 0, 0, 0)
+        first, stop = self.q_first(kv_tile), self.q_stop(kv_tile)
+        if (kv_tile + 1) * self.block_n > self.kv_len:  # keys past kv_len: never wholly visible
+            return Span(first, stop, first, first)
+        lo = min(max(self.q_full_first(kv_tile), first), stop)
+        hi = max(min(self.q_full_stop(kv_tile), stop), lo)
+        return Span(first, stop, lo, hi)
+
+
+# -- split-KV: each split takes an equal share of a block's KV tiles ----------------------------
+def split_tiles_per(n_tiles, splits):
+    return ceildiv(n_tiles, splits)
+
+
+def split_first(split_idx, tiles_per):
+    """Split split_idx's first visit (an offset from the block's first tile)."""
+    return mul(split_idx, tiles_per)
+
+
+def split_count(n_tiles, first, tiles_per):
+    """Visits of the split starting at `first` (< 1: the split is empty)."""
+    return min_(sub(n_tiles, first), tiles_per)
+
+
+def at_least_one(x):
+    """The kernel's rule: a block (or split) that sees no key still runs one fully masked visit."""
+    return max_(x, 1)
