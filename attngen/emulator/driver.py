@@ -604,12 +604,13 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, poli
 
 
 # What one CPU-model run costs: `python bench/bench_emulator.py --calibrate` fits seconds = RUN +
-# CTA x blocks + WGMMA x wgmma issued. On the 2-core development machine, shared and loaded, ten
-# cases of 0.14-3.5 s gave 0.025 s, 0 s and 1.42 ms; a run of 8192 wgmma (hd128, B=1, H=4,
-# Sq=2048, Skv=4096) took 14.6 s, 1.78 ms each, so the per-wgmma cost used is 1.8 ms.
-SECONDS_PER_RUN = 0.03
-SECONDS_PER_CTA = 0.001
-SECONDS_PER_WGMMA = 0.0018
+# CTA x blocks + WGMMA x wgmma issued. On the shared 2-core development machine the per-wgmma
+# cost moved with its load: 0.66 ms fitted at a load average of 5 (a run of 8192 wgmma, hd128,
+# B=1, H=4, Sq=2048, Skv=4096, took 4.6 s), 1.4-1.8 ms at 12-14 (the same run: 14.6 s). The
+# constants sit between, so an estimate is within about a factor of two either way.
+SECONDS_PER_RUN = 0.02
+SECONDS_PER_CTA = 0.003
+SECONDS_PER_WGMMA = 0.001
 
 
 @dataclasses.dataclass(frozen=True)
