@@ -390,10 +390,13 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
         elem = hw.DTYPES[spec.dtype].bytes
         ok = [c for c, (_, regs) in hw.REG_SPLIT.items()
               if hw.consumer_regs_needed(head_dim_v(spec), BLOCK_N_CANDIDATES[-1], c, elem) + variant_regs(spec) <= regs]
+        # O's accumulator, the term that does not shrink with block_n, is head_dim_v wide
+        dv = head_dim_v(spec)
+        what = f"head_dim {dv}" if dv == spec.head_dim else f"head_dim_v {dv} (the width of O's accumulator)"
         raise SpecError(
             "consumers", n,
             f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
-            f"head_dim {spec.head_dim} needs at any block_n; use consumers in {ok}",
+            f"{what} needs at any block_n; use consumers in {ok}",
         )
     raise SpecError(
         "block_n", spec.block_n,
