@@ -236,8 +236,28 @@ def default_block_n(spec: Spec) -> int:
     return fits_page[-1]
 
 
+def canonical(spec: Spec) -> Spec:
+    """One spec per kernel, so that equal kernels get equal names, hashes and emitted text.
+
+    Under causal a window's right bound says nothing (the diagonal bounds every row already;
+    plan_variant folds it to 0), so it is dropped; score_mod and mask_mod are written as they
+    parse (expr.Expr.canonical: no comments, spacing or redundant parentheses, identifiers
+    NFKC-normalised as Python reads them). The presets' expressions are canonical as written.
+    """
+    fields = {}
+    if spec.causal and spec.window[1] >= 0:
+        fields["window"] = (spec.window[0], -1)
+    for field in ("score_mod", "mask_mod"):
+        text = getattr(spec, field)
+        canon = expr.parse(text, field).canonical if text.strip() else ""
+        if canon != text:
+            fields[field] = canon
+    return dataclasses.replace(spec, **fields) if fields else spec
+
+
 def resolve(spec: Spec) -> Spec:
-    """The spec with every "choose for me" field filled in."""
+    """The spec with every "choose for me" field filled in (and canonical)."""
+    spec = canonical(spec)
     if spec.paged_kv and spec.page_size is None:
         spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
     return dataclasses.replace(
