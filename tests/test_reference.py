@@ -8,8 +8,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import attngen
-from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, random_inputs, round_to,
-                               tolerance)
+from attngen import serving
+from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, check_lse, random_inputs,
+                               round_to, tolerance)
 
 
 def randn(shape, seed, dtype=None):
@@ -292,6 +293,47 @@ def test_check_close_matches_nan_positions_both_ways():
     assert not check_close(extra, q, k, v, False, dtype="float16").ok  # output NaN, reference finite
     signed = np.where(np.isnan(ref), np.inf, ref)
     assert not check_close(signed, q, k, v, False, dtype="float16").ok  # inf is not NaN
+
+
+@pytest.mark.parametrize("score_mod", ["log(score)", "score / (kv_idx - kv_idx)", "exp(score * 1e30)"])
+def test_a_reference_undefined_on_finite_inputs_fails_with_its_own_message(score_mod):
+    # issue 21: an all-NaN output matched an all-NaN reference, and check printed max |out - ref| = 0 ... PASS
+    q, k, v = (randn(s, 70 + i, "float16") for i, s in enumerate([(1, 6, 2, 16), (1, 9, 1, 16), (1, 9, 1, 16)]))
+    ref, lse = attention(q, k, v, score_mod=score_mod)
+    assert not np.isfinite(ref).all()
+    res = check_close(ref, q, k, v, False, dtype="float16", score_mod=score_mod)  # the output IS the reference
+    ok, err, bound = res  # still unpacks as three
+    assert not ok and err == 0 and "FAIL (the reference is NaN or inf" in str(res) and "from finite inputs" in str(res)
+    lres = check_lse(lse, q, k, v, False, dtype="float16", score_mod=score_mod)
+    assert not lres.ok and "from finite inputs" in lres.verdict
+    assert serving._ratio(res) == math.inf  # a serving check reports it as the worst sequence
+
+
+def test_a_non_finite_input_still_explains_a_non_finite_reference():
+    q, k, v = (randn(s, 80 + i, "float16") for i, s in enumerate([(1, 6, 2, 16), (1, 9, 1, 16), (1, 9, 1, 16)]))
+    bias = np.array([0.5, np.nan], np.float32)  # head 1's bias is NaN: its rows are NaN by the propagation rule
+    ref, lse = attention(q, k, v, score_mod="score + bias[h]", tensors={"bias": bias})
+    assert np.isnan(ref[:, :, 1]).all() and np.isfinite(ref[:, :, 0]).all()
+    res = check_close(ref, q, k, v, False, dtype="float16", score_mod="score + bias[h]", tensors={"bias": bias})
+    assert res.ok and res.note == "", res
+    doubled, _ = attention(q, k, v, score_mod="score * 2")
+    assert check_close(doubled, q, k, v, False, dtype="float16", score_mod="score * 2").ok  # a defined mod: no note
+    # ... and the rows an empty mask leaves have an LSE of -inf, which is defined
+    causal_ref, causal_lse = attention(q[:, :, :, :], k[:, :3], v[:, :3], causal=True)
+    assert np.isneginf(causal_lse).any() and check_lse(causal_lse, q, k[:, :3], v[:, :3], True, dtype="float16").ok
+
+
+def test_check_and_emulate_fail_a_spec_whose_reference_is_undefined(tmp_path, capsys):
+    from attngen.cli import main
+    from attngen.emulator.driver import check_emulated
+
+    spec = attngen.Spec(head_dim=64, consumers=1, score_mod="log(score)")
+    ok, text, _ = check_emulated(attngen.make_plan(spec), 1, 1, 1, 64, 64)
+    assert not ok and "FAIL (the reference is NaN or inf" in text, text
+    path = tmp_path / "log.toml"
+    path.write_text('head_dim = 64\nconsumers = 1\nscore_mod = "log(score)"\n')
+    assert main(["emulate", str(path), "--q-len", "64", "--kv-len", "64"]) == 1
+    assert "FAIL (the reference is NaN or inf" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])

@@ -553,7 +553,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     ok, text = res.ok, str(res)
     if lse is not None:
         r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
-        ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {'PASS' if r2.ok else 'FAIL'}"
+        ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
     return ok, text, stats
 
 
