@@ -1,6 +1,6 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw, expr, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table, serving  ->  lower
+    version, hw, expr, toolchain  ->  spec, reference  ->  plan  ->  render, tuning_table, serving  ->  lower, inputs
                  ->  build | emulator | runtime | gputime  ->  tune | timeline  ->  cli
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
@@ -20,7 +20,7 @@ LAYERS = {
     "spec": 1, "reference": 1,
     "plan": 2,
     "render": 3, "tuning_table": 3, "serving": 3,
-    "lower": 4,
+    "lower": 4, "inputs": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
     "tune": 6, "timeline": 6,
     "cli": 7,
