@@ -9,8 +9,8 @@ from hypothesis import example, given, settings, strategies as st
 
 import attngen
 from attngen import serving
-from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, check_lse, random_inputs,
-                               round_to, tolerance)
+from attngen.reference import (EPS, TINY, attention, attention_lowprec, causal_visible, check_close, check_lse,
+                               random_inputs, round_to, tolerance, variant_of)
 
 
 def randn(shape, seed, dtype=None):
@@ -229,6 +229,64 @@ def test_a_twin_that_rounds_scores_makes_a_useless_bound(dtype):
     assert not np.isfinite(old) or old > 0.5 * np.abs(ref).max()  # NaN, or admits ref * 0.5
     new = tolerance(ref, attention_lowprec(q, k, v, False, dtype), dtype)
     assert np.isfinite(new) and new < 0.05 * np.abs(ref).max()
+
+
+def twin_agreement(out, low, dtype):
+    """(fraction of elements equal, largest |out - low| in ulps of its row's largest output)."""
+    out = np.asarray(out, np.float64)
+    row = np.maximum(np.abs(out).max(axis=-1, keepdims=True), TINY[dtype] / EPS[dtype])
+    return float((out == low).mean()), float((np.abs(out - low) / (EPS[dtype] * row)).max())
+
+
+def emulated_and_twin(fields, shape, twin=attention_lowprec):
+    from attngen.emulator.driver import emulate_stats, variant_inputs
+
+    plan = attngen.make_plan(attngen.Spec(**fields))
+    q, k, v, tensors = variant_inputs(plan, *shape)
+    out, _ = emulate_stats(plan, q, k, v, tensors=tensors)
+    variant = variant_of(plan.spec, tensors.get("alibi_slopes"), tensors.get("sinks"))
+    return out, twin(q, k, v, plan.spec.causal, plan.spec.dtype, **variant), plan.spec.dtype
+
+
+ONE_TILE = [  # kv_len <= block_n: the online max is the one-shot max, so the roundings are the same ones
+    (dict(head_dim=64, consumers=1, block_n=128), (1, 2, 2, 200, 100)),
+    (dict(head_dim=64, causal=True, dtype="bfloat16", gqa_group=2, block_n=128), (1, 2, 1, 130, 128)),
+    (dict(head_dim=128, consumers=1, softcap=30.0, block_n=128), (1, 1, 1, 130, 77)),
+    (dict(head_dim=64, consumers=1, dtype="bfloat16", sinks=True, block_n=128), (1, 2, 2, 64, 128)),
+]
+MANY_TILES = [
+    (dict(head_dim=64, consumers=1), (1, 2, 2, 200, 333)),
+    (dict(head_dim=64, causal=True, dtype="bfloat16", gqa_group=2), (1, 2, 1, 300, 257)),
+    (dict(head_dim=64, consumers=1, dtype="bfloat16"), (1, 1, 1, 64, 1000)),
+]
+
+
+@pytest.mark.parametrize("fields, shape", ONE_TILE + MANY_TILES)
+def test_the_twin_has_the_emulated_kernels_roundings(fields, shape):
+    """attention_lowprec's docstring: its one-shot form has the kernel's roundings (P rounded to the
+    dtype before PV among them). Against the emulated kernel: within one ulp of each row's largest
+    output everywhere, and with a single K tile (no online rescaling) equal in >= 99% of elements."""
+    out, low, dtype = emulated_and_twin(fields, shape)
+    equal, worst = twin_agreement(out, low, dtype)
+    assert worst <= 1.0, (equal, worst)
+    if (fields, shape) in ONE_TILE:
+        assert equal >= 0.99, (equal, worst)  # measured 0.998 to 1.0
+
+
+def test_a_twin_that_does_not_round_p_is_caught():
+    """The mutant of issue 21 (P kept in float32 for PV): the bound hides it (eps floors it), this does not."""
+    import inspect
+
+    from attngen import reference
+
+    text = inspect.getsource(attention_lowprec)
+    assert "acc = round_to(p, dtype) @ v" in text
+    namespace = dict(vars(reference))
+    exec(text.replace("acc = round_to(p, dtype) @ v", "acc = p @ v"), namespace)
+    for fields, shape in ONE_TILE[:2]:
+        out, low, dtype = emulated_and_twin(fields, shape, twin=namespace["attention_lowprec"])
+        equal, _ = twin_agreement(out, low, dtype)
+        assert equal < 0.9, equal  # measured 0.63
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
