@@ -446,7 +446,10 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
     Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
     score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
-    [B, H, Sq]). A missing, unknown or misshapen tensor is an InputError naming it.
+    [B, H, Sq]). Every tensor is checked first by the runtime's own rules (attngen/inputs.py:
+    shapes, dtypes, layouts, the call-time tensors, finite sinks), so a call attngen.attention
+    refuses is the same InputError here; numpy arrays, any device with values, and float32/float64
+    holding values to round are what the CPU model takes besides.
     Serving (docs/serving.md): a varlen spec takes packed q (total_q, H, D) with cu_seqlens_q,
     cu_seqlens_k and max_seqlen_q; a paged one k/v caches (num_pages, page_size, HKV, D) with
     block_table and seqused_k; a split one num_splits (None: "auto"). Each is validated first.
