@@ -23,6 +23,12 @@ from attngen.spec import Spec, SpecError
 def test_allowed_expressions_parse(text, kind):
     e = expr.parse(text, kind)
     assert e.text == text
+    # the canonical text (what names and hashes a kernel) is a fixed point and emits the same TileLang
+    again = expr.parse(e.canonical, kind)
+    assert again.canonical == e.canonical
+    names = {n: n for n in ("score", *expr.INDEX_VARS)}
+    emitted = [expr.emit(x, names, lambda name: f"X_{name}", lambda name, axis: f"{name}_dim{axis}") for x in (e, again)]
+    assert emitted[0] == emitted[1]
 
 
 @pytest.mark.parametrize("text, kind, col, fragment", [
