@@ -11,6 +11,10 @@ An expression is Python syntax read with `ast` and checked against a whitelist:
     tanh exp log abs min max where(cond, a, b)
     == != < <= > >=  and or not   comparisons and boolean logic
 
+An expression is at most MAX_CHARS characters, MAX_NODES syntax nodes and MAX_DEPTH deep (the
+checker, the emitter and TVM's parser all recurse over it); a literal must be a finite float32
+(or, if an integer, an int32): the kernel computes in those types.
+
 `parse` returns an `Expr` (or raises ExprError naming the column and what is allowed);
 `evaluate` runs it with numpy in float64 (the reference); `emit` prints it as TileLang
 (the template). This module imports nothing from attngen: spec, plan, render and reference
@@ -39,6 +43,12 @@ RESERVED = frozenset(INDEX_VARS) | {"score"} | set(FUNCS) | {
     "alibi_slopes", "sinks", "return_lse", "lse", "T",
 }
 
+MAX_CHARS = 1000
+MAX_NODES = 256
+MAX_DEPTH = 64
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = 2**31 - 1
+
 ALLOWED = ("allowed: score (score_mod only), b, h, q_idx, kv_idx, numeric literals, call-time tensors "
            "indexed like bias[h], + - * /, tanh exp log abs min max where, comparisons, and or not")
 
@@ -60,6 +70,13 @@ class Expr:
     tensors: tuple  # ((name, (axis extent or None, ...)), ...) in order of first use
     uses: frozenset  # the variables it reads
 
+    @property
+    def canonical(self) -> str:
+        """The text as the parsed tree prints it (ast.unparse): spacing, redundant parentheses and
+        comments dropped and identifiers NFKC-normalised, as Python reads them, so two texts of
+        one kernel get one name and one hash. The presets' texts are already canonical."""
+        return ast.unparse(self.tree)
+
 
 def _col(node) -> int:
     return getattr(node, "col_offset", 0) + 1
@@ -73,10 +90,16 @@ def parse(text: str, kind: str) -> Expr:
     """Check `text` as a score_mod (numeric, may read `score`) or mask_mod (boolean)."""
     if not isinstance(text, str):
         raise ExprError(1, f"expected a string expression, got {type(text).__name__}")
+    if len(text.strip()) > MAX_CHARS:
+        raise ExprError(1, f"the expression is {len(text.strip())} characters long; at most {MAX_CHARS} "
+                           f"(precompute the rest into a call-time tensor)")
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as e:
         raise ExprError(e.offset or 1, f"not a valid expression ({e.msg}); {ALLOWED}") from None
+    except (RecursionError, MemoryError):  # nesting Python's own parser cannot take
+        raise ExprError(1, f"the expression nests deeper than {MAX_DEPTH} levels; at most {MAX_DEPTH}") from None
+    _check_size(tree)
     types, tensors, uses = {}, {}, set()
 
     def bad(node, what):
@@ -103,9 +126,10 @@ def parse(text: str, kind: str) -> Expr:
         if isinstance(node, ast.Constant):
             if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
                 bad(node, f"the literal {node.value!r}")
-            if isinstance(node.value, float) and not math.isfinite(node.value):
-                bad(node, "a non-finite literal")
+            _check_literal(node)
             return INT if isinstance(node.value, int) else FLOAT
+        if isinstance(node, ast.Attribute):
+            raise ExprError(node.end_col_offset - len(node.attr), f"the attribute access `.{node.attr}` is not allowed; {ALLOWED}")
         if isinstance(node, ast.Name):
             if node.id == "score":
                 if kind != "score_mod":
@@ -153,6 +177,8 @@ def parse(text: str, kind: str) -> Expr:
             a = numeric(node.left, "an operand of arithmetic")
             b = numeric(node.right, "an operand of arithmetic")
             if isinstance(node.op, ast.Div):
+                if isinstance(node.right, ast.Constant) and node.right.value == 0:
+                    raise ExprError(_col(node.right), "division by the literal 0 makes every value inf or NaN")
                 return FLOAT
             return INT if a == b == INT else FLOAT
         if isinstance(node, ast.BoolOp):
@@ -192,6 +218,39 @@ def parse(text: str, kind: str) -> Expr:
     if kind == "mask_mod" and result != BOOL:
         raise ExprError(1, "mask_mod must give a boolean (true: the key is visible), for example q_idx >= kv_idx")
     return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses))
+
+
+def _check_size(tree) -> None:
+    """MAX_NODES and MAX_DEPTH, counted without recursion (the checks below recurse)."""
+    nodes, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise ExprError(1, f"the expression has more than {MAX_NODES} syntax nodes; at most {MAX_NODES} "
+                               f"(precompute the rest into a call-time tensor)")
+        if depth > MAX_DEPTH:
+            raise ExprError(_col(node), f"the expression nests deeper than {MAX_DEPTH} levels (a chain a + b + c ... "
+                                        f"takes a level per term); at most {MAX_DEPTH}")
+        stack += [(c, depth + 1) for c in ast.iter_child_nodes(node)
+                  if not isinstance(c, (ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop))]
+
+
+def _check_literal(node) -> None:
+    """A literal the kernel can hold: a float32 that neither overflows nor flushes a nonzero to 0,
+    an int that fits int32 (index arithmetic; cast to float32 where a float is needed)."""
+    v = node.value
+    if isinstance(v, float):
+        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+            raise ExprError(_col(node), f"the literal {v!r} is not a finite float32 (the kernel's arithmetic); "
+                                        f"expected a magnitude of at most {FLOAT32_MAX:.7g}")
+        if v != 0 and np.float32(v) == 0:
+            raise ExprError(_col(node), f"the literal {v!r} is 0 in float32 (the kernel's arithmetic); "
+                                        f"expected 0 or a magnitude of at least {float(np.finfo(np.float32).smallest_subnormal):.3g}")
+    elif abs(v) > INT32_MAX:
+        hint = f" (or the float {float(v):g})" if abs(v) <= FLOAT32_MAX else ""
+        raise ExprError(_col(node), f"the integer literal {v} does not fit int32 (the kernel's index arithmetic); "
+                                    f"expected a magnitude of at most {INT32_MAX}{hint}")
 
 
 # -- float64 evaluation (the reference) ------------------------------------------------

@@ -238,6 +238,25 @@ def default_block_n(spec: Spec) -> int:
     return fits_page[-1]
 
 
+def canonical(spec: Spec) -> Spec:
+    """One spec per kernel, so that equal kernels get equal names, hashes and emitted text.
+
+    Under causal a window's right bound says nothing (the diagonal bounds every row already;
+    plan_variant folds it to 0), so it is dropped; score_mod and mask_mod are written as they
+    parse (expr.Expr.canonical: no comments, spacing or redundant parentheses, identifiers
+    NFKC-normalised as Python reads them). The presets' expressions are canonical as written.
+    """
+    fields = {}
+    if spec.causal and spec.window[1] >= 0:
+        fields["window"] = (spec.window[0], -1)
+    for field in ("score_mod", "mask_mod"):
+        text = getattr(spec, field)
+        canon = expr.parse(text, field).canonical if text.strip() else ""
+        if canon != text:
+            fields[field] = canon
+    return dataclasses.replace(spec, **fields) if fields else spec
+
+
 def masks_some_tile(spec: Spec) -> bool:
     """Some K tile may need a mask: causal, a window, a mask_mod, or lengths not tile multiples."""
     return spec.causal or not spec.aligned or spec.window != (-1, -1) or bool(spec.mask_mod.strip())
@@ -250,7 +269,8 @@ def splits_steady_loop(spec: Spec) -> bool:
 
 
 def resolve(spec: Spec) -> Spec:
-    """The spec with every "choose for me" field filled in."""
+    """The spec with every "choose for me" field filled in (and canonical)."""
+    spec = canonical(spec)
     if spec.paged_kv and spec.page_size is None:
         spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
     if not splits_steady_loop(spec):  # both forms are one loop: one name and hash for one kernel
@@ -403,10 +423,13 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
         elem = hw.DTYPES[spec.dtype].bytes
         ok = [c for c, (_, regs) in hw.REG_SPLIT.items()
               if hw.consumer_regs_needed(head_dim_v(spec), BLOCK_N_CANDIDATES[-1], c, elem) + variant_regs(spec) <= regs]
+        # O's accumulator, the term that does not shrink with block_n, is head_dim_v wide
+        dv = head_dim_v(spec)
+        what = f"head_dim {dv}" if dv == spec.head_dim else f"head_dim_v {dv} (the width of O's accumulator)"
         raise SpecError(
             "consumers", n,
             f"with {n} consumers setmaxnreg gives each consumer thread {consumer_regs} registers, fewer than "
-            f"head_dim {spec.head_dim} needs at any block_n; use consumers in {ok}",
+            f"{what} needs at any block_n; use consumers in {ok}",
         )
     raise SpecError(
         "block_n", spec.block_n,

@@ -34,7 +34,11 @@ from typing import Callable
 
 from attngen import serving
 from attngen.cache import RUNTIME, cache_key, cache_root, locked, package_versions, tool_versions
-from attngen.hw import CAPABILITY, DTYPES, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
+from attngen.hw import CAPABILITY, DTYPES
+# The input checks live in attngen/inputs.py, shared with the CPU model (attngen.emulate);
+# re-exported here, where the GPU path's callers have always found them.
+from attngen.inputs import (check_extra, check_layout, check_serving_tensors, check_tensors,  # noqa: F401
+                            extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
 from attngen.reference import InputError  # noqa: F401  (re-exported: attngen.runtime.InputError)
@@ -65,149 +69,6 @@ def spec_dtype(dtype) -> str | None:
     """The spec dtype name of a torch dtype, or None if the kernels do not take it."""
     name = str(dtype).removeprefix("torch.")
     return name if name in DTYPES else None
-
-
-def packed_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def check_layout(name: str, t) -> None:
-    """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
-    shape, strides, elem = tuple(t.shape), tuple(t.stride()), t.element_size()
-    if shape[-1] > 1 and strides[-1] != 1:
-        raise InputError(f"{name}.stride()", strides, "the last dimension (head_dim) contiguous, stride 1")
-    # TMA: every non-last stride a multiple of 16 bytes, the base address 16-byte aligned.
-    for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1])):
-        if size > 1 and (stride * elem) % TMA_ALIGN:
-            raise InputError(
-                f"{name}.stride({dim})", stride,
-                f"a multiple of {TMA_ALIGN // elem} elements ({TMA_ALIGN} bytes), which TMA requires",
-            )
-    if t.data_ptr() % TMA_ALIGN:
-        raise InputError(f"{name}.data_ptr()", hex(t.data_ptr()), f"a {TMA_ALIGN}-byte aligned address, which TMA requires")
-    # The emitted buffers declare no strides, so TileLang's host stub takes packed tensors
-    # only (size-1 dimensions excepted, as torch's is_contiguous does).
-    if not t.is_contiguous():
-        raise InputError(
-            f"{name}.stride()", strides,
-            f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)} (call .contiguous())",
-        )
-
-
-def check_tensors(spec_or_plan: Spec | Plan, q, k, v, out=None, *, shape: Shape | None = None) -> tuple[int, int, int, int, int]:
-    """Check dtypes, shapes and layouts against the planned spec (and a static `shape`); device not checked.
-
-    Returns (batch, heads, kv_heads, q_len, kv_len).
-    """
-    spec = as_plan(spec_or_plan).spec  # resolved: block_m and block_n are known
-    torch = _torch()
-    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    for name, t in given.items():
-        if not isinstance(t, torch.Tensor):
-            raise InputError(name, type(t).__name__, "a torch.Tensor")
-        if t.dim() != 4:
-            raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
-    want = torch_dtype(spec.dtype)
-    dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
-    for name, t in given.items():
-        if t.dtype != want:
-            raise InputError(f"{name}.dtype", t.dtype, f"{want} (spec dtype {spec.dtype!r})")
-        if name in ("v", "out") and dv != spec.head_dim:
-            if t.shape[3] != dv:
-                raise InputError(f"{name}.shape[3] (head_dim_v)", t.shape[3], f"{dv}, the spec's head_dim_v")
-        elif t.shape[3] != spec.head_dim:
-            raise InputError(f"{name}.shape[3] (head_dim)", t.shape[3], f"{spec.head_dim}, the spec's head_dim")
-
-    batch, q_len, heads, _ = q.shape
-    _, kv_len, kv_heads, _ = k.shape
-    if k.shape[0] != batch:
-        raise InputError("k.shape[0] (batch)", k.shape[0], f"{batch}, the batch of q")
-    if tuple(v.shape) != (*k.shape[:3], dv):
-        what = "the shape of k" if dv == spec.head_dim else "the shape of k with head_dim_v"
-        raise InputError("v.shape", list(v.shape), f"{[*k.shape[:3], dv]}, {what}")
-    if out is not None and tuple(out.shape) != (*q.shape[:3], dv):
-        what = "the shape of q" if dv == spec.head_dim else "the shape of q with head_dim_v"
-        raise InputError("out.shape", list(out.shape), f"{[*q.shape[:3], dv]}, {what}")
-    for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len), ("q.shape[2] (heads)", heads),
-                        ("k.shape[1] (kv_len)", kv_len), ("k.shape[2] (kv_heads)", kv_heads)):
-        if size < 1:  # an empty grid is a launch error; kv_len 0 would leave consumers waiting forever
-            raise InputError(label, size, "at least 1")
-    if heads % kv_heads:
-        raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
-    if heads // kv_heads != spec.gqa_group:
-        raise InputError(
-            "q.shape[2] / k.shape[2] (gqa group)", f"{heads}/{kv_heads} = {heads // kv_heads}",
-            f"{spec.gqa_group}, the spec's gqa_group (query heads per KV head)",
-        )
-    if heads > GRID_YZ_MAX or batch > GRID_YZ_MAX:
-        bad = ("q.shape[2] (heads)", heads) if heads > GRID_YZ_MAX else ("q.shape[0] (batch)", batch)
-        raise InputError(bad[0], bad[1], f"at most {GRID_YZ_MAX} (a CUDA grid dimension)")
-    for name, t in given.items():
-        if t.numel() > INT32_MAX:
-            raise InputError(f"{name}.numel()", t.numel(), f"at most {INT32_MAX}: the kernel indexes with int32")
-    if spec.aligned:  # aligned kernels skip the bounds masks: lengths must be whole tiles
-        if q_len % spec.block_m:
-            raise InputError("q.shape[1] (q_len)", q_len, f"a multiple of block_m = {spec.block_m} (the spec is aligned)")
-        if kv_len % spec.block_n:
-            raise InputError("k.shape[1] (kv_len)", kv_len, f"a multiple of block_n = {spec.block_n} (the spec is aligned)")
-    if shape is not None:
-        got = Shape(batch, heads, kv_heads, q_len, kv_len)
-        if got != shape:
-            raise InputError("shape (B,H,HKV,SQ,SKV)", str(got), f"{shape}, the static shape this kernel was built for")
-    for name, t in given.items():
-        check_layout(name, t)
-    if out is not None:
-        for name in ("q", "k", "v"):
-            if _overlap(out, given[name]):  # other blocks still read what out would overwrite
-                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
-    return batch, heads, kv_heads, q_len, kv_len
-
-
-def check_extra(plan: Plan, dims: tuple, tensors: dict) -> list:
-    """The call-time tensors the plan's kernel takes (alibi_slopes, sinks, score_mod/mask_mod
-    tensors), checked for presence, type, dtype float32, shape and layout; returned in the
-    kernel's parameter order (outputs left out). `dims` is check_tensors's result."""
-    torch = _torch()
-    batch, heads, kv_heads, q_len, kv_len = dims
-    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
-    wanted = [t for t in plan.extra if not t.output]
-    unknown = sorted(set(tensors) - {t.name for t in wanted})
-    if unknown:
-        takes = ", ".join(t.name for t in wanted) or "no extra tensors"
-        raise InputError(unknown[0], _describe(tensors[unknown[0]]), f"no such tensor: the spec takes {takes}")
-    ordered = []
-    for t in wanted:
-        shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
-        x = tensors.get(t.name)
-        if x is None:
-            raise InputError(t.name, None, f"a float32 tensor of shape {shape_text}: the spec uses it")
-        if not isinstance(x, torch.Tensor):
-            raise InputError(t.name, type(x).__name__, "a torch.Tensor")
-        if x.dtype != torch.float32:
-            raise InputError(f"{t.name}.dtype", x.dtype, "torch.float32")
-        if x.dim() != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
-                or x.numel() == 0:
-            raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
-        if not x.is_contiguous():
-            raise InputError(f"{t.name}.stride()", tuple(x.stride()), f"a contiguous tensor, strides {packed_strides(x.shape)} (call .contiguous())")
-        ordered.append(x)
-    return ordered
-
-
-def _describe(x) -> str:
-    return f"a tensor of shape {list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
-
-
-def _overlap(a, b) -> bool:
-    if a.device != b.device or a.device.type == "meta":  # meta tensors have no memory (data_ptr 0)
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
 
 
 def check_device(tensors: dict, *, device_type: str = "cuda", capability_of: Callable | None = None) -> None:
@@ -246,38 +107,6 @@ def check_written(out) -> None:
 # -- serving calls (docs/serving.md): varlen, paged KV, split-KV ----------------------------
 
 
-def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=None,
-                          int_tensors: dict | None = None) -> None:
-    """The torch side of a serving call that serving.check_serving (shapes and values) leaves:
-    tensor types, the spec's dtype, out's shape, TMA layouts, contiguous int32 tensors, and an
-    `out` that shares no memory with q, k or v. Device not checked (check_device)."""
-    torch = _torch()
-    spec = plan.spec
-    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    want = torch_dtype(spec.dtype)
-    for name, t in given.items():
-        if not isinstance(t, torch.Tensor):
-            raise InputError(name, type(t).__name__, "a torch.Tensor")
-        if t.dtype != want:
-            raise InputError(f"{name}.dtype", t.dtype, f"{want} (spec dtype {spec.dtype!r})")
-    if out is not None and tuple(out.shape) != tuple(call.out_shape):
-        raise InputError("out.shape", list(out.shape), f"{list(call.out_shape)}, packed like q with head_dim_v")
-    for name, t in (int_tensors or {}).items():
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise InputError(name, type(t).__name__, "a torch.Tensor (int32)")
-        if not t.is_contiguous():
-            raise InputError(f"{name}.stride()", tuple(t.stride()),
-                             f"a contiguous tensor, strides {packed_strides(t.shape)} (call .contiguous())")
-    for name, t in given.items():
-        check_layout(name, t)
-    if out is not None:
-        for name in ("q", "k", "v"):
-            if _overlap(out, given[name]):
-                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
-
-
 def check_serving_call(plan: Plan, q, k, v, out=None, *, shape: Shape | None = None, tensors: dict | None = None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None, seqused_k=None,
                        num_splits=None) -> tuple[serving.ServingCall, list]:
@@ -295,12 +124,6 @@ def check_serving_call(plan: Plan, q, k, v, out=None, *, shape: Shape | None = N
     named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
     check_device(named)
     return call, extra
-
-
-def extra_dims(call: serving.ServingCall) -> tuple:
-    """check_extra's (batch, heads, kv_heads, q_len, kv_len) for a serving call: q_len is the
-    longest query sequence (max_seqlen_q), kv_len the key-length bound of the call."""
-    return (call.batch, call.heads, call.kv_heads, call.max_seqlen_q, call.max_kv_len)
 
 
 def serving_outputs(plan: Plan, call: serving.ServingCall, q, out=None) -> dict:

@@ -603,19 +603,18 @@ class ServingCheck:
         b, ql, kl = self.worst
         text = f"worst sequence {b} (q_len {ql}, kv_len {kl}): {self.out}"
         if self.lse is not None:
-            text += f"; lse: max excess {self.lse.err:.2e} <= {self.lse.bound:.1e}: {'PASS' if self.lse.ok else 'FAIL'}"
+            text += f"; lse: max excess {self.lse.err:.2e} <= {self.lse.bound:.1e}: {self.lse.verdict}"
         if self.failed:
             text += f"; {len(self.failed)} sequence(s) fail: {list(self.failed)[:8]}"
         return text
 
 
 def _ratio(c: Check | None) -> float:
-    """How far a check is from its bound (> 1: past it)."""
+    """How far a check is from its bound (> 1: past it); a failure within its bound (Check.note) counts as inf."""
     if c is None:
         return 0.0
-    if c.bound > 0:
-        return c.err / c.bound
-    return 0.0 if c.ok else math.inf
+    ratio = c.err / c.bound if c.bound > 0 else 0.0
+    return ratio if c.ok or ratio > 1 else math.inf
 
 
 def _empty_keys_check(out_b: np.ndarray, lse_b, dtype: str) -> tuple:

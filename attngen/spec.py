@@ -30,6 +30,7 @@ LAYOUTS = ("bshd", "varlen")
 PAGE_SIZE_STEP = 16  # a page holds whole K tiles, and a tile is a multiple of 16 keys
 MAX_PAGE_SIZE = 4096
 MAX_SPLITS = 128
+SHOWN_CHARS = 80  # of an expression in an error message
 
 
 class SpecError(ValueError):
@@ -218,8 +219,9 @@ def check_variant_fields(s: Spec) -> None:
         if text.strip():
             try:
                 expr.parse(text, field)
-            except expr.ExprError as e:
-                raise SpecError(field, text, str(e)) from None
+            except expr.ExprError as e:  # a text too long to repeat is shown by its start
+                shown = text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+                raise SpecError(field, shown, str(e)) from None
 
 
 def check_serving_fields(s: Spec) -> None:

@@ -47,6 +47,15 @@ def test_bad_spec_is_one_line_naming_the_field(tmp_path):
     assert proc.stderr.strip() == "attngen: error: spec field `head_dim` = 100: expected one of 64, 96, 128, 192, 256"
 
 
+def test_an_oversized_expression_is_one_line_not_a_recursion_error(tmp_path):
+    # issue 21: 1000 chained terms gave a RecursionError traceback
+    bad = tmp_path / "long.toml"
+    bad.write_text('score_mod = "score' + " + 1" * 1000 + '"\n')
+    proc = run_cli("show", str(bad))
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-500:]
+    assert proc.stderr.startswith("attngen: error: spec field `score_mod`") and "at most 1000" in proc.stderr
+
+
 def test_unknown_key_and_bad_shape_are_clean_errors(tmp_path):
     bad = tmp_path / "typo.toml"
     bad.write_text("head_dim = 128\nk_stage = 2\n")

@@ -23,6 +23,12 @@ from attngen.spec import Spec, SpecError
 def test_allowed_expressions_parse(text, kind):
     e = expr.parse(text, kind)
     assert e.text == text
+    # the canonical text (what names and hashes a kernel) is a fixed point and emits the same TileLang
+    again = expr.parse(e.canonical, kind)
+    assert again.canonical == e.canonical
+    names = {n: n for n in ("score", *expr.INDEX_VARS)}
+    emitted = [expr.emit(x, names, lambda name: f"X_{name}", lambda name, axis: f"{name}_dim{axis}") for x in (e, again)]
+    assert emitted[0] == emitted[1]
 
 
 @pytest.mark.parametrize("text, kind, col, fragment", [
@@ -40,12 +46,54 @@ def test_allowed_expressions_parse(text, kind):
     ("min(score)", "score_mod", 1, "min() takes 2"),
     ("True", "mask_mod", 1, "the literal True"),
     ("__import__('os')", "score_mod", 1, "calling `__import__`"),
+    # issue 21: attribute access, literals the kernel's float32/int32 cannot hold, a literal 0 divisor
+    ("score.real", "score_mod", 6, "the attribute access `.real` is not allowed"),
+    ("bias[h].T + score", "score_mod", 8, "the attribute access `.T`"),
+    ("score * 1e39", "score_mod", 9, "the literal 1e+39 is not a finite float32"),
+    ("score - -1e39", "score_mod", 10, "not a finite float32"),
+    ("score * 1e-50", "score_mod", 9, "is 0 in float32"),
+    ("q_idx + 3000000000 > kv_idx", "mask_mod", 9, "does not fit int32"),
+    ("score / 0", "score_mod", 9, "division by the literal 0"),
+    ("score / 0.0 + 1", "score_mod", 9, "division by the literal 0"),
 ])
 def test_bad_expressions_name_the_column_and_what_is_allowed(text, kind, col, fragment):
     with pytest.raises(expr.ExprError) as info:
         expr.parse(text, kind)
     assert col is None or info.value.col == col, str(info.value)
     assert fragment in str(info.value)
+
+
+def test_literals_at_the_float32_and_int32_limits_are_allowed():
+    for text in ("score * 3.4e38", "score * 1e-45", "score + 2147483647", "score / 1e-3"):
+        expr.parse(text, "score_mod")
+
+
+def balanced_sum(terms):
+    if len(terms) == 1:
+        return terms[0]
+    half = len(terms) // 2
+    return f"({balanced_sum(terms[:half])}+{balanced_sum(terms[half:])})"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("score" + " + 1" * 1000, "4005 characters long; at most 1000"),  # was a RecursionError
+    ("score" + " + 1" * 100, "nests deeper than 64 levels"),
+    ("-" * 200 + "score", "nests deeper than 64 levels"),
+    ("(" * 250 + "score" + ")" * 250, "too many nested parentheses"),  # Python's parser's own limit
+    (balanced_sum(["score"] + ["b"] * 129), "more than 256 syntax nodes"),  # 259 nodes, 9 deep, 700 characters
+], ids=["long", "deep-chain", "deep-unary", "parentheses", "many-nodes"])
+def test_an_oversized_expression_is_one_spec_error_naming_the_limit(text, fragment):
+    with pytest.raises(SpecError) as info:
+        Spec(score_mod=text)
+    msg = str(info.value)
+    assert info.value.field == "score_mod" and fragment in msg and "\n" not in msg
+    assert len(msg) < 400  # the text is shown by its start, not repeated whole
+
+
+def test_the_size_limits_admit_the_presets_with_room():
+    for text in ("score + rel_bias[h, min(max(q_idx - kv_idx, -255), 255) + 255]", "doc_id[b, q_idx] == doc_id[b, kv_idx]"):
+        expr.parse(text, "score_mod" if "score" in text else "mask_mod")
+    expr.parse("score" + " + 1" * (expr.MAX_DEPTH - 2), "score_mod")
 
 
 def test_a_bad_expression_is_a_spec_error_naming_the_field():

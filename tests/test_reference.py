@@ -8,9 +8,10 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import attngen
+from attngen import serving
 from attngen.plan import Shape, make_plan
-from attngen.reference import (EPS, attention, attention_lowprec, causal_visible, check_close, random_inputs, round_to,
-                               check_lse, tolerance, variant_of)
+from attngen.reference import (EPS, TINY, attention, attention_lowprec, causal_visible, check_close, check_lse,
+                               random_inputs, round_to, tolerance, variant_of)
 
 
 def randn(shape, seed, dtype=None):
@@ -231,6 +232,64 @@ def test_a_twin_that_rounds_scores_makes_a_useless_bound(dtype):
     assert np.isfinite(new) and new < 0.05 * np.abs(ref).max()
 
 
+def twin_agreement(out, low, dtype):
+    """(fraction of elements equal, largest |out - low| in ulps of its row's largest output)."""
+    out = np.asarray(out, np.float64)
+    row = np.maximum(np.abs(out).max(axis=-1, keepdims=True), TINY[dtype] / EPS[dtype])
+    return float((out == low).mean()), float((np.abs(out - low) / (EPS[dtype] * row)).max())
+
+
+def emulated_and_twin(fields, shape, twin=attention_lowprec):
+    from attngen.emulator.driver import emulate_stats, variant_inputs
+
+    plan = attngen.make_plan(attngen.Spec(**fields))
+    q, k, v, tensors = variant_inputs(plan, *shape)
+    out, _ = emulate_stats(plan, q, k, v, tensors=tensors)
+    variant = variant_of(plan.spec, tensors.get("alibi_slopes"), tensors.get("sinks"))
+    return out, twin(q, k, v, plan.spec.causal, plan.spec.dtype, **variant), plan.spec.dtype
+
+
+ONE_TILE = [  # kv_len <= block_n: the online max is the one-shot max, so the roundings are the same ones
+    (dict(head_dim=64, consumers=1, block_n=128), (1, 2, 2, 200, 100)),
+    (dict(head_dim=64, causal=True, dtype="bfloat16", gqa_group=2, block_n=128), (1, 2, 1, 130, 128)),
+    (dict(head_dim=128, consumers=1, softcap=30.0, block_n=128), (1, 1, 1, 130, 77)),
+    (dict(head_dim=64, consumers=1, dtype="bfloat16", sinks=True, block_n=128), (1, 2, 2, 64, 128)),
+]
+MANY_TILES = [
+    (dict(head_dim=64, consumers=1), (1, 2, 2, 200, 333)),
+    (dict(head_dim=64, causal=True, dtype="bfloat16", gqa_group=2), (1, 2, 1, 300, 257)),
+    (dict(head_dim=64, consumers=1, dtype="bfloat16"), (1, 1, 1, 64, 1000)),
+]
+
+
+@pytest.mark.parametrize("fields, shape", ONE_TILE + MANY_TILES)
+def test_the_twin_has_the_emulated_kernels_roundings(fields, shape):
+    """attention_lowprec's docstring: its one-shot form has the kernel's roundings (P rounded to the
+    dtype before PV among them). Against the emulated kernel: within one ulp of each row's largest
+    output everywhere, and with a single K tile (no online rescaling) equal in >= 99% of elements."""
+    out, low, dtype = emulated_and_twin(fields, shape)
+    equal, worst = twin_agreement(out, low, dtype)
+    assert worst <= 1.0, (equal, worst)
+    if (fields, shape) in ONE_TILE:
+        assert equal >= 0.99, (equal, worst)  # measured 0.998 to 1.0
+
+
+def test_a_twin_that_does_not_round_p_is_caught():
+    """The mutant of issue 21 (P kept in float32 for PV): the bound hides it (eps floors it), this does not."""
+    import inspect
+
+    from attngen import reference
+
+    text = inspect.getsource(attention_lowprec)
+    assert "acc = round_to(p, dtype) @ v" in text
+    namespace = dict(vars(reference))
+    exec(text.replace("acc = round_to(p, dtype) @ v", "acc = p @ v"), namespace)
+    for fields, shape in ONE_TILE[:2]:
+        out, low, dtype = emulated_and_twin(fields, shape, twin=namespace["attention_lowprec"])
+        equal, _ = twin_agreement(out, low, dtype)
+        assert equal < 0.9, equal  # measured 0.63
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_eps_follows_the_size_of_the_output(dtype):
     # 1 query against 3000 keys with tiny logits: the output is an average, about 0.02; a fixed 8e-3 would pass x1.05
@@ -293,6 +352,47 @@ def test_check_close_matches_nan_positions_both_ways():
     assert not check_close(extra, q, k, v, False, dtype="float16").ok  # output NaN, reference finite
     signed = np.where(np.isnan(ref), np.inf, ref)
     assert not check_close(signed, q, k, v, False, dtype="float16").ok  # inf is not NaN
+
+
+@pytest.mark.parametrize("score_mod", ["log(score)", "score / (kv_idx - kv_idx)", "exp(score * 1e30)"])
+def test_a_reference_undefined_on_finite_inputs_fails_with_its_own_message(score_mod):
+    # issue 21: an all-NaN output matched an all-NaN reference, and check printed max |out - ref| = 0 ... PASS
+    q, k, v = (randn(s, 70 + i, "float16") for i, s in enumerate([(1, 6, 2, 16), (1, 9, 1, 16), (1, 9, 1, 16)]))
+    ref, lse = attention(q, k, v, score_mod=score_mod)
+    assert not np.isfinite(ref).all()
+    res = check_close(ref, q, k, v, False, dtype="float16", score_mod=score_mod)  # the output IS the reference
+    ok, err, bound = res  # still unpacks as three
+    assert not ok and err == 0 and "FAIL (the reference is NaN or inf" in str(res) and "from finite inputs" in str(res)
+    lres = check_lse(lse, q, k, v, False, dtype="float16", score_mod=score_mod)
+    assert not lres.ok and "from finite inputs" in lres.verdict
+    assert serving._ratio(res) == math.inf  # a serving check reports it as the worst sequence
+
+
+def test_a_non_finite_input_still_explains_a_non_finite_reference():
+    q, k, v = (randn(s, 80 + i, "float16") for i, s in enumerate([(1, 6, 2, 16), (1, 9, 1, 16), (1, 9, 1, 16)]))
+    bias = np.array([0.5, np.nan], np.float32)  # head 1's bias is NaN: its rows are NaN by the propagation rule
+    ref, lse = attention(q, k, v, score_mod="score + bias[h]", tensors={"bias": bias})
+    assert np.isnan(ref[:, :, 1]).all() and np.isfinite(ref[:, :, 0]).all()
+    res = check_close(ref, q, k, v, False, dtype="float16", score_mod="score + bias[h]", tensors={"bias": bias})
+    assert res.ok and res.note == "", res
+    doubled, _ = attention(q, k, v, score_mod="score * 2")
+    assert check_close(doubled, q, k, v, False, dtype="float16", score_mod="score * 2").ok  # a defined mod: no note
+    # ... and the rows an empty mask leaves have an LSE of -inf, which is defined
+    causal_ref, causal_lse = attention(q[:, :, :, :], k[:, :3], v[:, :3], causal=True)
+    assert np.isneginf(causal_lse).any() and check_lse(causal_lse, q, k[:, :3], v[:, :3], True, dtype="float16").ok
+
+
+def test_check_and_emulate_fail_a_spec_whose_reference_is_undefined(tmp_path, capsys):
+    from attngen.cli import main
+    from attngen.emulator.driver import check_emulated
+
+    spec = attngen.Spec(head_dim=64, consumers=1, score_mod="log(score)")
+    ok, text, _ = check_emulated(attngen.make_plan(spec), 1, 1, 1, 64, 64)
+    assert not ok and "FAIL (the reference is NaN or inf" in text, text
+    path = tmp_path / "log.toml"
+    path.write_text('head_dim = 64\nconsumers = 1\nscore_mod = "log(score)"\n')
+    assert main(["emulate", str(path), "--q-len", "64", "--kv-len", "64"]) == 1
+    assert "FAIL (the reference is NaN or inf" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])

@@ -469,9 +469,15 @@ def emu_inputs():
     (lambda q, k, v: (q.tolist(), k, v), "q", ["list", "numpy array"]),
     (lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), "q.dtype", ["bfloat16", "float16, the spec's dtype"]),
     (lambda q, k, v: (q.numpy().astype(np.int32), k, v), "q.dtype", ["int32"]),
-    (lambda q, k, v: (q, k[..., :32], v[..., :32]), "k, v shapes", ["[B, Skv, HKV, D]"]),
+    # the runtime's own checks and wording (attngen/inputs.py)
+    (lambda q, k, v: (q, k[..., :32], v[..., :32]), "k.shape[3] (head_dim)", ["= 32", "64, the spec's head_dim"]),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q.shape[3] (head_dim)", ["= 32", "64"]),
-    (lambda q, k, v: (q[0], k, v), "q, k, v shapes", ["BSHD"]),
+    (lambda q, k, v: (q[0], k, v), "q.shape", ["4 dimensions"]),
+    # issue 21: accepted before, although the GPU path refuses them
+    (lambda q, k, v: (torch.cat([q, q], dim=1)[:, ::2], k, v), "q.stride()", ["a contiguous tensor"]),
+    (lambda q, k, v: (q.numpy()[:, :, :, ::-1], k, v), "q.stride()", ["head_dim", "contiguous"]),
+    (lambda q, k, v: (q.to("meta"), k, v), "q.device", ["meta", "a tensor with values"]),
+    (lambda q, k, v: (q[:, :, :0], k, v), "q.shape[2] (heads)", ["= 0", "at least 1"]),
 ])
 def test_emulate_rejects_inputs_it_cannot_take(change, argument, fragments):
     with raises(argument, *fragments):
@@ -491,6 +497,56 @@ def test_emulate_rejects_bad_seeds_policies_and_sources(kwargs, argument):
         emulate_stats(EMU, *emu_inputs(), **kwargs)
     with raises("spec"):
         attngen.emulate("head_dim = 64", *emu_inputs())
+
+
+SINKS_MOD = Spec(head_dim=64, consumers=1, sinks=True, score_mod="score + bias[h, q_idx - kv_idx + 8]")
+
+
+def sinks_inputs():
+    return emu_inputs(), {"sinks": torch.tensor([0.5]), "bias": torch.linspace(0, 1, 16)[None]}
+
+
+@pytest.mark.parametrize("change, argument, fragments", [
+    (lambda t: t.update(sinks=t["sinks"].half()), "sinks.dtype", ["float16", "float32"]),
+    (lambda t: t.update(bias=torch.zeros(1, 32)[:, ::2]), "bias.stride()", ["a contiguous tensor"]),
+    (lambda t: t.update(sinks=torch.tensor([float("nan")])), "sinks[0]", ["nan", "a finite logit"]),
+    (lambda t: t.update(sinks=torch.tensor([float("-inf")])), "sinks[0]", ["-inf", "a finite logit"]),
+    (lambda t: t.update(bias=t["bias"].to("meta")), "bias.device", ["meta"]),
+    (lambda t: t.update(bias=t["bias"].numpy().astype(np.float16)), "bias.dtype", ["float16", "float32"]),
+])
+def test_emulate_checks_call_time_tensors_as_the_runtime_does(change, argument, fragments):
+    # issue 21: the CPU model took a float16 or strided call-time tensor, a NaN sink, a meta tensor
+    (q, k, v), tensors = sinks_inputs()
+    attngen.emulate(SINKS_MOD, q, k, v, **tensors)  # the unchanged call runs
+    change(tensors)
+    with raises(argument, *fragments):
+        attngen.emulate(SINKS_MOD, q, k, v, **tensors)
+
+
+@pytest.mark.parametrize("change", [
+    lambda qkv, t: t.update(sinks=t["sinks"].half()),
+    lambda qkv, t: t.update(bias=torch.zeros(1, 32)[:, ::2]),
+    lambda qkv, t: t.update(sinks=torch.tensor([float("nan")])),
+    lambda qkv, t: t.update(sinks=torch.zeros(2)),
+    lambda qkv, t: t.pop("bias"),
+    lambda qkv, t: t.update(rel=torch.zeros(1)),
+    lambda qkv, t: qkv.__setitem__(0, torch.cat([qkv[0]] * 2, dim=1)[:, ::2]),
+    lambda qkv, t: qkv.__setitem__(0, qkv[0].bfloat16()),
+    lambda qkv, t: qkv.__setitem__(1, qkv[1][:, :, :, :32]),
+    lambda qkv, t: qkv.__setitem__(2, qkv[2][:1, :3]),
+    lambda qkv, t: qkv.__setitem__(0, torch.cat([qkv[0]] * 2, dim=2)),
+])
+def test_the_cpu_model_and_the_runtime_refuse_a_call_with_one_error(change):
+    """One home (attngen/inputs.py): the same bad call gives the same InputError on both paths."""
+    qkv, tensors = sinks_inputs()
+    qkv = list(qkv)
+    change(qkv, tensors)
+    plan = make_plan(SINKS_MOD)
+    with pytest.raises(InputError) as gpu:
+        runtime.check_extra(plan, runtime.check_tensors(plan, *qkv), tensors)
+    with pytest.raises(InputError) as cpu:
+        attngen.emulate(plan, *qkv, **tensors)
+    assert cpu.value.argument == gpu.value.argument and str(cpu.value.value) == str(gpu.value.value), (cpu.value, gpu.value)
 
 
 def test_emulate_takes_what_it_documents():

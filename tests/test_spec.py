@@ -85,6 +85,13 @@ def test_head_dim_256_cannot_have_three_consumers():
     assert err.field == "consumers" and "[1, 2]" in str(err)
 
 
+def test_the_register_error_blames_head_dim_v_when_it_is_the_wide_one():
+    err = error_for(head_dim=64, head_dim_v=256, consumers=3)  # issue 21: it blamed head_dim 64
+    assert err.field == "consumers" and "head_dim_v 256" in str(err) and "head_dim 64" not in str(err)
+    err = error_for(head_dim=256, head_dim_v=256, consumers=3)
+    assert "head_dim 256" in str(err) and "head_dim_v" not in str(err)
+
+
 def test_three_consumers_get_fewer_registers():
     err = error_for(consumers=3, head_dim=128, block_n=128)
     assert err.field == "block_n" and "160" in str(err)

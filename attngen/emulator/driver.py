@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attngen import inputs as call_checks
 from attngen.emulator import blas
 from attngen.emulator.agents import POLICIES, WARPGROUP, Agent, Scheduler
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
@@ -332,19 +333,9 @@ def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int, ser
 
 
 # -- public API ----------------------------------------------------------------------------
-FLOAT_INPUTS = ("float16", "bfloat16", "float32", "float64")  # what emulate takes; 16-bit ones must be the spec's
-
-
-def _input_array(name: str, x, spec_dtype: str) -> np.ndarray:
-    """A q/k/v argument as a numpy array the kernel can read, or an InputError saying why not."""
-    if not (hasattr(x, "detach") or isinstance(x, np.ndarray)):
-        raise InputError(name, type(x).__name__, "a torch.Tensor or a numpy array (not a Python list or scalar)")
-    kind = str(x.dtype).removeprefix("torch.")
-    if kind not in FLOAT_INPUTS:
-        raise InputError(f"{name}.dtype", kind, f"{spec_dtype} (the spec's dtype), or float32/float64 holding values to round")
-    if kind in ("float16", "bfloat16") and kind != spec_dtype:
-        raise InputError(f"{name}.dtype", kind, f"{spec_dtype}, the spec's dtype (or float32/float64 holding values to round)")
-    return to_numpy(x)
+def _host_array(x) -> np.ndarray:
+    """A checked input (inputs.py) as the float32 array the emulator's buffers take."""
+    return np.asarray(to_numpy(x), np.float32)
 
 
 def check_seed(seed, argument: str = "seed") -> int:
@@ -356,62 +347,42 @@ def check_seed(seed, argument: str = "seed") -> int:
 
 def _prepare(plan, q, k, v, tensors=None, serving=None):
     """Inputs in the prim_func's parameter order (None for outputs), the dims T.dynamic reads and
-    the checked serving call (None for a bshd, dense, unsplit kernel called without serving keywords)."""
-    from attngen.plan import Shape, check_shape
+    the checked serving call (None for a bshd, dense, unsplit kernel called without serving keywords).
+
+    Every tensor goes through the runtime's own checks (attngen/inputs.py, cpu=True): a call the
+    GPU path refuses is refused here with the same InputError."""
     from attngen.serving import check_serving, serving_fields
 
-    spec = plan.spec
-    qn, kn, vn = (_input_array(n, t, spec.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
+    tensors = {n: t for n, t in (tensors or {}).items() if t is not None}
     serving = {n: x for n, x in (serving or {}).items() if x is not None}
     if serving or serving_fields(plan).uses_serving:  # shapes, cu_seqlens, pages: serving.py checks them all
-        call = check_serving(plan, qn, kn, vn, **serving)
+        call = check_serving(plan, q, k, v, **serving)
+        ints = {n: serving.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k")}
+        call_checks.check_serving_tensors(plan, call, q, k, v, None, ints, cpu=True)
         dims = dict(call.dims, heads=call.heads)
-        inputs = [np.asarray(x, np.float32) for x in (qn, kn, vn)] + [None] + ([None] if plan.split_kv else [])
-        return _extra_inputs(plan, inputs, dims, tensors) + call.host_args(), dims, call
-    if qn.ndim != 4 or kn.ndim != 4 or vn.ndim != 4:
-        raise InputError("q, k, v shapes", f"{list(qn.shape)}, {list(kn.shape)}, {list(vn.shape)}",
-                         "BSHD tensors q [B, Sq, H, D], k [B, Skv, HKV, D] and v [B, Skv, HKV, DV]")
-    b, sq, h, d = qn.shape
-    _, skv, hkv, _ = kn.shape
-    if kn.shape[:3] != vn.shape[:3] or kn.shape[0] != b or kn.shape[3] != d:  # v's head dim is head_dim_v
-        raise InputError("k, v shapes", f"{list(kn.shape)}, {list(vn.shape)}", f"[B, Skv, HKV, D] and [B, Skv, HKV, DV], with q {list(qn.shape)}")
-    if d != spec.head_dim:
-        raise InputError("q.shape[3] (head_dim)", d, f"{spec.head_dim}, the spec's head_dim")
-    check_shape(spec, Shape(b, h, hkv, sq, skv))  # SpecError: H = HKV * gqa_group, aligned multiples
+        extra = call_checks.check_extra(plan, call_checks.extra_dims(call), tensors, cpu=True)
+        args = [_host_array(x) for x in (q, k, v)] + [None] + ([None] if plan.split_kv else [])
+        return _extra_inputs(plan, args, dims, extra) + call.host_args(), dims, call
+    b, h, hkv, sq, skv = call_checks.check_tensors(plan, q, k, v, cpu=True)
     dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
-    if vn.shape[3] != plan.head_dim_v:
-        raise InputError("v.shape[3] (head_dim_v)", vn.shape[3], f"{plan.head_dim_v}, the spec's head_dim_v")
-    inputs = [np.asarray(x, np.float32) for x in (qn, kn, vn)] + [None]
-    return _extra_inputs(plan, inputs, dims, tensors), dims, None
+    extra = call_checks.check_extra(plan, (b, h, hkv, sq, skv), tensors, cpu=True)
+    args = [_host_array(x) for x in (q, k, v)] + [None]
+    return _extra_inputs(plan, args, dims, extra), dims, None
 
 
-def _extra_inputs(plan, inputs: list, dims: dict, tensors) -> list:
-    """`inputs` + the LSE output and the call-time tensors (docs/variants.md), in parameter order."""
-    tensors = dict(tensors or {})
+def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
+    """`args` + the LSE output and the checked call-time tensors (docs/variants.md), in parameter
+    order; a free axis's extent joins `dims` (its T.dynamic)."""
+    given = iter(extra)
     for t in plan.extra:
         if t.output:
             if not plan.split_kv:  # a split kernel's LSE_partial is already in; the combine writes the LSE
-                inputs.append(None)
+                args.append(None)
             continue
-        if tensors.get(t.name) is None:
-            raise InputError(t.name, None, f"a float32 tensor of shape {_shape_text(t, dims)}: the spec uses it")
-        given = tensors.pop(t.name)
-        if not (hasattr(given, "detach") or isinstance(given, np.ndarray)):
-            raise InputError(t.name, type(given).__name__, "a torch.Tensor or a numpy array")
-        x = np.asarray(to_numpy(given), np.float32)
-        if x.ndim != len(t.shape) or any(a is not None and x.shape[i] != dims[a] for i, a in enumerate(t.shape)) or 0 in x.shape:
-            raise InputError(f"{t.name}.shape", list(x.shape), _shape_text(t, dims))
+        x = _host_array(next(given))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
-        inputs.append(x)
-    if tensors:
-        name = sorted(tensors)[0]
-        takes = ", ".join(t.name for t in plan.extra if not t.output) or "no extra tensors"
-        raise InputError(name, type(tensors[name]).__name__, f"no such tensor: the spec takes {takes}")
-    return inputs
-
-
-def _shape_text(t, dims) -> str:
-    return "[" + ", ".join("any" if a is None else f"{a} = {dims[a]}" for a in t.shape) + "]"
+        args.append(x)
+    return args
 
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
@@ -475,7 +446,10 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
     Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
     score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
-    [B, H, Sq]). A missing, unknown or misshapen tensor is an InputError naming it.
+    [B, H, Sq]). Every tensor is checked first by the runtime's own rules (attngen/inputs.py:
+    shapes, dtypes, layouts, the call-time tensors, finite sinks), so a call attngen.attention
+    refuses is the same InputError here; numpy arrays, any device with values, and float32/float64
+    holding values to round are what the CPU model takes besides.
     Serving (docs/serving.md): a varlen spec takes packed q (total_q, H, D) with cu_seqlens_q,
     cu_seqlens_k and max_seqlen_q; a paged one k/v caches (num_pages, page_size, HKV, D) with
     block_table and seqused_k; a split one num_splits (None: "auto"). Each is validated first.
@@ -553,7 +527,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     ok, text = res.ok, str(res)
     if lse is not None:
         r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
-        ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {'PASS' if r2.ok else 'FAIL'}"
+        ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
     return ok, text, stats
 
 

@@ -1,0 +1,256 @@
+"""The checks of a call's tensors: one home for the GPU runtime and the CPU model.
+
+`attngen.attention`/`Kernel.__call__` (runtime.py) and `attngen.emulate` (emulator/driver.py)
+both call these, so a tensor the GPU path refuses the CPU path refuses too, with the same
+InputError (one line: the argument, the value, what is expected). What differs is passed as
+`cpu=True` and is only what the CPU model can take besides:
+
+- numpy arrays as well as torch tensors, on any device with values (a meta tensor has none);
+- float32 or float64 tensors holding values to round (q, k, v to the spec's dtype, the
+  call-time tensors to float32); a 16-bit dtype other than the kernel's is refused;
+- no `out` buffer and no device rule (runtime.check_device is the GPU's).
+
+Shapes, lengths, heads, limits, layouts (TMA's strides and base, the packed ABI), the call-time
+tensors (presence, dtype, shape, contiguity, finite sinks) are the same rules on both paths.
+Serving calls' shapes and int32 values are checked by serving.check_serving, before these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attngen import serving
+from attngen.hw import GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
+from attngen.plan import Plan, Shape, as_plan
+from attngen.reference import InputError, to_numpy
+
+HOLDERS = ("float32", "float64")  # what the CPU model also takes, holding values to round to the kernel's dtype
+
+
+def is_torch(x) -> bool:
+    """A torch.Tensor, without importing torch."""
+    return hasattr(x, "detach") and hasattr(x, "data_ptr")
+
+
+def dtype_name(x) -> str:
+    """"float16", "bfloat16", "float32", ... of a torch tensor or numpy array."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def packed_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _layout(t) -> tuple:
+    """(shape, strides in elements, element bytes, base address, packed) of a tensor or array."""
+    if is_torch(t):
+        return tuple(t.shape), tuple(t.stride()), t.element_size(), t.data_ptr(), t.is_contiguous()
+    elem = t.itemsize
+    return (tuple(t.shape), tuple(s // elem for s in t.strides), elem, t.__array_interface__["data"][0],
+            bool(t.flags.c_contiguous))
+
+
+def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool = False) -> None:
+    """A tensor of the kernel's `dtype` (torch; `cpu`: numpy too, values on the host or a device,
+    float32/float64 holding values to round). `spec_dtype`: the dtype is the spec's (q, k, v, out)."""
+    torch_ok = is_torch(t)
+    if not (torch_ok or (cpu and isinstance(t, np.ndarray))):
+        raise InputError(name, type(t).__name__, "a torch.Tensor or a numpy array" if cpu else "a torch.Tensor")
+    if cpu and torch_ok and t.device.type == "meta":
+        raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them; a meta tensor has only a shape)")
+    kind = dtype_name(t)
+    if kind == dtype or (cpu and kind in HOLDERS):
+        return
+    if cpu:
+        origin = ", the spec's dtype" if spec_dtype else ""
+        want = f"{dtype}{origin} (or float32/float64 holding values to round)"
+    else:
+        want = f"torch.{dtype}" + (f" (spec dtype {dtype!r})" if spec_dtype else "")
+    raise InputError(f"{name}.dtype", t.dtype if torch_ok else kind, want)
+
+
+def check_layout(name: str, t) -> None:
+    """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
+    shape, strides, elem, ptr, packed = _layout(t)
+    if 0 in shape:  # no element to load (a varlen call without query rows launches nothing)
+        return
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise InputError(f"{name}.stride()", strides, "the last dimension (head_dim) contiguous, stride 1")
+    # TMA: every non-last stride a multiple of 16 bytes, the base address 16-byte aligned.
+    for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1])):
+        if size > 1 and (stride * elem) % TMA_ALIGN:
+            raise InputError(
+                f"{name}.stride({dim})", stride,
+                f"a multiple of {TMA_ALIGN // elem} elements ({TMA_ALIGN} bytes), which TMA requires",
+            )
+    if ptr % TMA_ALIGN:
+        raise InputError(f"{name}.data_ptr()", hex(ptr), f"a {TMA_ALIGN}-byte aligned address, which TMA requires")
+    # The emitted buffers declare no strides, so TileLang's host stub takes packed tensors
+    # only (size-1 dimensions excepted, as torch's is_contiguous does).
+    if not packed:
+        raise InputError(
+            f"{name}.stride()", strides,
+            f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)} (call .contiguous())",
+        )
+
+
+def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None, cpu: bool = False) -> tuple:
+    """Check dtypes, shapes and layouts against the planned spec (and a static `shape`); device not checked.
+
+    Returns (batch, heads, kv_heads, q_len, kv_len).
+    """
+    spec = as_plan(spec_or_plan).spec  # resolved: block_m and block_n are known
+    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    for name, t in given.items():
+        if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
+            raise InputError(name, type(t).__name__, "a torch.Tensor or a numpy array" if cpu else "a torch.Tensor")
+        if len(t.shape) != 4:
+            raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
+    dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
+    for name, t in given.items():
+        check_kind(name, t, spec.dtype, cpu=cpu, spec_dtype=True)
+        if name in ("v", "out") and dv != spec.head_dim:
+            if t.shape[3] != dv:
+                raise InputError(f"{name}.shape[3] (head_dim_v)", t.shape[3], f"{dv}, the spec's head_dim_v")
+        elif t.shape[3] != spec.head_dim:
+            raise InputError(f"{name}.shape[3] (head_dim)", t.shape[3], f"{spec.head_dim}, the spec's head_dim")
+
+    batch, q_len, heads, _ = (int(s) for s in q.shape)
+    _, kv_len, kv_heads, _ = (int(s) for s in k.shape)
+    if k.shape[0] != batch:
+        raise InputError("k.shape[0] (batch)", k.shape[0], f"{batch}, the batch of q")
+    if tuple(v.shape) != (*k.shape[:3], dv):
+        what = "the shape of k" if dv == spec.head_dim else "the shape of k with head_dim_v"
+        raise InputError("v.shape", list(v.shape), f"{[*k.shape[:3], dv]}, {what}")
+    if out is not None and tuple(out.shape) != (*q.shape[:3], dv):
+        what = "the shape of q" if dv == spec.head_dim else "the shape of q with head_dim_v"
+        raise InputError("out.shape", list(out.shape), f"{[*q.shape[:3], dv]}, {what}")
+    for label, size in (("q.shape[0] (batch)", batch), ("q.shape[1] (q_len)", q_len), ("q.shape[2] (heads)", heads),
+                        ("k.shape[1] (kv_len)", kv_len), ("k.shape[2] (kv_heads)", kv_heads)):
+        if size < 1:  # an empty grid is a launch error; kv_len 0 would leave consumers waiting forever
+            raise InputError(label, size, "at least 1")
+    if heads % kv_heads:
+        raise InputError("q.shape[2] (heads)", heads, f"a multiple of k.shape[2] (kv_heads) = {kv_heads}")
+    if heads // kv_heads != spec.gqa_group:
+        raise InputError(
+            "q.shape[2] / k.shape[2] (gqa group)", f"{heads}/{kv_heads} = {heads // kv_heads}",
+            f"{spec.gqa_group}, the spec's gqa_group (query heads per KV head)",
+        )
+    if heads > GRID_YZ_MAX or batch > GRID_YZ_MAX:
+        bad = ("q.shape[2] (heads)", heads) if heads > GRID_YZ_MAX else ("q.shape[0] (batch)", batch)
+        raise InputError(bad[0], bad[1], f"at most {GRID_YZ_MAX} (a CUDA grid dimension)")
+    for name, t in given.items():
+        if math.prod(t.shape) > INT32_MAX:
+            raise InputError(f"{name}.numel()", math.prod(t.shape), f"at most {INT32_MAX}: the kernel indexes with int32")
+    if spec.aligned:  # aligned kernels skip the bounds masks: lengths must be whole tiles
+        if q_len % spec.block_m:
+            raise InputError("q.shape[1] (q_len)", q_len, f"a multiple of block_m = {spec.block_m} (the spec is aligned)")
+        if kv_len % spec.block_n:
+            raise InputError("k.shape[1] (kv_len)", kv_len, f"a multiple of block_n = {spec.block_n} (the spec is aligned)")
+    if shape is not None:
+        got = Shape(batch, heads, kv_heads, q_len, kv_len)
+        if got != shape:
+            raise InputError("shape (B,H,HKV,SQ,SKV)", str(got), f"{shape}, the static shape this kernel was built for")
+    for name, t in given.items():
+        check_layout(name, t)
+    if out is not None:
+        for name in ("q", "k", "v"):
+            if _overlap(out, given[name]):  # other blocks still read what out would overwrite
+                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
+    return batch, heads, kv_heads, q_len, kv_len
+
+
+def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) -> list:
+    """The call-time tensors the plan's kernel takes (alibi_slopes, sinks, score_mod/mask_mod
+    tensors), checked for presence, type, dtype float32, shape, layout and (sinks) finite values;
+    returned in the kernel's parameter order (outputs left out). `dims` is check_tensors's result
+    (extra_dims for a serving call)."""
+    batch, heads, kv_heads, q_len, kv_len = dims
+    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    wanted = [t for t in plan.extra if not t.output]
+    unknown = sorted(set(tensors) - {t.name for t in wanted})
+    if unknown:
+        takes = ", ".join(t.name for t in wanted) or "no extra tensors"
+        raise InputError(unknown[0], _describe(tensors[unknown[0]]), f"no such tensor: the spec takes {takes}")
+    ordered = []
+    for t in wanted:
+        shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
+        x = tensors.get(t.name)
+        if x is None:
+            raise InputError(t.name, None, f"a float32 tensor of shape {shape_text}: the spec uses it")
+        check_kind(t.name, x, "float32", cpu=cpu)
+        if len(x.shape) != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
+                or math.prod(x.shape) == 0:
+            raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
+        shape, strides, _, _, packed = _layout(x)
+        if not packed:
+            raise InputError(f"{t.name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+        if t.name == "sinks":
+            _check_finite(t.name, x)
+        ordered.append(x)
+    return ordered
+
+
+def _check_finite(name: str, x) -> None:
+    """A sink is a logit in every row's softmax denominator: NaN or inf has no meaning there.
+    (A device tensor is read with one small host copy; a meta tensor is left to the device check.)"""
+    if is_torch(x) and x.device.type == "meta":
+        return
+    values = to_numpy(x)
+    bad = np.flatnonzero(~np.isfinite(values.reshape(-1)))
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"{name}[{i}]", float(values.reshape(-1)[i]),
+                         "a finite logit (a sink joins every row's softmax denominator)")
+
+
+def _describe(x) -> str:
+    return f"a tensor of shape {list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+
+
+def _overlap(a, b) -> bool:
+    if not (is_torch(a) and is_torch(b)) or a.device != b.device or a.device.type == "meta":
+        return False  # meta tensors have no memory (data_ptr 0)
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def extra_dims(call: serving.ServingCall) -> tuple:
+    """check_extra's (batch, heads, kv_heads, q_len, kv_len) for a serving call: q_len is the
+    longest query sequence (max_seqlen_q), kv_len the key-length bound of the call."""
+    return (call.batch, call.heads, call.kv_heads, call.max_seqlen_q, call.max_kv_len)
+
+
+def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=None,
+                          int_tensors: dict | None = None, *, cpu: bool = False) -> None:
+    """The tensor side of a serving call that serving.check_serving (shapes and values) leaves:
+    tensor types, the spec's dtype, out's shape, TMA layouts, contiguous int32 tensors, and an
+    `out` that shares no memory with q, k or v. Device not checked (runtime.check_device)."""
+    spec = plan.spec
+    given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    for name, t in given.items():
+        check_kind(name, t, spec.dtype, cpu=cpu, spec_dtype=True)
+    if out is not None and tuple(out.shape) != tuple(call.out_shape):
+        raise InputError("out.shape", list(out.shape), f"{list(call.out_shape)}, packed like q with head_dim_v")
+    for name, t in (int_tensors or {}).items():
+        if t is None:
+            continue
+        if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
+            raise InputError(name, type(t).__name__, "a torch.Tensor (int32)")
+        shape, strides, _, _, packed = _layout(t)
+        if not packed:
+            raise InputError(f"{name}.stride()", strides,
+                             f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+    for name, t in given.items():
+        check_layout(name, t)
+    if out is not None:
+        for name in ("q", "k", "v"):
+            if _overlap(out, given[name]):
+                raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
