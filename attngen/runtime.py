@@ -469,6 +469,7 @@ def _store_entry(entry: Path, built: dict, pass_configs: dict) -> bool:
     import shutil
     import tempfile
 
+    import tilelang  # noqa: F401  (first: it puts its bundled tvm on the path)
     import tvm
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -502,6 +503,7 @@ LIBRARIES = ("executable.so", "kernel_lib.so")  # TileLang's library file, by ex
 def _load_entry(entry: Path, plan: Plan) -> tuple:
     """(jit, combine jit or None) from a runtime entry, the way TileLang loads its own disk cache:
     no lowering, no nvcc, no emitted code run."""
+    import tilelang  # noqa: F401  (first: it puts its bundled tvm on the path)
     import tvm
     from tilelang.engine.param import load_kernel_params
     from tilelang.jit import JITKernel
