@@ -14,7 +14,7 @@ from attngen.emulator.driver import check_emulated
 WORK_CAP = 600_000  # B*H*Sq*Skv per example: the variants' extra element-wise work costs a little more
 EXAMPLES = 6 * settings().max_examples
 
-SCORE_MODS = ["", "", "score + bias[h]", "score * (1 + scale[h]) - 0.01 * abs(q_idx - kv_idx)",
+SCORE_MODS = ["", "", "score + bias[h]", "score * (1 + gain[h]) - 0.01 * abs(q_idx - kv_idx)",
               "where(q_idx >= kv_idx, score, score - 2) + rel[q_idx - kv_idx + 32] / 4", "tanh(score / 4) * 4"]
 MASK_MODS = ["", "", "doc[b, q_idx] == doc[b, kv_idx]", "kv_idx != q_idx + 1 and kv_idx > 3", "q_idx - kv_idx < 150"]
 
