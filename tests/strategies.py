@@ -101,3 +101,11 @@ def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int =
         "block_n": block_n,
         "num_splits": draw(st.integers(1, tiles + 2)),
     }
+
+
+# -- the run-time softmax scale (issue 18) ---------------------------------------------------------
+def softmax_scales():
+    """None (the default 1/sqrt(head_dim)), the ends 1.0 (peaked rows) and 0.01 (nearly uniform), and
+    any scale between them, log-uniform."""
+    return st.one_of(st.sampled_from([None, None, 1.0, 0.01]),
+                     st.floats(-2.0, 0.0).map(lambda e: float(10.0 ** e)))

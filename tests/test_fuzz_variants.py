@@ -10,6 +10,7 @@ from hypothesis import assume, given, note, settings, strategies as st
 import attngen
 from attngen.emulator import POLICIES
 from attngen.emulator.driver import check_emulated
+from strategies import softmax_scales
 
 WORK_CAP = 600_000  # B*H*Sq*Skv per example: the variants' extra element-wise work costs a little more
 EXAMPLES = 6 * settings().max_examples
@@ -60,14 +61,16 @@ def cases(draw):
         q_len, kv_len = draw(st.integers(1, 500)), draw(st.integers(1, 500))
     if batch * kv_heads * spec.gqa_group * q_len * kv_len > WORK_CAP:
         batch = kv_heads = 1
-    return plan, (batch, kv_heads, q_len, kv_len), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES))
+    return (plan, (batch, kv_heads, q_len, kv_len), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES)),
+            draw(softmax_scales()))
 
 
 @pytest.mark.expensive
 @settings(max_examples=EXAMPLES)
 @given(case=cases())
 def test_random_variants_match_reference(case):
-    plan, (b, hkv, sq, skv), seed, policy = case
-    note(f"{plan.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy}")
-    ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=seed, policy=policy)
-    assert ok, f"{plan.name} {(b, hkv, sq, skv)} seed={seed} policy={policy}: {text}"
+    plan, (b, hkv, sq, skv), seed, policy, scale = case
+    note(f"{plan.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} softmax_scale={scale}")
+    ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=seed, policy=policy,
+                                 softmax_scale=scale)
+    assert ok, f"{plan.name} {(b, hkv, sq, skv)} seed={seed} policy={policy} softmax_scale={scale}: {text}"
