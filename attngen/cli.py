@@ -149,6 +149,8 @@ def emulate_verdict(plan, args) -> tuple:
         what = f"CPU model vs fp64 reference (H={heads} HKV={kv_heads}, seed {args.seed})"
     else:
         what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    if args.softmax_scale is not None:
+        what = f"{what[:-1]}, softmax scale {args.softmax_scale!r})"
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
         ok, text, stats = check_emulated(plan, 1, heads, kv_heads, q_len, kv_len, seed=args.seed, run=emulator.emulate_stats,
                                          softmax_scale=args.softmax_scale)

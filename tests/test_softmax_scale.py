@@ -94,3 +94,33 @@ def test_the_scale_is_the_last_parameter_a_float32_scalar():
     rt = Runtime(source, "<scale>", dims)
     with pytest.raises(KernelError, match="softmax_scale .*needs a float, got str"):
         rt.run(inputs[:-1] + ["0.5"], seed=0, policy="random", stats=Stats())
+
+
+def test_the_cli_passes_the_scale_to_kernel_and_reference(tmp_path, capsys):
+    from attngen.cli import main
+
+    spec = str(EXAMPLES / PRESETS["causal"])
+    mutant = tmp_path / "mutant.py"
+    mutant.write_text(ignoring_the_scale(plan_of("causal")))
+    args = ["emulate", spec, "--q-len", "100", "--kv-len", "150"]
+    assert main(args + ["--softmax-scale", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "softmax scale 1.0" in out and "PASS" in out
+    assert main(args + ["--source", str(mutant)]) == 0  # the mutant is right at the default...
+    assert main(args + ["--source", str(mutant), "--softmax-scale", "1.0"]) == 1  # ...and wrong at any other scale
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_runs_the_cpu_model_at_the_scale_given(monkeypatch):
+    import argparse
+
+    import attngen.emulator as emulator
+    from attngen.cli import emulate_verdict
+
+    plan = plan_of("causal")
+    real = emulator.emulate_stats
+    monkeypatch.setattr(emulator, "emulate_stats", lambda *a, **kw: real(*a, **{**kw, "source": ignoring_the_scale(plan)}))
+    args = argparse.Namespace(q_len=100, kv_len=150, seed=0, softmax_scale=None)
+    assert emulate_verdict(plan, args)[0]
+    ok, what = emulate_verdict(plan, argparse.Namespace(**{**vars(args), "softmax_scale": 0.01}))
+    assert not ok and "softmax scale 0.01" in what
