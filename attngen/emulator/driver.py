@@ -158,7 +158,8 @@ class Runtime:
 
         `inputs` holds one value per prim_func parameter in order: an array for an input tensor
         (copied, rounded to the tensor's dtype), None for an output (which starts NaN), an int for
-        a T.int32 scalar, a float for a T.float32 one; a list one short means "the inputs, then one output" (Q, K, V -> O).
+        a T.int32 scalar, a float for a T.float32 one; a list one short means "the inputs, then
+        one output" (Q, K, V -> O).
         Returns the output array, or a tuple of them when there are several (O, LSE); `self.tensors`
         then maps every parameter name to its array, so a second kernel (a split-KV combine) can be
         fed what the first wrote. `owner(cta_index, name)`, if given, says which elements of that
@@ -733,7 +734,7 @@ def command(args, plan=None) -> int:
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
         ok, text, stats = check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
                                          seed=args.seed, policy=args.policy, source=source, filename=filename,
-                                         softmax_scale=getattr(args, "softmax_scale", None))
+                                         softmax_scale=scale)
     except EmulationError as e:
         print(e.report)
         return 1
