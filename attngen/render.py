@@ -189,6 +189,21 @@ def scale_setup(plan: Plan) -> list[str]:
     return []
 
 
+def max_floor(plan: Plan) -> str:
+    """The running max's start in a kernel without sinks: finite, and finite once scaled.
+
+    Not -inf: a row whose scores so far are all -inf (masked, or an inf in q or k) then keeps a
+    finite max and gets exp2(-inf - floor) = 0 where -inf - -inf is NaN, and no tile needs a guard.
+    m_cur holds q . k units, scaled by the run-time scale_log2 in the exponent, which exceeds 1
+    for softmax_scale > ln 2; the lowest float times that is -inf again. So the floor is the lowest
+    float halved (rounding cannot carry the product past the overflow) and divided by scale_log2
+    where that is above 1: computed once per consumer, it scales to at least -FLT_MAX / 2 for every
+    valid scale. Prescaled scores are base-2 units already (no scale follows): the lowest float."""
+    if plan.prescaled:
+        return "T.min_value(ACCUM)"
+    return "T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0)"
+
+
 # -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
 def tile_frame(plan: Plan) -> tiles.Frame:
     """The plan's problem in the kernel's names, with what is known of each value: kv_len >= 1 in a
@@ -311,8 +326,8 @@ def split_exprs(plan: Plan) -> dict:
 def normalize_stmt(plan: Plan) -> str:
     """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
     inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
-    The running max never reaches -inf (it starts at the lowest float, docs/online-softmax.md step
-    4), so this once-per-row test is the only guard: no tile pays for one."""
+    The running max never reaches -inf (it starts at a finite floor, max_floor; docs/online-softmax.md
+    step 4), so this once-per-row test is the only guard: no tile pays for one."""
     if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
         return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
     return "acc_o[i, j] /= row_sum[i]"
@@ -698,6 +713,7 @@ def template_context(plan: Plan) -> dict:
         **(combine_context(plan, dv) if plan.split_kv else {}),
         **split_exprs(plan),
         "sink_init": sink_init(plan),
+        "max_floor": max_floor(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,
         "transform": lambda tile: transform_expr(plan, tile),

@@ -124,3 +124,62 @@ def test_check_runs_the_cpu_model_at_the_scale_given(monkeypatch):
     assert emulate_verdict(plan, args)[0]
     ok, what = emulate_verdict(plan, argparse.Namespace(**{**vars(args), "softmax_scale": 0.01}))
     assert not ok and "softmax scale 0.01" in what
+
+
+# -- rows that see no key, at scales above ln 2 ------------------------------------------------------
+# The running max starts at a finite floor, not -inf, so a fully masked row never computes
+# exp2(-inf - -inf). The floor must stay finite once scaled by scale_log2, which exceeds 1 for
+# softmax_scale > ln 2: the lowest float itself would scale to -inf there (NaN rows).
+LARGE_SCALES = [1.0, 8.0, 100.0]
+
+
+def _no_nan_zero_rows(out, lse, empty_rows, lse_rows):
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "NaN in out or lse"
+    assert np.all(out[empty_rows] == 0), "a row that sees no key must give 0"
+    assert np.all(np.isneginf(lse[lse_rows])), "a row that sees no key has LSE -inf"
+
+
+@pytest.mark.parametrize("scale", LARGE_SCALES)
+def test_causal_rows_that_see_no_key_give_zero_at_large_scales(scale):
+    """causal, q_len > kv_len: the first q_len - kv_len rows see no key (bottom-right alignment)."""
+    spec = attngen.Spec(causal=True, lse=True, head_dim=64)
+    q, k, v = attngen.reference.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
+    out, lse = attngen.emulate(spec, q, k, v, softmax_scale=scale)
+    _no_nan_zero_rows(out, lse, (0, slice(0, 90)), (0, 0, slice(0, 90)))
+    assert np.all(np.isfinite(lse[0, 0, 90:]))
+    assert attngen.reference.check_close(out, q, k, v, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.check_lse(lse, q, k, v, True, dtype="float16", scale=scale).ok
+
+
+@pytest.mark.parametrize("scale", LARGE_SCALES)
+def test_an_empty_varlen_sequence_gives_zero_at_large_scales(scale):
+    """varlen: sequence 0 has 50 query rows and no key; sequence 1 is ordinary."""
+    spec = attngen.Spec(layout="varlen", causal=True, lse=True, head_dim=64)
+    lq, lk = (50, 70), (0, 90)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((sum(lq), 2, 64)).astype(np.float32)
+    k = rng.standard_normal((sum(lk), 2, 64)).astype(np.float32)
+    v = rng.standard_normal((sum(lk), 2, 64)).astype(np.float32)
+    cu_q = np.array([0, lq[0], sum(lq)], np.int32)
+    cu_k = np.array([0, lk[0], sum(lk)], np.int32)
+    out, lse = attngen.emulate(spec, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                               softmax_scale=scale)
+    _no_nan_zero_rows(out, lse, slice(0, lq[0]), (slice(None), slice(0, lq[0])))
+    q1, k1, v1 = (x[None, lo:] for x, lo in ((q, lq[0]), (k, lk[0]), (v, lk[0])))
+    assert attngen.reference.check_close(out[None, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.check_lse(lse[None, :, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
+
+
+def test_the_lowest_float_as_floor_is_nan_above_ln2():
+    """The floor before it was scaled-safe (T.min_value alone, right only while scale_log2 <= 1):
+    the emulated kernel gives NaN rows at softmax_scale 1.0 where the real one gives 0."""
+    spec = attngen.Spec(causal=True, lse=True, head_dim=64)
+    floor = attngen.render.max_floor(attngen.make_plan(spec))
+    source = render_source(spec)
+    assert source.count(f"T.fill(m_cur, {floor})") == 1 and floor != "T.min_value(ACCUM)"
+    mutant = source.replace(f"T.fill(m_cur, {floor})", "T.fill(m_cur, T.min_value(ACCUM))")
+    q, k, v = attngen.reference.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
+    out, lse = attngen.emulate(spec, q, k, v, softmax_scale=0.5, source=mutant)
+    assert not np.isnan(out).any()  # below ln 2 the lowest float was enough
+    out, lse = attngen.emulate(spec, q, k, v, softmax_scale=1.0, source=mutant)
+    assert np.isnan(out[0, :90]).all() and np.isnan(lse[0, 0, :90]).all()
