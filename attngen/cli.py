@@ -18,7 +18,7 @@ from pathlib import Path
 
 from attngen.plan import Shape, make_plan
 from attngen.render import generate, render_source
-from attngen.reference import InputError
+from attngen.reference import InputError, check_scale
 from attngen.spec import SpecError, load, serving_field
 from attngen.version import __version__
 
@@ -207,6 +207,7 @@ def check_run_args(plan, args) -> None:
     heads, kv_heads, q_len, kv_len = run_shape(plan, args)
     check_run(plan.spec, Shape(1, heads, kv_heads, q_len, kv_len), args.seed,
               {"q_len": ("--q-len", 200), "kv_len": ("--kv-len", 333)})
+    check_scale(args.softmax_scale, plan.spec.head_dim, "--softmax-scale")
 
 
 def emulate_verdict(plan, args) -> tuple:
@@ -222,8 +223,11 @@ def emulate_verdict(plan, args) -> tuple:
         what = f"CPU model vs fp64 reference (H={heads} HKV={kv_heads}, seed {args.seed})"
     else:
         what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    if args.softmax_scale is not None:
+        what = f"{what[:-1]}, softmax scale {args.softmax_scale!r})"
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
-        ok, text, stats = check_emulated(plan, 1, heads, kv_heads, q_len, kv_len, seed=args.seed, run=emulator.emulate_stats)
+        ok, text, stats = check_emulated(plan, 1, heads, kv_heads, q_len, kv_len, seed=args.seed, run=emulator.emulate_stats,
+                                         softmax_scale=args.softmax_scale)
     except EmulationError as e:
         print(e.report)
         return False, what
@@ -348,6 +352,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (not a tile multiple)")
     c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
     c.add_argument("--seed", type=int, default=0, help="input and scheduler seed of the CPU run (>= 0)")
+    c.add_argument("--softmax-scale", type=float, default=None,
+                   help="the run-time softmax scale of the CPU run (default: 1/sqrt(head_dim))")
     c.set_defaults(func=cmd_check)
 
     t = sub.add_parser("tune", help="search the spec's schedules: build and prune here, time and record on an sm_90 GPU")
@@ -372,6 +378,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--policy", default="random", choices=POLICIES, help="agent scheduling policy")
     e.add_argument("--source", metavar="FILE", help="emulate this (hand-edited) emitted file instead of rendering the spec; "
                    "FILE is executed as Python with your privileges (like `python FILE`): only pass files you trust")
+    e.add_argument("--softmax-scale", type=float, default=None,
+                   help="the run-time softmax scale passed to the kernel and the reference (default: 1/sqrt(head_dim))")
     e.set_defaults(func=cmd_emulate)
 
     from attngen.timeline.command import add_subcommand  # `attngen timeline` (docs/timeline.md)

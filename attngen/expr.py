@@ -40,7 +40,7 @@ AXIS_OF = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
 # attngen.attention/emulate, and Python keywords.
 RESERVED = frozenset(INDEX_VARS) | {"score"} | set(FUNCS) | {
     "q", "k", "v", "out", "spec", "seed", "policy", "source", "causal", "window", "softcap",
-    "alibi_slopes", "sinks", "return_lse", "lse", "T",
+    "alibi_slopes", "sinks", "return_lse", "lse", "softmax_scale", "scale", "T",
 }
 
 MAX_CHARS = 1000

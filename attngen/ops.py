@@ -32,7 +32,7 @@ import torch
 from attngen import runtime, serving, tuning_table
 from attngen.emulator.driver import estimate_seconds, emulate
 from attngen.plan import Plan, as_plan
-from attngen.reference import InputError
+from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
 
 NAMESPACE = "attngen"
@@ -83,6 +83,20 @@ def _json(field: str, x) -> str:
         return "[" + ", ".join(_json(field, e) for e in x) + "]"
     raise SpecError(field, x, "a Python bool, int, float or string (or a list of them); under torch.compile a "
                               "constant, not a value computed from a tensor")
+
+
+def scale_argument(softmax_scale, scale, head_dim: int):
+    """The op's softmax_scale from attngen.attention's two names for it (FlashAttention-3's and
+    SDPA's): None when neither is given (the op then uses 1/sqrt(head_dim)); a number is checked
+    here (reference.resolve_scale), a SymFloat (a graph input under torch.compile) when the op runs."""
+    if softmax_scale is None and scale is None:
+        return None
+    if isinstance(softmax_scale, torch.SymFloat) or isinstance(scale, torch.SymFloat):
+        if softmax_scale is not None and scale is not None:
+            raise InputError("softmax_scale, scale", f"{softmax_scale!r}, {scale!r}",
+                             "one of them (they name the same argument)")
+        return softmax_scale if scale is None else scale
+    return resolve_scale(softmax_scale, scale, head_dim=head_dim)
 
 
 def window_arguments(window) -> tuple:
@@ -219,11 +233,9 @@ def check_cpu_time(plan: Plan, call, q, k) -> None:
 
 def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
-    if softmax_scale is not None:  # the slot issue 18's run-time scale fills; the kernels still bake 1/sqrt(D) in
-        raise InputError("softmax_scale", softmax_scale, "None (1/sqrt(head_dim)): the kernels do not take a "
-                                                         "run-time scale yet")
     plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
                    num_splits)
+    scale = check_scale(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
     named = dict(zip(_names(tensor_names), tensors))
     splits = decode_splits(num_splits)
     if not serving.serving_fields(plan).split and splits == 1:
@@ -235,14 +247,14 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k)
-        result = emulate(plan, q, k, v, **named, **keywords)
+        result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
         runtime.check_device(devices)  # one sm_90 device
         kernel = runtime.compile_kernel(plan)
         if call is not None:
-            result = kernel._launch_serving(call, q, k, v, None, extra)
+            result = kernel._launch_serving(call, q, k, v, None, extra, scale)
         else:
-            result = kernel(q, k, v, check=False, **named)
+            result = kernel(q, k, v, check=False, softmax_scale=scale, **named)
     else:
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     out, lse = result if plan.spec.lse else (result, None)
@@ -331,8 +343,13 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
               return_lse: bool = False, out=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              block_table=None, seqused_k=None, num_splits=None, **kwargs):
+              block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **kwargs):
     """FlashAttention-3 forward: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
+
+    score = q . k * softmax_scale (FlashAttention-3's name; `scale`, SDPA's and FlexAttention's, is
+    the same argument; both given and different is an InputError); None gives 1 / sqrt(D). It is a
+    run-time argument of the kernel (one build, and one compiled graph, serve every scale); it must
+    be a positive normal float32.
 
     On CUDA tensors (an sm_90 GPU) the compiled kernel runs; on CPU tensors the same emitted
     kernel runs on the CPU model (slow: docs/torch.md). It calls torch.ops.attngen.fwd, so
@@ -353,7 +370,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, **kwargs)
+        block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
+        scale=scale, **kwargs)
     result, lse = fwd(*args)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
@@ -365,7 +383,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
                   return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None,
-                  seqused_k=None, num_splits=None, **kwargs) -> tuple[tuple, bool]:
+                  seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **kwargs) -> tuple[tuple, bool]:
     """attngen.attention's keywords as torch.ops.attngen.fwd's arguments, and whether the caller
     asked for the LSE. Checks what the op's schema would otherwise reject with a TypeError."""
     overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
@@ -382,6 +400,7 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
         if t is not None and not isinstance(t, torch.Tensor):
             raise InputError(name, type(t).__name__, "a torch.Tensor")
     splits = encode_splits(num_splits)
+    softmax_scale = scale_argument(softmax_scale, scale, int(q.shape[-1]))
     # window and softcap default to None, not numbers: a default is a graph input under
     # torch.compile(dynamic=True), a constant written here is not
     left, right = window_arguments((-1, -1) if window is None else window)
@@ -395,7 +414,7 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     extra = {n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
     extra.update((n, tensors[n]) for n in sorted(tensors))  # sorted by name: one text per set of tensors
     names = [n for n in extra]  # torch 2.4's dynamo joins a list of names, not a dict
-    args = (q, k, v, encode_fields(chosen), left, right, softcap, None, ",".join(names), [extra[n] for n in names],
+    args = (q, k, v, encode_fields(chosen), left, right, softcap, softmax_scale, ",".join(names), [extra[n] for n in names],
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, splits)
     return args, asked_lse
 

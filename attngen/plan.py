@@ -2,8 +2,8 @@
 
 `make_plan` resolves what the user left open (tile sizes, ping-pong), checks every budget
 and returns a `Plan`: the resolved spec, the kernel's name and hash, thread ranges, the
-setmaxnreg split, shared-memory bytes, barrier ids and arrival counts, the softmax scale
-and the build flags. Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
+setmaxnreg split, shared-memory bytes, barrier ids and arrival counts and the build flags
+(the softmax scale is not here: the kernel takes it at call time). Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
 makes the plan once and passes it down; a violated budget raises `SpecError` naming the
 field to change, before anything is rendered.
 """
@@ -109,7 +109,6 @@ class Plan:
     pingpong_threads: int  # threads that meet at one ping-pong barrier
     primer: int | None  # the consumer that arrives once at the start so that warpgroup 0 issues first
     epilogue_bar: int  # first named barrier of the epilogues (consumer g uses epilogue_bar + g)
-    scale_log2: float
     compile_flags: tuple
     # Variants (docs/variants.md); at the spec defaults they change nothing in the kernel.
     head_dim_v: int = 0
@@ -351,7 +350,6 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
         pingpong_threads=2 * hw.WARPGROUP_THREADS,
         primer=n - 1 if spec.pingpong else None,
         epilogue_bar=1 + ring,
-        scale_log2=(1.0 / spec.head_dim) ** 0.5 * hw.LOG2E,
         compile_flags=COMPILE_FLAGS,
         **variant,
     )

@@ -49,6 +49,52 @@ class InputError(ValueError):
         super().__init__(f"{argument} = {value}: expected {expected}")
 
 
+# -- the softmax scale (one home: the reference, the CPU model, the runtime and the CLI call these) --
+def default_scale(head_dim: int) -> float:
+    """The softmax scale when the caller gives none: 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_scale(value, head_dim: int, argument: str = "softmax_scale") -> float:
+    """The scale a kernel is called with: `value` checked, or default_scale(head_dim) for None.
+
+    A finite positive real. Unlike FlashAttention-3 (any float), zero and negative scales are
+    refused: the kernel takes the row max of the unscaled scores q . k and scales in the exponent,
+    exp2(s * c - max(s) * c) with c = scale * log2(e), which is the softmax only for c > 0
+    (docs/online-softmax.md). The kernel receives it as a float32."""
+    if value is None:
+        return default_scale(head_dim)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(argument, type(value).__name__, f"a finite positive float (omitted: 1/sqrt(head_dim) = {default_scale(head_dim):.6g})")
+    x = float(value)
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= x <= float(f32.max):  # NaN fails too; a subnormal would flush to 0 under the kernel's fast math
+        raise InputError(argument, repr(value), f"a positive float from {f32.tiny:.3g} to {f32.max:.3g} (a normal float32, the kernel's type); "
+                         f"omitted: 1/sqrt(head_dim) = {default_scale(head_dim):.6g}")
+    return x
+
+
+def resolve_scale(softmax_scale=None, scale=None, *, head_dim: int) -> float:
+    """The one scale of a call that takes both names, softmax_scale (FlashAttention-3's) and scale
+    (SDPA's and FlexAttention's): either one, or both when equal; neither gives the default.
+    Checked by check_scale() under the name the caller used."""
+    if softmax_scale is not None and scale is not None:
+        if _same(softmax_scale, scale):
+            return check_scale(softmax_scale, head_dim)
+        raise InputError("softmax_scale, scale", f"{softmax_scale!r}, {scale!r}",
+                         "one of them, or the same value for both (they name the same argument)")
+    if scale is not None:
+        return check_scale(scale, head_dim, "scale")
+    return check_scale(softmax_scale, head_dim)
+
+
+def _same(a, b) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return a is b
+
+
 def round_to(x, dtype: str) -> np.ndarray:
     """Round to float16/bfloat16 (round to nearest even) and return float32 holding those values.
 
@@ -195,7 +241,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batc
     group = _check_shapes(q, k, v)
     b, sq, h, d = q.shape
     skv = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = check_scale(scale, d, "scale")
     out = np.zeros((b, sq, h, v.shape[3]))
     lse = np.full((b, h, sq), -np.inf)
     for bi in range(b):
@@ -225,8 +271,8 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
     """The kernel's arithmetic on the CPU: the twin whose error against `attention` sets the bound.
 
     Inputs rounded to `dtype`; s = q @ k^T in float32 (tensor cores accumulate in float32);
-    m = the row max of s; P = exp2(s * c - m * c) in float32 with c = scale * log2(e) rounded
-    to float32, as the kernel's SCALE_LOG2; the row sum over the float32 P; P rounded to
+    m = the row max of s; P = exp2(s * c - m * c) in float32 with c = float32(scale) * float32(log2 e),
+    the kernel's scale_log2 (it takes the scale as a float32 argument); the row sum over the float32 P; P rounded to
     `dtype` and multiplied by v in float32; out = round(acc / row sum) (0 for a row that sees
     no key). The kernel takes the max online, tile by tile, and rescales by
     alpha = exp2(m_old * c - m_new * c); those factors telescope to the one-shot max used here,
@@ -244,8 +290,8 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
     group = _check_shapes(q, k, v)
     b, sq, h, d = q.shape
     skv = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = np.float32(scale * LOG2E)
+    scale = np.float32(check_scale(scale, d, "scale"))  # the kernel takes it as a float32
+    c = scale * np.float32(LOG2E)  # the kernel's scale_log2, a float32 product
     prescaled = _prescaled(variant)
     out = np.zeros((b, sq, h, v.shape[3]))
     ninf = np.float32(-np.inf)
@@ -256,13 +302,13 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
                 s = q[bi, :, heads].transpose(1, 0, 2) @ k[bi, :, hk].T  # [group, Sq, Skv] float32
                 head_ids = range(hk * group, (hk + 1) * group)
                 if prescaled:  # the kernel's transform, then base-2 units (no further scale)
-                    s, _, sink = _variant_scores(s * np.float32(scale), bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
+                    s, _, sink = _variant_scores(s * scale, bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
                     s, cc = s * np.float32(LOG2E), np.float32(1)
                     sink = None if sink is None else sink * np.float32(LOG2E)
                 else:  # masks only: the raw score, scaled in the exponent
                     s, _, sink = _variant_scores(s, bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
                     cc = c
-                    sink = None if sink is None else sink * np.float32(LOG2E) / c
+                    sink = None if sink is None else sink / scale  # the kernel's Sinks[h] / softmax_scale
                 m = s.max(axis=-1, keepdims=True)
                 if sink is not None:
                     m = np.maximum(m, sink)

@@ -159,13 +159,14 @@ def mod_text(plan: Plan, e, tile: str, score: str | None) -> str:
 def transform_expr(plan: Plan, tile: str) -> str:
     """acc_s[i, j] (q . k) -> the final score in base-2 units: softcap, ALiBi, score_mod, then * log2(e).
 
-    The mods are defined on the natural-units score q . k / sqrt(d) (FlexAttention's `score`);
-    the result is multiplied by log2(e) once, so the softmax below needs no SCALE_LOG2.
+    The mods are defined on the natural-units score q . k * softmax_scale (FlexAttention's
+    `score`; the scale is the kernel's run-time argument); the result is multiplied by log2(e)
+    once, so the softmax below needs no scale_log2.
     """
     spec = plan.spec
-    s = "acc_s[i, j] * SCALE"
+    s = "acc_s[i, j] * softmax_scale"
     if spec.softcap:
-        s = "SOFTCAP * T.tanh(acc_s[i, j] * SOFTCAP_SCALE)"  # SOFTCAP_SCALE = SCALE / SOFTCAP, folded
+        s = "SOFTCAP * T.tanh(acc_s[i, j] * softcap_scale)"  # softcap_scale = softmax_scale / SOFTCAP, once per warpgroup
     if spec.alibi:
         s = f'{s} - Alibi[{row_head(plan)}] * T.Cast("float32", T.abs({row_pos(plan)} + causal_offset - ({key_index(plan, tile)})))'
     if plan.score_expr is not None:
@@ -174,13 +175,33 @@ def transform_expr(plan: Plan, tile: str) -> str:
 
 
 def scaled(plan: Plan, x: str) -> str:
-    """A raw score or row max in the softmax's base-2 units.
+    """A raw score or row max in the softmax's base-2 units."""
+    return x if plan.prescaled else f"{x} * scale_log2"
 
-    The running max starts at the lowest float (T.min_value), so that a row whose scores so far
-    are all -inf has a finite max and exp2 gives 0 rather than NaN (-inf - -inf). Its scaled
-    value stays finite because SCALE_LOG2 = log2(e) / sqrt(HEAD_DIM) < 1 (a scale above ln 2,
-    SCALE_LOG2 > 1, would need a floor of min_value / SCALE_LOG2)."""
-    return x if plan.prescaled else f"{x} * SCALE_LOG2"
+
+def scale_setup(plan: Plan) -> list[str]:
+    """The consumer's lines that derive, once, what its scores are multiplied by from the run-time
+    softmax_scale (a float32 parameter: one compiled kernel serves every scale)."""
+    if not plan.prescaled:
+        return ["scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)"]
+    if plan.spec.softcap:
+        return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
+    return []
+
+
+def max_floor(plan: Plan) -> str:
+    """The running max's start in a kernel without sinks: finite, and finite once scaled.
+
+    Not -inf: a row whose scores so far are all -inf (masked, or an inf in q or k) then keeps a
+    finite max and gets exp2(-inf - floor) = 0 where -inf - -inf is NaN, and no tile needs a guard.
+    m_cur holds q . k units, scaled by the run-time scale_log2 in the exponent, which exceeds 1
+    for softmax_scale > ln 2; the lowest float times that is -inf again. So the floor is the lowest
+    float halved (rounding cannot carry the product past the overflow) and divided by scale_log2
+    where that is above 1: computed once per consumer, it scales to at least -FLT_MAX / 2 for every
+    valid scale. Prescaled scores are base-2 units already (no scale follows): the lowest float."""
+    if plan.prescaled:
+        return "T.min_value(ACCUM)"
+    return "T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0)"
 
 
 # -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
@@ -305,8 +326,8 @@ def split_exprs(plan: Plan) -> dict:
 def normalize_stmt(plan: Plan) -> str:
     """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
     inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
-    The running max never reaches -inf (it starts at the lowest float, docs/online-softmax.md step
-    4), so this once-per-row test is the only guard: no tile pays for one."""
+    The running max never reaches -inf (it starts at a finite floor, max_floor; docs/online-softmax.md
+    step 4), so this once-per-row test is the only guard: no tile pays for one."""
     if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
         return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
     return "acc_o[i, j] /= row_sum[i]"
@@ -328,7 +349,7 @@ def sink_init(plan: Plan) -> str:
         return ""
     if plan.prescaled:
         return "Sinks[head] * LOG2E"
-    return "Sinks[head] * SINK_TO_RAW"
+    return "Sinks[head] / softmax_scale"  # a natural-log logit in the units of q . k
 
 
 def variant_constants(plan: Plan) -> list[str]:
@@ -336,15 +357,8 @@ def variant_constants(plan: Plan) -> list[str]:
     lines = []
     if plan.head_dim_v != spec.head_dim:
         lines.append(f"HEAD_DIM_V = {plan.head_dim_v}  # V and O head dim")
-    if plan.prescaled or spec.sinks or spec.lse or plan.split_kv:
-        lines.append(f"LOG2E = {hw.LOG2E}")
-    if plan.prescaled:
-        lines.append(f"SCALE = {(1.0 / spec.head_dim) ** 0.5!r}  # 1 / sqrt(HEAD_DIM): score = q . k * SCALE, as in FlexAttention")
     if spec.softcap:
         lines.append(f"SOFTCAP = {spec.softcap!r}  # score = SOFTCAP * tanh(score / SOFTCAP)")
-        lines.append(f"SOFTCAP_SCALE = {(1.0 / spec.head_dim) ** 0.5 / spec.softcap!r}  # SCALE / SOFTCAP")
-    if spec.sinks and not plan.prescaled:
-        lines.append(f"SINK_TO_RAW = {hw.LOG2E / plan.scale_log2!r}  # a natural-log logit in the units of q . k (sqrt(HEAD_DIM))")
     if spec.lse or plan.split_kv:
         lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
     return lines + serving_constants(plan)
@@ -422,6 +436,7 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
         lines.append(_tensor("seqused_k", ["batch"], '"int32"', "keys of sequence b"))
     if plan.varlen:
         lines.append("max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grid")
+    lines.append("softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))")
     return lines
 
 
@@ -512,6 +527,7 @@ def consumer_args(plan: Plan) -> str:
         names.append("q_start")
     if plan.split_kv:
         names.append("split_idx")
+    names.append("softmax_scale")
     return ", ".join(names)
 
 
@@ -642,7 +658,8 @@ def template_context(plan: Plan) -> dict:
         "wg_rows": plan.wg_rows,
         "k_stages": spec.k_stages,
         "v_stages": spec.v_stages,
-        "scale_log2": plan.scale_log2,
+        "log2e": hw.LOG2E,
+        "scale_setup": scale_setup(plan),
         "variant_constants": variant_constants(plan),
         "threads": plan.threads,
         "consumer_threads": plan.consumer_threads,
@@ -696,6 +713,7 @@ def template_context(plan: Plan) -> dict:
         **(combine_context(plan, dv) if plan.split_kv else {}),
         **split_exprs(plan),
         "sink_init": sink_init(plan),
+        "max_floor": max_floor(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,
         "transform": lambda tile: transform_expr(plan, tile),

@@ -41,7 +41,7 @@ from attngen.inputs import (check_extra, check_layout, check_serving_tensors, ch
                             extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
 from attngen.plan import Plan, Shape, as_plan
-from attngen.reference import InputError  # noqa: F401  (re-exported: attngen.runtime.InputError)
+from attngen.reference import InputError, resolve_scale  # noqa: F401  (re-exported: attngen.runtime.InputError)
 from attngen.render import render_source
 from attngen.spec import Spec, check_keys
 from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
@@ -143,10 +143,11 @@ def serving_outputs(plan: Plan, call: serving.ServingCall, q, out=None) -> dict:
 
 
 def launch_arguments(plan: Plan, call: serving.ServingCall, q, k, v, *, out, lse=None, o_partial=None, lse_partial=None,
-                     extra=()) -> tuple[list, list | None]:
+                     extra=(), softmax_scale: float) -> tuple[list, list | None]:
     """The arguments of the main kernel and of the combine kernel (None without splits), in the
     ABI's order (docs/serving.md): Q, K, V, then O (or O_partial), LSE (or LSE_partial), the
-    variant tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q. The
+    variant tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q, and last
+    softmax_scale (a checked float: reference.resolve_scale). The
     combine kernel takes O_partial, LSE_partial, O, with spec.lse LSE, and varlen cu_seqlens_q (it
     writes only the rows before cu_seqlens_q[-1]: the rest is padding)."""
     f = call.fields
@@ -162,7 +163,7 @@ def launch_arguments(plan: Plan, call: serving.ServingCall, q, k, v, *, out, lse
     else:
         main = [q, k, v, out] + ([lse] if f.lse else [])
         combine = None
-    return main + list(extra) + list(call.args), combine
+    return main + list(extra) + list(call.args) + [float(softmax_scale)], combine
 
 
 def serving_overrides(q, k, *, cu_seqlens_q=None, block_table=None, num_splits=None) -> dict:
@@ -218,8 +219,9 @@ class Kernel:
         return serving.serving_fields(self.plan)
 
     def check(self, q, k, v, out=None, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None,
-              seqused_k=None, num_splits=None, **tensors) -> list:
+              seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **tensors) -> list:
         """Every check of a call, without launching; returns the extra tensors in kernel order."""
+        resolve_scale(softmax_scale, scale, head_dim=self.spec.head_dim)
         keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
         if self.serving.uses_serving or any(x is not None for x in keywords.values()):
@@ -239,8 +241,12 @@ class Kernel:
         return check_serving_call(self.plan, q, k, v, out, shape=self.shape, tensors=tensors, **keywords)
 
     def __call__(self, q, k, v, *, out=None, check: bool = True, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, **tensors):
-        """out[b, i, h] = softmax(q[b, i, h] . k[b, :, h // g] / sqrt(D)) v[b, :, h // g].
+                 cu_seqlens_k=None, max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None,
+                 softmax_scale=None, scale=None, **tensors):
+        """out[b, i, h] = softmax(q[b, i, h] . k[b, :, h // g] * softmax_scale) v[b, :, h // g].
+
+        `softmax_scale` (or `scale`, SDPA's and FlexAttention's name) is a run-time argument of the
+        kernel: one build serves every scale; None gives 1 / sqrt(D); it must be finite and positive.
 
         `out`, if given, is written in place (a NaN-poisoned buffer shows unwritten
         elements). `check=False` skips the input checks (for timing loops only).
@@ -250,12 +256,13 @@ class Kernel:
         `block_table`, `seqused_k` (paged), `num_splits` (split-KV: None, "auto" or an int);
         out is packed like q, lse (heads, total_q) for varlen.
         """
+        softmax_scale = resolve_scale(softmax_scale, scale, head_dim=self.spec.head_dim)  # checked even with check=False
         tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
         tensors = {n: t for n, t in tensors.items() if t is not None}
         keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
         if self.serving.uses_serving or any(x is not None for x in keywords.values()):
-            return self._call_serving(q, k, v, out, check, keywords, tensors)
+            return self._call_serving(q, k, v, out, check, keywords, tensors, softmax_scale)
         if check:
             extra = self.check(q, k, v, out, **tensors)
         else:
@@ -272,24 +279,24 @@ class Kernel:
             args.append(lse if t.output else next(inputs))
         with torch.cuda.device(q.device):
             # forward only: DLPack refuses tensors that require grad, and no graph is recorded
-            self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args))
+            self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args), softmax_scale)
         return (out, lse) if self.spec.lse else out
 
-    def _call_serving(self, q, k, v, out, check: bool, keywords: dict, tensors: dict):
+    def _call_serving(self, q, k, v, out, check: bool, keywords: dict, tensors: dict, softmax_scale: float):
         """Check (or, with check=False, only read the shapes), then launch."""
         if check:
             call, extra = self.check_call(q, k, v, out, **keywords, **tensors)
         else:
             call = serving.check_serving(self.plan, q, k, v, read_values=False, **keywords)
             extra = [tensors[t.name] for t in self.plan.extra if not t.output]
-        return self._launch_serving(call, q, k, v, out, extra)
+        return self._launch_serving(call, q, k, v, out, extra, softmax_scale)
 
-    def _launch_serving(self, call: serving.ServingCall, q, k, v, out, extra: list):
+    def _launch_serving(self, call: serving.ServingCall, q, k, v, out, extra: list, softmax_scale: float):
         """Allocate the outputs, launch the main kernel and, for a split spec, the combine kernel."""
         torch = _torch()
         bufs = serving_outputs(self.plan, call, q, out)
         if not call.empty:  # no query row: an empty grid would be a launch error
-            main, combine = launch_arguments(self.plan, call, q, k, v, extra=extra, **bufs)
+            main, combine = launch_arguments(self.plan, call, q, k, v, extra=extra, softmax_scale=softmax_scale, **bufs)
             if combine is not None and self.combine_jit is None:
                 raise RuntimeError(f"{self.name}: a split-KV kernel without its combine kernel (build_combine_kernel)")
             with torch.cuda.device(q.device):
@@ -577,8 +584,12 @@ def _spec_for(q, k, causal, overrides: dict, call: str, inferred: dict | None = 
 
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
               return_lse: bool = False, out=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              block_table=None, seqused_k=None, num_splits=None, **kwargs):
+              block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **kwargs):
     """FlashAttention-3 forward on Hopper: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
+
+    score = q . k * softmax_scale (FlashAttention-3's name; `scale`, SDPA's and FlexAttention's, is
+    the same argument; both given and different is an InputError); None gives 1 / sqrt(D). It is a
+    run-time argument of the kernel (one build serves every scale); it must be finite and positive.
 
     Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
     Variants (docs/variants.md): `window=(left, right)`, `softcap`, `alibi_slopes` (float32
@@ -615,6 +626,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
     # a spec field given by name (lse=, alibi=, splits=) wins over the one derived from the call
     plan = as_plan(_spec_for(q, k, causal, {**variant, **overrides}, "attngen.attention(...)", inferred))
     tensors.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None})
+    softmax_scale = resolve_scale(softmax_scale, scale, head_dim=plan.spec.head_dim)
     fields = serving.serving_fields(plan)
     if not fields.split and num_splits == 1 and not isinstance(num_splits, bool):
         num_splits = None  # one split is the kernel without splits
@@ -623,13 +635,13 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
     # Check before compiling: a bad input should not cost an nvcc run first.
     if fields.uses_serving or any(x is not None for x in keywords.values()):
         call, extra = check_serving_call(plan, q, k, v, out, tensors=tensors, **keywords)
-        return compile_kernel(plan)._launch_serving(call, q, k, v, out, extra)
+        return compile_kernel(plan)._launch_serving(call, q, k, v, out, extra, softmax_scale)
     dims = check_tensors(plan, q, k, v, out)
     extra = check_extra(plan, dims, tensors)
     named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
     named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
     check_device(named)
-    return compile_kernel(plan)(q, k, v, out=out, check=False, **tensors)
+    return compile_kernel(plan)(q, k, v, out=out, check=False, softmax_scale=softmax_scale, **tensors)
 
 
 __all__ = [

@@ -52,7 +52,7 @@ KERNELS = ("seed", "static", "dynamic")
 # Emitted-source edits to measure. Every edit keeps the kernel's meaning (same masks, same
 # guards); only the form changes. name -> (what, [(old, new), ...]); an edit whose old text
 # is absent from a kernel (the static render drops the -inf guards) is skipped for that kernel.
-_GUARD = "T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * SCALE_LOG2)"
+_GUARD = "T.if_then_else(m_cur[i] == -T.infinity(ACCUM), 0.0, m_cur[i] * scale_log2)"
 _MASK0 = ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
           "            diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0\n"
           "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
@@ -104,24 +104,24 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
             _SPLIT,
             ("        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n",
              "        row_sum = T.alloc_fragment([WG_ROWS], ACCUM)\n"
-             "        m_scaled = T.alloc_fragment([WG_ROWS], ACCUM)  # m_cur * SCALE_LOG2, 0 for a row that saw no key\n"),
+             "        m_scaled = T.alloc_fragment([WG_ROWS], ACCUM)  # m_cur * scale_log2, 0 for a row that saw no key\n"),
             (f"{_REDUCE0}"
              f"        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             f"            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - {_GUARD})\n",
+             f"            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - {_GUARD})\n",
              f"{_REDUCE0}"
              f"        for i in T.Parallel(WG_ROWS):\n"
              f"            m_scaled[i] = {_GUARD}\n"
              f"        for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             f"            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_scaled[i])\n"),
+             f"            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_scaled[i])\n"),
             (f"            for i in T.Parallel(WG_ROWS):\n"
-             f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n"
+             f"                alpha[i] = T.exp2(m_prev[i] * scale_log2 - {_GUARD})\n"
              f"            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             f"                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - {_GUARD})\n",
+             f"                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - {_GUARD})\n",
              f"            for i in T.Parallel(WG_ROWS):\n"
              f"                m_scaled[i] = {_GUARD}\n"
-             f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_scaled[i])\n"
+             f"                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])\n"
              f"            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             f"                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_scaled[i])\n"),
+             f"                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_scaled[i])\n"),
         ],
     ),
     "prologue-mask-always": (
@@ -172,10 +172,10 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         "no T.copy(m_cur, m_prev) (max is exact: same values bit for bit)",
         [
             _SPLIT,
-            (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n",
-             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * SCALE_LOG2 - m_prev[i] * SCALE_LOG2)\n                m_cur[i] = m_prev[i]\n", "all"),
-            (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n",
-             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * SCALE_LOG2 - {_GUARD.replace('m_cur', 'm_prev')})\n                m_cur[i] = m_prev[i]\n",
+            (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)\n",
+             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - m_prev[i] * scale_log2)\n                m_cur[i] = m_prev[i]\n", "all"),
+            (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * scale_log2 - {_GUARD})\n",
+             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - {_GUARD.replace('m_cur', 'm_prev')})\n                m_cur[i] = m_prev[i]\n",
              "optional"),  # the dynamic kernel's masked loop guards a row that saw no key
         ],
     ),
@@ -202,11 +202,11 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         [
             _SPLIT,
             ("        row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)\n", ""),
-            ("                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n",
-             "                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)\n"
+            ("                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)\n",
+             "                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)\n"
              "                row_sum[i] *= alpha[i]\n", "all", "optional"),
-            (f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n",
-             f"                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - {_GUARD})\n"
+            (f"                alpha[i] = T.exp2(m_prev[i] * scale_log2 - {_GUARD})\n",
+             f"                alpha[i] = T.exp2(m_prev[i] * scale_log2 - {_GUARD})\n"
              "                row_sum[i] *= alpha[i]\n", "all", "optional"),
             ("            T.reduce_sum(acc_s, row_sum_tile, dim=1)\n",
              "            T.reduce_sum(acc_s, row_sum, dim=1, clear=False)\n", "all"),

@@ -38,8 +38,7 @@ BLOCK_N = 128  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 2
 V_STAGES = 2
-SCALE_LOG2 = 0.1275174307460247  # log2(e) / sqrt(HEAD_DIM): the softmax runs in base 2
-LOG2E = 1.44269504
+LOG2E = 1.44269504  # the softmax runs in base 2; the scale is the run-time argument softmax_scale
 LN2 = 0.6931471805599453  # the LSE is returned in natural log
 PAGE_SIZE = 128  # keys per page of the K/V cache
 TILES_PER_PAGE = 1  # a K/V tile is one TMA box inside one page
@@ -83,7 +82,7 @@ def build_kernel():
     heads = kv_heads * GQA_GROUP
 
     @T.macro
-    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_partial, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, LSE_partial, first_tile, Q, q_len, kv_len, causal_offset, split_idx):
+    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_partial, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, LSE_partial, first_tile, Q, q_len, kv_len, causal_offset, split_idx, softmax_scale):
         """One consumer warpgroup: rows [q0 + 64 g, q0 + 64 g + 64) of one head."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         row0 = g * WG_ROWS
@@ -95,10 +94,11 @@ def build_kernel():
         alpha = T.alloc_fragment([WG_ROWS], ACCUM)  # exp2(m_prev - m_cur): rescales acc_o and row_sum
         row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)
         row_sum = T.alloc_fragment([WG_ROWS], ACCUM)
+        scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
+        T.fill(m_cur, T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0))  # a finite floor, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         for r, d in T.Parallel(WG_ROWS, HEAD_DIM):  # packed GQA: no TMA box holds these rows, so the warpgroup loads them
             Q_shared[g, r, d] = Q[batch_idx, T.min((q0 + row0 + r) // GQA_GROUP, q_len - 1), head + (q0 + row0 + r) % GQA_GROUP, d]
         T.fence_proxy_async()  # these stores must be visible to the wgmma's async-proxy reads...
@@ -113,9 +113,9 @@ def build_kernel():
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else((q0 + row0 + i) // GQA_GROUP + causal_offset >= first_tile * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the floor
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
@@ -137,9 +137,9 @@ def build_kernel():
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
@@ -156,7 +156,7 @@ def build_kernel():
         T.wait_wgmma(0)
         T.mbarrier_arrive(v_empty[v_stage_last])
         for i in T.Parallel(WG_ROWS):  # row_sum_tile is free now: it holds the LSE on its way out
-            row_sum_tile[i] = T.if_then_else(row_sum[i] == 0, -T.infinity(ACCUM), (m_cur[i] * SCALE_LOG2 + T.log2(row_sum[i])) * LN2)
+            row_sum_tile[i] = T.if_then_else(row_sum[i] == 0, -T.infinity(ACCUM), (m_cur[i] * scale_log2 + T.log2(row_sum[i])) * LN2)
         for i in T.Parallel(WG_ROWS):
             if (q0 + row0 + i) // GQA_GROUP < q_len:  # only this block's rows of this sequence
                 LSE_partial[split_idx, batch_idx, (head + (q0 + row0 + i) % GQA_GROUP), (q0 + row0 + i) // GQA_GROUP] = row_sum_tile[i]
@@ -175,6 +175,7 @@ def build_kernel():
         LSE_partial: T.Tensor([num_splits, batch, heads, q_len], "float32"),  # output: each split's log-sum-exp per row, natural log (-inf: no key)
         block_table: T.Tensor([batch, max_pages], "int32"),  # sequence b's key t lives in page block_table[b, t // PAGE_SIZE]
         seqused_k: T.Tensor([batch], "int32"),  # keys of sequence b
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))
     ):
         with T.Kernel(T.ceildiv(q_len * GQA_GROUP, BLOCK_M), kv_heads, batch * num_splits, threads=THREADS) as (q_block, kv_head, batch_split):
             Q_shared = T.alloc_shared([1, WG_ROWS, HEAD_DIM], DTYPE)  # one slice per consumer: wgmma A must start at offset 0
@@ -218,7 +219,7 @@ def build_kernel():
 
             # Consumer warpgroups: one body, instantiated per warpgroup.
             with T.ws(0):
-                consumer(0, 0, 0, Q_shared, K_shared, V_shared, O_partial, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, LSE_partial, first_tile, Q, q_len, kv_len, causal_offset, split_idx)
+                consumer(0, 0, 0, Q_shared, K_shared, V_shared, O_partial, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, LSE_partial, first_tile, Q, q_len, kv_len, causal_offset, split_idx, softmax_scale)
 
     return fa3_fwd_hd128_bf16_causal_g8_c1_k2v2_m64n128_paged128_splitkv
 

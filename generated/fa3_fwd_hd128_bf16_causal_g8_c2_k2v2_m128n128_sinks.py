@@ -37,9 +37,7 @@ BLOCK_N = 128  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 2
 V_STAGES = 2
-SCALE_LOG2 = 0.1275174307460247  # log2(e) / sqrt(HEAD_DIM): the softmax runs in base 2
-LOG2E = 1.44269504
-SINK_TO_RAW = 11.31370849898476  # a natural-log logit in the units of q . k (sqrt(HEAD_DIM))
+LOG2E = 1.44269504  # the softmax runs in base 2; the scale is the run-time argument softmax_scale
 THREADS = 384
 CONSUMER_THREADS = 256  # threads [0, 256) are consumers, the rest the producer
 TMA_THREAD_END = 288  # one producer warp issues all TMA copies
@@ -80,7 +78,7 @@ def build_kernel():
     causal_offset = kv_len - q_len  # bottom-right alignment: row i sees keys j <= i + causal_offset
 
     @T.macro
-    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks):
+    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale):
         """One consumer warpgroup: rows [q0 + 64 g, q0 + 64 g + 64) of one head."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         row0 = g * WG_ROWS
@@ -92,12 +90,13 @@ def build_kernel():
         alpha = T.alloc_fragment([WG_ROWS], ACCUM)  # exp2(m_prev - m_cur): rescales acc_o and row_sum
         row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)
         row_sum = T.alloc_fragment([WG_ROWS], ACCUM)
+        scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)
 
         T.fill(acc_o, 0)
         T.fill(row_sum, 1.0)  # the sink's own term, exp(sink - m) with m = sink
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
         for i in T.Parallel(WG_ROWS):  # the sink joins the denominator as a key of logit sinks[h] and value 0
-            m_cur[i] = Sinks[head] * SINK_TO_RAW
+            m_cur[i] = Sinks[head] / softmax_scale
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -117,9 +116,9 @@ def build_kernel():
         T.copy(m_cur, m_prev)
         T.reduce_max(acc_s, m_cur, dim=1, clear=False)
         for i in T.Parallel(WG_ROWS):  # rescale the sink's term to the new max
-            alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
         T.reduce_sum(acc_s, row_sum_tile, dim=1)
         for i in T.Parallel(WG_ROWS):
             row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
@@ -146,9 +145,9 @@ def build_kernel():
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
@@ -178,6 +177,7 @@ def build_kernel():
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         Sinks: T.Tensor([heads], "float32"),  # call time: sinks
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))
     ):
         with T.Kernel(T.ceildiv(q_len, BLOCK_M), heads, batch, threads=THREADS) as (q_block, head, batch_idx):
             Q_shared = T.alloc_shared([2, WG_ROWS, HEAD_DIM], DTYPE)  # one slice per consumer: wgmma A must start at offset 0
@@ -216,8 +216,8 @@ def build_kernel():
 
             # Consumer warpgroups: one body, instantiated per warpgroup.
             with T.ws(0):
-                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks)
+                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale)
             with T.ws(1):
-                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks)
+                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale)
 
     return fa3_fwd_hd128_bf16_causal_g8_c2_k2v2_m128n128_sinks

@@ -37,9 +37,7 @@ BLOCK_N = 128  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 2
 V_STAGES = 2
-SCALE_LOG2 = 0.1275174307460247  # log2(e) / sqrt(HEAD_DIM): the softmax runs in base 2
-LOG2E = 1.44269504
-SCALE = 0.08838834764831845  # 1 / sqrt(HEAD_DIM): score = q . k * SCALE, as in FlexAttention
+LOG2E = 1.44269504  # the softmax runs in base 2; the scale is the run-time argument softmax_scale
 THREADS = 384
 CONSUMER_THREADS = 256  # threads [0, 256) are consumers, the rest the producer
 TMA_THREAD_END = 288  # one producer warp issues all TMA copies
@@ -81,7 +79,7 @@ def build_kernel():
     causal_offset = kv_len - q_len  # bottom-right alignment: row i sees keys j <= i + causal_offset
 
     @T.macro
-    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias):
+    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias, softmax_scale):
         """One consumer warpgroup: rows [q0 + 64 g, q0 + 64 g + 64) of one head."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         row0 = g * WG_ROWS
@@ -96,7 +94,7 @@ def build_kernel():
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
+        T.fill(m_cur, T.min_value(ACCUM))  # a finite floor, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -108,14 +106,14 @@ def build_kernel():
         T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)
         T.wait_wgmma(0)
         T.mbarrier_arrive(k_empty[0])
-        for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
-            acc_s[i, j] = (((acc_s[i, j] * SCALE) + X_rel_bias[head, T.min(T.max((T.min(T.max(((q0 + row0 + i) - (j)), (-255)), 255) + 255), 0), X_rel_bias_dim1 - 1)])) * LOG2E
+        for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k * softmax_scale; then base 2
+            acc_s[i, j] = (((acc_s[i, j] * softmax_scale) + X_rel_bias[head, T.min(T.max((T.min(T.max(((q0 + row0 + i) - (j)), (-255)), 255) + 255), 0), X_rel_bias_dim1 - 1)])) * LOG2E
         full_tiles = T.floordiv(q0 + row0 + causal_offset + 1, BLOCK_N)  # leading K tiles that need no mask for these rows
         if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile
             diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the floor
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
@@ -135,8 +133,8 @@ def build_kernel():
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # next warpgroup may issue
             T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below
             T.mbarrier_arrive(k_empty[k_stage])
-            for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k / sqrt(d); then base 2
-                acc_s[i, j] = (((acc_s[i, j] * SCALE) + X_rel_bias[head, T.min(T.max((T.min(T.max(((q0 + row0 + i) - (k * BLOCK_N + j)), (-255)), 255) + 255), 0), X_rel_bias_dim1 - 1)])) * LOG2E
+            for i, j in T.Parallel(WG_ROWS, BLOCK_N):  # softcap, ALiBi, score_mod on q . k * softmax_scale; then base 2
+                acc_s[i, j] = (((acc_s[i, j] * softmax_scale) + X_rel_bias[head, T.min(T.max((T.min(T.max(((q0 + row0 + i) - (k * BLOCK_N + j)), (-255)), 255) + 255), 0), X_rel_bias_dim1 - 1)])) * LOG2E
             if k >= full_tiles:  # a diagonal or partial tile: masked
                 diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag
                 for i, j in T.Parallel(WG_ROWS, BLOCK_N):
@@ -176,6 +174,7 @@ def build_kernel():
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         X_rel_bias: T.Tensor([heads, X_rel_bias_dim1], "float32"),  # call time: rel_bias
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))
     ):
         with T.Kernel(T.ceildiv(q_len, BLOCK_M), heads, batch, threads=THREADS) as (q_block, head, batch_idx):
             Q_shared = T.alloc_shared([2, WG_ROWS, HEAD_DIM], DTYPE)  # one slice per consumer: wgmma A must start at offset 0
@@ -214,8 +213,8 @@ def build_kernel():
 
             # Consumer warpgroups: one body, instantiated per warpgroup.
             with T.ws(0):
-                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias)
+                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias, softmax_scale)
             with T.ws(1):
-                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias)
+                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, X_rel_bias, softmax_scale)
 
     return fa3_fwd_hd128_f16_causal_g1_c2_k2v2_m128n128_smod9ee495

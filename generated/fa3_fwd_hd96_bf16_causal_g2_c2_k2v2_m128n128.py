@@ -35,7 +35,7 @@ BLOCK_N = 128  # keys per K/V tile
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 K_STAGES = 2
 V_STAGES = 2
-SCALE_LOG2 = 0.14724444593517363  # log2(e) / sqrt(HEAD_DIM): the softmax runs in base 2
+LOG2E = 1.44269504  # the softmax runs in base 2; the scale is the run-time argument softmax_scale
 THREADS = 384
 CONSUMER_THREADS = 256  # threads [0, 256) are consumers, the rest the producer
 TMA_THREAD_END = 288  # one producer warp issues all TMA copies
@@ -76,7 +76,7 @@ def build_kernel():
     causal_offset = kv_len - q_len  # bottom-right alignment: row i sees keys j <= i + causal_offset
 
     @T.macro
-    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx):
+    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale):
         """One consumer warpgroup: rows [q0 + 64 g, q0 + 64 g + 64) of one head."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         row0 = g * WG_ROWS
@@ -88,10 +88,11 @@ def build_kernel():
         alpha = T.alloc_fragment([WG_ROWS], ACCUM)  # exp2(m_prev - m_cur): rescales acc_o and row_sum
         row_sum_tile = T.alloc_fragment([WG_ROWS], ACCUM)
         row_sum = T.alloc_fragment([WG_ROWS], ACCUM)
+        scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)
 
         T.fill(acc_o, 0)
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, T.min_value(ACCUM))  # the lowest float, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
+        T.fill(m_cur, T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0))  # a finite floor, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -108,9 +109,9 @@ def build_kernel():
             diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the lowest float
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the floor
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
         T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
         T.copy(acc_s, p_reg)
 
@@ -135,9 +136,9 @@ def build_kernel():
             T.copy(m_cur, m_prev)
             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
             for i in T.Parallel(WG_ROWS):
-                alpha[i] = T.exp2(m_prev[i] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
-                acc_s[i, j] = T.exp2(acc_s[i, j] * SCALE_LOG2 - m_cur[i] * SCALE_LOG2)
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
             T.reduce_sum(acc_s, row_sum_tile, dim=1)
             T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused
             T.mbarrier_arrive(v_empty[v_stage_prev])
@@ -166,6 +167,7 @@ def build_kernel():
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))
     ):
         with T.Kernel(T.ceildiv(q_len, BLOCK_M), heads, batch, threads=THREADS) as (q_block, head, batch_idx):
             Q_shared = T.alloc_shared([2, WG_ROWS, HEAD_DIM], DTYPE)  # one slice per consumer: wgmma A must start at offset 0
@@ -204,8 +206,8 @@ def build_kernel():
 
             # Consumer warpgroups: one body, instantiated per warpgroup.
             with T.ws(0):
-                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx)
+                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale)
             with T.ws(1):
-                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx)
+                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale)
 
     return fa3_fwd_hd96_bf16_causal_g2_c2_k2v2_m128n128

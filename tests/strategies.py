@@ -129,3 +129,11 @@ def window_edge_kv_lens(plan, q_len: int, max_kv: int, deltas=(-1, 0, 1)) -> lis
                 kv = m * bn - r + q_len - e  # edge r + kv - q_len + e = m * bn
                 lens |= {kv + d for d in deltas if 1 <= kv + d <= max_kv}
     return sorted(lens)
+
+
+# -- the run-time softmax scale (issue 18) ---------------------------------------------------------
+def softmax_scales():
+    """None (the default 1/sqrt(head_dim)), the ends 1.0 (peaked rows) and 0.01 (nearly uniform), and
+    any scale between them, log-uniform."""
+    return st.one_of(st.sampled_from([None, None, 1.0, 0.01]),
+                     st.floats(-2.0, 0.0).map(lambda e: float(10.0 ** e)))

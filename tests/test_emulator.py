@@ -139,7 +139,8 @@ ARRIVALS = {arrivals}
 def build_kernel():
     @T.prim_func
     def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
-             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16"),
+             softmax_scale: T.float32):  # the forward ABI's last parameter (unused here)
         with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
             S = T.alloc_shared([64, 64], "float16")
             bar = T.alloc_barrier([ARRIVALS])
@@ -406,7 +407,8 @@ import tilelang.language as T
 def build_kernel():
     @T.prim_func
     def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
-             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16"),
+             softmax_scale: T.float32):  # the forward ABI's last parameter (unused here)
         with T.Kernel(1, 1, 1, threads={threads}) as (bx, by, bz):
             S = T.alloc_shared([64, 64], "float16")
             bar = T.alloc_barrier([128])
@@ -472,7 +474,8 @@ import tilelang.language as T
 def build_kernel():
     @T.prim_func
     def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
-             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16"),
+             softmax_scale: T.float32):  # the forward ABI's last parameter (unused here)
         with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
             S = T.alloc_shared([64, 64], "float16")
             full = T.alloc_barrier([128])
@@ -576,7 +579,8 @@ import tilelang.language as T
 def build_kernel():
     @T.prim_func
     def mini(Q: T.Tensor([1, 64, 1, 64], "float16"), K: T.Tensor([1, 64, 1, 64], "float16"),
-             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16")):
+             V: T.Tensor([1, 64, 1, 64], "float16"), O: T.Tensor([1, 64, 1, 64], "float16"),
+             softmax_scale: T.float32):  # the forward ABI's last parameter (unused here)
         with T.Kernel(1, 1, 1, threads=256) as (bx, by, bz):
             S = T.alloc_shared([64, 64], "float16")
             F = T.alloc_fragment([64, 64], "float")

@@ -11,6 +11,7 @@ from hypothesis import assume, example, given, note, settings, strategies as st
 import attngen
 from attngen.emulator import POLICIES, emulate_stats
 from attngen.reference import check_close, random_inputs
+from strategies import softmax_scales
 
 # Keep one example's emulation well under a second on the CI machine: a cap on B*H*Sq*Skv.
 WORK_CAP = 1_200_000
@@ -62,19 +63,22 @@ def shapes(draw, spec):
 def cases(draw):
     spec = draw(specs())
     return (spec, draw(shapes(spec)), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES)),
-            draw(st.booleans()))
+            draw(st.booleans()), draw(softmax_scales()))
 
 
-def run_case(spec, shape, seed, policy, static=False):
-    """static: emulate the source specialized to this shape (constants instead of T.dynamic)."""
+def run_case(spec, shape, seed, policy, static=False, scale=None):
+    """static: emulate the source specialized to this shape (constants instead of T.dynamic);
+    scale: the run-time softmax scale, given to the kernel and the reference (None: 1/sqrt(d))."""
     b, hkv, sq, skv = shape
-    note(f"{attngen.make_plan(spec).name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static}")
+    note(f"{attngen.make_plan(spec).name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} static={static} "
+         f"softmax_scale={scale}")
     h = hkv * spec.gqa_group
     q, k, v = random_inputs(spec.dtype, spec.head_dim, b, h, hkv, sq, skv, seed)
     source = attngen.render_source(spec, attngen.Shape(b, h, hkv, sq, skv)) if static else None
-    out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source)  # a hazard or deadlock raises
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
-    assert res.ok, f"{attngen.make_plan(spec).name} {shape} seed={seed} policy={policy}: {res}"
+    out, stats = emulate_stats(spec, q, k, v, seed=seed, policy=policy, source=source,
+                               softmax_scale=scale)  # a hazard or deadlock raises
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale)
+    assert res.ok, f"{attngen.make_plan(spec).name} {shape} seed={seed} policy={policy} softmax_scale={scale}: {res}"
     return stats
 
 
@@ -82,11 +86,13 @@ CANONICAL = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024)]
 
 
 def _examples(fn):
-    # The canonical odd shapes, causal (bottom-right, Sq > Skv rows with no key) and not, MHA and GQA.
+    # The canonical odd shapes, causal (bottom-right, Sq > Skv rows with no key) and not, MHA and GQA;
+    # the default softmax scale, and the scales at the ends of the drawn range.
     for i, (sq, skv) in enumerate(CANONICAL):
-        fn = example(case=(attngen.Spec(causal=True), (1, 1, sq, skv), i, POLICIES[i % 3], i % 2 == 1))(fn)
+        fn = example(case=(attngen.Spec(causal=True), (1, 1, sq, skv), i, POLICIES[i % 3], i % 2 == 1,
+                           [None, 1.0, 0.01][i % 3]))(fn)
         fn = example(case=(attngen.Spec(gqa_group=2, head_dim=64, consumers=3), (1, 2, sq, skv), 10 + i,
-                           POLICIES[(i + 1) % 3], False))(fn)
+                           POLICIES[(i + 1) % 3], False, [1.0, None, 0.01][i % 3]))(fn)
     return fn
 
 

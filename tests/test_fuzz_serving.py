@@ -28,7 +28,7 @@ import attngen
 from attngen.emulator import POLICIES
 from attngen.emulator.driver import emulate_stats
 from attngen.serving import check_serving, check_serving_close, random_serving_inputs
-from strategies import ragged_batches
+from strategies import ragged_batches, softmax_scales
 
 EXAMPLES = 4 * settings().max_examples
 FILL = 1e4  # neighbour_fill: keys 0, values 1e4 in every KV row no sequence owns
@@ -45,7 +45,7 @@ KINDS = [
 
 @st.composite
 def serving_cases(draw, kinds=tuple(range(len(KINDS)))):
-    """(kind name, spec, the batch from ragged_batches, padding rows, num_splits or None, policy)."""
+    """(kind name, spec, the batch from ragged_batches, padding rows, num_splits or None, policy, softmax scale)."""
     name, layout, paged, fixed, groups, split = KINDS[draw(st.sampled_from(kinds))]
     consumers = fixed.get("consumers", draw(st.integers(1, 2)))
     batch = draw(ragged_batches(block_m=64 * consumers, block_n=64, max_batch=4, max_tiles=3, layouts=(layout,),
@@ -57,7 +57,7 @@ def serving_cases(draw, kinds=tuple(range(len(KINDS)))):
     # 1 .. two more than the KV tiles (ragged_batches), sometimes "auto" (1 for these short batches)
     num_splits = draw(st.sampled_from(["auto"] + [batch["num_splits"]] * 3)) if split else None
     pad = draw(st.sampled_from([0, 0, 1, 5])) if layout == "varlen" else 0
-    return name, spec, batch, pad, num_splits, draw(st.sampled_from(POLICIES))
+    return name, spec, batch, pad, num_splits, draw(st.sampled_from(POLICIES)), draw(softmax_scales())
 
 
 def padded(x, layout, paged, pad):
@@ -74,9 +74,10 @@ def padded(x, layout, paged, pad):
     return q, k, v
 
 
-def run_serving_case(name, spec, batch, pad, num_splits, policy):
+def run_serving_case(name, spec, batch, pad, num_splits, policy, scale=None):
     """Emulate one drawn case and hold it to every rule of the module docstring; returns the plan,
-    the call and the outputs (out, and lse or None) for a caller that checks more."""
+    the call and the outputs (out, and lse or None) for a caller that checks more. `scale`: the
+    run-time softmax scale, given to the kernel and the reference (None: 1/sqrt(head_dim))."""
     plan = attngen.make_plan(spec)
     a = batch["inputs"]
     x = random_serving_inputs(**a)
@@ -89,10 +90,11 @@ def run_serving_case(name, spec, batch, pad, num_splits, policy):
     event(f"{name}, {call.num_splits if spec.splits != 1 else 'no'} split(s)")
     note(f"{name}: {plan.name} q_lens={list(a['seq_lens_q'])} kv_lens={list(a['seq_lens_k'])} pad={pad} "
          f"heads={a['heads']}/{a['kv_heads']} page_size={a['page_size']} shuffle={a['shuffle_pages']} "
-         f"fill={a['neighbour_fill']} num_splits={num_splits}->{call.num_splits} seed={a['seed']} policy={policy}")
-    result, _ = emulate_stats(plan, q, k, v, seed=a["seed"], policy=policy, serving=keywords)  # KernelError: a bad store
+         f"fill={a['neighbour_fill']} num_splits={num_splits}->{call.num_splits} seed={a['seed']} policy={policy} softmax_scale={scale}")
+    result, _ = emulate_stats(plan, q, k, v, seed=a["seed"], policy=policy, serving=keywords,
+                              softmax_scale=scale)  # KernelError: a bad store
     out, lse = result if spec.lse else (result, None)
-    res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse)
+    res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse, scale=scale)
     assert res.ok, f"{plan.name}: {res}"
 
     # rows some sequence owns: written (no NaN); padding rows: the poison untouched
@@ -138,7 +140,7 @@ HAND = [
 
 def _hand_examples(fn):
     for i, (name, spec, batch, pad, splits) in enumerate(HAND):
-        fn = example(case=(name, spec, batch, pad, splits, POLICIES[i % len(POLICIES)]))(fn)
+        fn = example(case=(name, spec, batch, pad, splits, POLICIES[i % len(POLICIES)], [None, 1.0, 0.01][i % 3]))(fn)
     return fn
 
 

@@ -10,12 +10,12 @@ from hypothesis import assume, given, note, settings, strategies as st
 import attngen
 from attngen.emulator import POLICIES
 from attngen.emulator.driver import check_emulated
-from strategies import window_edge_kv_lens
+from strategies import softmax_scales, window_edge_kv_lens
 
 WORK_CAP = 600_000  # B*H*Sq*Skv per example: the variants' extra element-wise work costs a little more
 EXAMPLES = 6 * settings().max_examples
 
-SCORE_MODS = ["", "", "score + bias[h]", "score * (1 + scale[h]) - 0.01 * abs(q_idx - kv_idx)",
+SCORE_MODS = ["", "", "score + bias[h]", "score * (1 + gain[h]) - 0.01 * abs(q_idx - kv_idx)",
               "where(q_idx >= kv_idx, score, score - 2) + rel[q_idx - kv_idx + 32] / 4", "tanh(score / 4) * 4"]
 MASK_MODS = ["", "", "doc[b, q_idx] == doc[b, kv_idx]", "kv_idx != q_idx + 1 and kv_idx > 3", "q_idx - kv_idx < 150"]
 
@@ -64,14 +64,16 @@ def cases(draw):
             kv_len = draw(st.sampled_from(edges))
     if batch * kv_heads * spec.gqa_group * q_len * kv_len > WORK_CAP:
         batch = kv_heads = 1
-    return plan, (batch, kv_heads, q_len, kv_len), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES))
+    return (plan, (batch, kv_heads, q_len, kv_len), draw(st.integers(0, 2**16)), draw(st.sampled_from(POLICIES)),
+            draw(softmax_scales()))
 
 
 @pytest.mark.expensive
 @settings(max_examples=EXAMPLES)
 @given(case=cases())
 def test_random_variants_match_reference(case):
-    plan, (b, hkv, sq, skv), seed, policy = case
-    note(f"{plan.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy}")
-    ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=seed, policy=policy)
-    assert ok, f"{plan.name} {(b, hkv, sq, skv)} seed={seed} policy={policy}: {text}"
+    plan, (b, hkv, sq, skv), seed, policy, scale = case
+    note(f"{plan.name} B={b} HKV={hkv} Sq={sq} Skv={skv} seed={seed} policy={policy} softmax_scale={scale}")
+    ok, text, _ = check_emulated(plan, b, hkv * plan.spec.gqa_group, hkv, sq, skv, seed=seed, policy=policy,
+                                 softmax_scale=scale)
+    assert ok, f"{plan.name} {(b, hkv, sq, skv)} seed={seed} policy={policy} softmax_scale={scale}: {text}"

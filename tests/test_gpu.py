@@ -53,15 +53,16 @@ def poisoned(q):
     return torch.full_like(q, float("nan"))
 
 
-def run_and_check(kernel, q, k, v):
+def run_and_check(kernel, q, k, v, scale=None):
     """Variants (docs/variants.md): the call-time tensors come from variant_inputs (the CPU model's
-    inputs), O has head_dim_v columns, and a spec with lse also has its LSE checked."""
+    inputs), O has head_dim_v columns, and a spec with lse also has its LSE checked. `scale`: the
+    run-time softmax scale, given to the kernel and the reference (None: 1/sqrt(head_dim))."""
     spec = kernel.spec
     shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
     _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
     extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}
     out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
-    got = kernel(q, k, v, out=out, **extra)
+    got = kernel(q, k, v, out=out, softmax_scale=scale, **extra)
     lse = None
     if spec.lse:
         got, lse = got
@@ -70,11 +71,11 @@ def run_and_check(kernel, q, k, v):
     check_written(out)
     variant = variant_of(spec, extra.get("alibi_slopes"), extra.get("sinks"),
                          {n: x for n, x in extra.items() if n not in ("alibi_slopes", "sinks")})
-    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **variant)
-    assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape}: {result}"
+    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+    assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {result}"
     if lse is not None:
-        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
-        assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape}: lse {res}"
+        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+        assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: lse {res}"
     return out
 
 
@@ -93,6 +94,18 @@ def test_preset_matches_reference(preset):
         shapes = [(1024, 1024), (777, 1100), (1100, 777)]
     for i, (sq, skv) in enumerate(shapes):
         run_and_check(kernel, *inputs(spec, 2, h, hkv, sq, skv, seed=i))
+
+
+@pytest.mark.parametrize("preset", ["default", "hd64_f16_full_nopp", "hd128_f16_causal_window_softcap_lse", "hd64_bf16_alibi",
+                                    "hd128_f16_relbias_score_mod", "hd128_bf16_gqa8_sinks"])
+def test_one_kernel_serves_every_softmax_scale(preset):
+    spec = spec_of(preset)
+    kernel = runtime.compile_kernel(spec)
+    hkv = 1 if spec.gqa_group >= 4 else 2
+    q, k, v = inputs(spec, 1, hkv * spec.gqa_group, hkv, 777, 1100, seed=7)
+    for scale in (None, 1.0, 0.01, 0.3):
+        run_and_check(kernel, q, k, v, scale=scale)
+    assert runtime.compile_kernel(spec) is kernel  # no rebuild per scale
 
 
 def test_seed_parity_static_shape():

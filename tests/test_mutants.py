@@ -126,7 +126,7 @@ MUTANTS = [
     Mutant("running_max_starts_at_minus_inf",
            "the running max starts at -inf instead of the lowest float: a row that sees no key in a tile "
            "subtracts -inf from -inf in its exp2 (NaN)",
-           [("T.fill(m_cur, T.min_value(ACCUM))", "T.fill(m_cur, -T.infinity(ACCUM))")],
+           [("T.fill(m_cur, T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0))", "T.fill(m_cur, -T.infinity(ACCUM))")],
            "numeric", shape=(1, 1, 300, 100)),
 ]
 

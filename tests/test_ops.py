@@ -24,7 +24,7 @@ from attngen import ops, serving
 from attngen.emulator import driver
 from attngen.emulator.driver import variant_inputs
 from attngen.plan import make_plan
-from attngen.reference import InputError, check_close
+from attngen.reference import InputError, check_close, check_lse
 from attngen.spec import SpecError, load
 
 from gpu_marks import GPU_ONLY
@@ -112,6 +112,24 @@ def test_lse_gqa_and_variant_tensors_through_the_op():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+def test_a_non_default_scale_through_the_op_matches_the_reference():
+    """softmax_scale (or scale) reaches the emitted kernel on the CPU model and the reference at the same scale."""
+    q, k, v = qkv(70, 90, heads=4, kv_heads=2)
+    default = attngen.attention(q, k, v, causal=True)
+    out, lse = attngen.attention(q, k, v, causal=True, softmax_scale=0.3, return_lse=True)
+    assert check_close(out, q, k, v, True, scale=0.3).ok
+    assert check_lse(lse, q, k, v, True, scale=0.3).ok
+    assert not check_close(out, q, k, v, True).ok  # the default's reference is another answer
+    assert (out - default).abs().max() > 1e-2
+    assert torch.equal(attngen.attention(q, k, v, causal=True, scale=0.3), out)  # SDPA's name, the same argument
+    assert torch.equal(attngen.attention(q, k, v, causal=True, softmax_scale=64 ** -0.5), default)  # the default is 1/sqrt(D)
+    args, _ = ops.fwd_arguments(q, k, v, causal=True, softmax_scale=0.3)
+    assert args[7] == 0.3 and ops.fwd_arguments(q, k, v)[0][7] is None  # the op's slot; None: the op's default
+    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
+    assert torch.equal(attngen.attention(q, k, v, causal=True, softmax_scale=1.0),
+                       attngen.emulate(plan, q, k, v, softmax_scale=1.0))
+
+
 def test_resolve_is_memoized_on_what_selects_the_kernel():
     q, k, v = qkv(20)
     plain = ops.encode_fields({"causal": False, "lse": False})
@@ -149,8 +167,13 @@ def test_bad_calls_name_the_argument():
     with pytest.raises(InputError, match="bias = a tensor of shape"):  # a tensor no expression reads
         attngen.attention(q, k, v, bias=torch.zeros(2))
     args, _ = ops.fwd_arguments(q, k, v)
-    with pytest.raises(InputError, match="softmax_scale"):  # the slot of the run-time scale (issue 18)
-        ops.fwd(*args[:7], 0.5, *args[8:])
+    for bad in (0.0, -0.5, float("nan"), float("inf"), 1e-40):  # the op checks its slot: positive normal float32
+        with pytest.raises(InputError, match=r"^softmax_scale = "):
+            ops.fwd(*args[:7], bad, *args[8:])
+    with pytest.raises(InputError, match=r"^softmax_scale, scale = 0.5, 0.25"):
+        attngen.attention(q, k, v, softmax_scale=0.5, scale=0.25)
+    with pytest.raises(InputError, match=r"^scale = str: expected a finite positive float"):
+        attngen.attention(q, k, v, scale="big")
     with pytest.raises(InputError, match=r"fields\['window'\]"):
         ops.fwd(q, k, v, '{"window": [1, 1]}', *args[4:])
 
@@ -248,6 +271,32 @@ def test_dynamic_compile_serves_three_varlen_batches_with_one_compilation():
                 as_torch(x.cu_seqlens_q), as_torch(x.cu_seqlens_k), x.max_seqlen_q)
         assert torch.equal(compiled(*args), f(*args))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compile_with_two_scales_has_no_graph_break(dynamic):
+    """The scale is an argument of the op, not a spec field: two scales give the eager results
+    with no graph break (fullgraph). Dynamo specializes a custom op's float argument, so each
+    scale gets a graph of its own (static: exactly one each; dynamic=True also traces the float
+    as a graph input first, then specializes it)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = qkv(40, 60)
+
+    def f(q, k, v, s):
+        return attngen.attention(q, k, v, causal=True, softmax_scale=s)
+
+    report = explain(f, q, k, v, 0.3)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic, backend=counter)
+    outs = {s: compiled(q, k, v, s) for s in (0.3, 2.0)}
+    for s, out in outs.items():
+        assert torch.equal(out, f(q, k, v, s)) and check_close(out, q, k, v, True, scale=s).ok
+    assert not torch.equal(outs[0.3], outs[2.0])
+    if not dynamic:
+        assert counter.frame_count == 2
 
 
 def test_forward_and_backward_trace_in_one_graph_and_the_backward_says_it_is_missing():

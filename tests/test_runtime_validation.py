@@ -555,3 +555,75 @@ def test_emulate_takes_what_it_documents():
     attngen.emulate(EMU, q.float(), k.double(), v.numpy())  # float32/float64 tensors, numpy float16
     bf = Spec(head_dim=64, consumers=1, dtype="bfloat16")
     attngen.emulate(bf, q.bfloat16(), k.bfloat16(), v.float())
+
+
+# -- the run-time softmax scale (issue 18) ------------------------------------------------
+
+
+BAD_SCALES = [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf"), (0.0, "0.0"), (-0.5, "-0.5"),
+              (1e-45, "1e-45"), (1e39, "1e+39"), ("0.1", "str"), (True, "bool"), (torch.tensor(0.1), "Tensor")]
+
+
+@pytest.mark.parametrize("value, shown", BAD_SCALES)
+def test_a_bad_scale_is_one_named_error_everywhere_before_any_launch(monkeypatch, value, shown):
+    from attngen import reference
+
+    monkeypatch.setattr(runtime, "compile_kernel", lambda *a, **k: pytest.fail("compiled before checking the scale"))
+    launched = []
+    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+                            compile_seconds=0.0)
+    q, k, v = tensors()
+    for name in ("softmax_scale", "scale"):
+        with raises(name, shown, "positive float"):
+            runtime.attention(q, k, v, **{name: value})
+        with raises(name, shown, "positive float"):
+            kernel(q, k, v, check=False, **{name: value})  # checked even when the tensors are not
+        with raises(name, shown, "positive float"):
+            kernel.check(q, k, v, **{name: value})
+        with raises(name, shown, "positive float"):
+            attngen.emulate(EMU, *emu_inputs(), **{name: value})
+    with raises("scale", shown):
+        reference.attention(q, k, v, False, value)
+    with raises("scale", shown):
+        reference.check_close(q, q, k, v, False, scale=value)
+    assert launched == []
+
+
+def test_softmax_scale_and_scale_name_one_argument(monkeypatch):
+    monkeypatch.setattr(runtime, "compile_kernel", lambda *a, **k: pytest.fail("compiled before checking the scale"))
+    q, k, v = tensors()
+    with raises("softmax_scale, scale", "0.1, 0.2", "one of them"):
+        runtime.attention(q, k, v, softmax_scale=0.1, scale=0.2)
+    with raises("softmax_scale, scale", "one of them"):
+        attngen.emulate(EMU, *emu_inputs(), softmax_scale=0.1, scale=0.2)
+    with raises("q.device", "cpu"):  # equal values are one argument: the call goes on to the device check
+        runtime.attention(q, k, v, softmax_scale=0.25, scale=0.25)
+
+
+def test_the_kernel_is_launched_with_the_scale_last(monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
+    launched = []
+    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+                            compile_seconds=0.0)
+    q, k, v = tensors()
+    kernel(q, k, v, check=False)
+    kernel(q, k, v, check=False, softmax_scale=0.5)
+    kernel(q, k, v, check=False, scale=np.float32(2.0))
+    kernel(q, k, v, check=False, softmax_scale=3, scale=3.0)
+    assert [a[-1] for a in launched] == [1 / 128 ** 0.5, 0.5, 2.0, 3.0]
+    assert all(type(a[-1]) is float and len(a) == 5 for a in launched)  # Q, K, V, O, softmax_scale
+
+
+def test_the_cli_checks_the_scale_before_any_work(capsys, tmp_path):
+    from attngen.cli import main
+
+    spec = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "default.toml")
+    for value in ("nan", "0", "-1", "inf"):
+        assert main(["emulate", spec, "--softmax-scale", value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("attngen: error: --softmax-scale = ") and "positive float" in err[0]
+    assert main(["check", spec, "--softmax-scale", "0", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--softmax-scale = 0.0" in err[0] and not (tmp_path / "out").exists()  # nothing generated

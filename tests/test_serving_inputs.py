@@ -700,8 +700,8 @@ def test_launch_arguments_follow_the_abi(splits, lse):
     bufs = runtime.serving_outputs(spec, call, q)
     assert bufs["out"].shape == call.out_shape and bufs["out"].dtype == torch.float16
     assert (bufs["lse"] is not None) == lse and (not lse or bufs["lse"].shape == call.lse_shape)
-    main, combine = runtime.launch_arguments(spec, call, q, k, v, extra=["alibi"], **bufs)
-    ints = [kw["cu_seqlens_q"], kw["block_table"], kw["seqused_k"], call.max_seqlen_q]
+    main, combine = runtime.launch_arguments(spec, call, q, k, v, extra=["alibi"], softmax_scale=0.25, **bufs)
+    ints = [kw["cu_seqlens_q"], kw["block_table"], kw["seqused_k"], call.max_seqlen_q, 0.25]  # the scale comes last
     if splits == 1:
         assert bufs["o_partial"] is None and combine is None
         want = [q, k, v, bufs["out"]] + ([bufs["lse"]] if lse else []) + ["alibi"] + ints
@@ -711,13 +711,13 @@ def test_launch_arguments_follow_the_abi(splits, lse):
         want = [q, k, v, bufs["o_partial"], bufs["lse_partial"], "alibi"] + ints
         # varlen: the combine also takes cu_seqlens_q (rows past its last entry are padding, never written)
         assert combine == [bufs["o_partial"], bufs["lse_partial"], bufs["out"]] + ([bufs["lse"]] if lse else []) + [kw["cu_seqlens_q"]]
-    assert len(main) == len(want) and all(a is b for a, b in zip(main[:-1], want[:-1])) and main[-1] == want[-1]
+    assert len(main) == len(want) and all(a is b for a, b in zip(main[:-2], want[:-2])) and main[-2:] == want[-2:]
     if lse:
         with pytest.raises(ValueError, match="lse buffer"):
-            runtime.launch_arguments(spec, call, q, k, v, **{**bufs, "lse": None})
+            runtime.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "lse": None})
     if splits != 1:
         with pytest.raises(ValueError, match="O_partial and LSE_partial"):
-            runtime.launch_arguments(spec, call, q, k, v, **{**bufs, "o_partial": None})
+            runtime.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "o_partial": None})
 
 
 def kernel_for(plan, launched):
@@ -760,7 +760,7 @@ def test_an_unchecked_serving_call_launches_main_then_combine(monkeypatch, split
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
     launched = []
     spec, q, k, v, kw = cpu_call("varlen", False, splits=splits, lse=True)
-    out, lse = kernel_for(spec, launched)(q, k, v, check=False, **kw)
+    out, lse = kernel_for(spec, launched)(q, k, v, check=False, softmax_scale=0.5, **kw)
     assert out.shape == (q.shape[0], 4, 64) and lse.shape == (4, q.shape[0])
     assert [name for name, _ in launched] == (["main"] if splits == 1 else ["main", "combine"])
     def same(a, b):  # the launch gets detached views of the caller's tensors
@@ -768,11 +768,12 @@ def test_an_unchecked_serving_call_launches_main_then_combine(monkeypatch, split
 
     main = launched[0][1]
     assert all(same(a, b) for a, b in zip(main, (q, k, v)))
-    assert same(main[-3], kw["cu_seqlens_q"]) and same(main[-2], kw["cu_seqlens_k"]) and main[-1] == kw["max_seqlen_q"]
+    assert same(main[-4], kw["cu_seqlens_q"]) and same(main[-3], kw["cu_seqlens_k"]) and main[-2] == kw["max_seqlen_q"]
+    assert main[-1] == 0.5  # the run-time softmax scale, last (docs/serving.md's ABI)
     if splits == 1:
-        assert same(main[3], out) and same(main[4], lse) and len(main) == 8
+        assert same(main[3], out) and same(main[4], lse) and len(main) == 9
     else:
-        assert main[3].shape == (2, *out.shape) and main[4].shape == (2, *lse.shape) and len(main) == 8
+        assert main[3].shape == (2, *out.shape) and main[4].shape == (2, *lse.shape) and len(main) == 9
         combine = launched[1][1]
         assert same(combine[0], main[3]) and same(combine[1], main[4]) and same(combine[2], out) and same(combine[3], lse)
         assert len(combine) == 5 and same(combine[4], kw["cu_seqlens_q"])

@@ -75,7 +75,7 @@ MUTANTS = [
            dict(alibi=True, head_dim=64, causal=True),
            replace("T.abs(q0 + row0 + i + causal_offset - (", "T.abs(q0 + row0 + i - (")),
     Mutant("score_mod_wrong_head", "score_mod reads the scale of batch b instead of head h",
-           dict(score_mod="score * (1 + scale[h])", head_dim=64), replace("X_scale[head]", "X_scale[batch_idx]"),
+           dict(score_mod="score * (1 + gain[h])", head_dim=64), replace("X_gain[head]", "X_gain[batch_idx]"),
            shape=(2, 4, 130, 140)),
     Mutant("mask_mod_dropped", "the custom mask_mod is left out of the mask",
            dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", head_dim=64),

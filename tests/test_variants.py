@@ -367,7 +367,11 @@ def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
 
     def fake_compile(plan):
         seen["plan"] = plan
-        return lambda q, k, v, *, out=None, check=True, **tensors: seen.setdefault("tensors", tensors)
+
+        def kernel(q, k, v, *, out=None, check=True, softmax_scale=None, **tensors):
+            seen.update(tensors=tensors, scale=softmax_scale)
+
+        return kernel
 
     monkeypatch.setattr(runtime, "compile_kernel", fake_compile)
     monkeypatch.setattr(runtime, "check_device", lambda tensors: seen.setdefault("devices", sorted(tensors)))
@@ -379,6 +383,7 @@ def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
     assert (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks, spec.lse, spec.head_dim_v, spec.consumers) == \
         (True, (16, -1), 30.0, True, True, True, 128, 1)  # canonical: under causal the right bound 0 says nothing
     assert sorted(seen["tensors"]) == ["alibi_slopes", "bias", "sinks"]
+    assert seen["scale"] == 64 ** -0.5  # the default, resolved before the kernel is called
     assert seen["devices"] == ["alibi_slopes", "bias", "k", "q", "sinks", "v"]
     with pytest.raises(InputError) as info:
         runtime.attention(q, k, v, score_mod="score + bias[h]")

@@ -31,7 +31,7 @@ from attngen.emulator.hazards import Tracker
 from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
-from attngen.reference import InputError, check_close, random_inputs, to_numpy
+from attngen.reference import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -133,9 +133,15 @@ class Runtime:
 
     def _arguments(self, prim, inputs):
         """The prim_func's arguments: a global Buffer per tensor (an output, given as None, starts
-        NaN, so rows nobody wrote show), a Python int per T.int32 scalar."""
+        NaN, so rows nobody wrote show), a Python int per T.int32 scalar, a numpy float32 per
+        T.float32 scalar (what the GPU's kernel parameter holds)."""
         args = []
         for (name, ann), x in zip(prim.params, inputs):
+            if ann == "float32":
+                if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+                    raise KernelError(f"{prim.name}: scalar {name} ({ann}) needs a float, got {type(x).__name__}")
+                args.append(np.float32(x))
+                continue
             if not isinstance(ann, TensorType):
                 if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
                     raise KernelError(f"{prim.name}: scalar {name} ({ann}) needs an int, got {type(x).__name__}")
@@ -153,7 +159,8 @@ class Runtime:
 
         `inputs` holds one value per prim_func parameter in order: an array for an input tensor
         (copied, rounded to the tensor's dtype), None for an output (which starts NaN), an int for
-        a T.int32 scalar; a list one short means "the inputs, then one output" (Q, K, V -> O).
+        a T.int32 scalar, a float for a T.float32 one; a list one short means "the inputs, then
+        one output" (Q, K, V -> O).
         Returns the output array, or a tuple of them when there are several (O, LSE); `self.tensors`
         then maps every parameter name to its array, so a second kernel (a split-KV combine) can be
         fed what the first wrote. `owner(cta_index, name)`, if given, says which elements of that
@@ -345,14 +352,16 @@ def check_seed(seed, argument: str = "seed") -> int:
     return int(seed)
 
 
-def _prepare(plan, q, k, v, tensors=None, serving=None):
+def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
     """Inputs in the prim_func's parameter order (None for outputs), the dims T.dynamic reads and
     the checked serving call (None for a bshd, dense, unsplit kernel called without serving keywords).
 
     Every tensor goes through the runtime's own checks (attngen/inputs.py, cpu=True): a call the
-    GPU path refuses is refused here with the same InputError."""
+    GPU path refuses is refused here with the same InputError. The last parameter is the run-time
+    softmax_scale (None: 1 / sqrt(head_dim))."""
     from attngen.serving import check_serving, serving_fields
 
+    scale = check_scale(softmax_scale, plan.spec.head_dim)
     tensors = {n: t for n, t in (tensors or {}).items() if t is not None}
     serving = {n: x for n, x in (serving or {}).items() if x is not None}
     if serving or serving_fields(plan).uses_serving:  # shapes, cu_seqlens, pages: serving.py checks them all
@@ -362,12 +371,12 @@ def _prepare(plan, q, k, v, tensors=None, serving=None):
         dims = dict(call.dims, heads=call.heads)
         extra = call_checks.check_extra(plan, call_checks.extra_dims(call), tensors, cpu=True)
         args = [_host_array(x) for x in (q, k, v)] + [None] + ([None] if plan.split_kv else [])
-        return _extra_inputs(plan, args, dims, extra) + call.host_args(), dims, call
+        return _extra_inputs(plan, args, dims, extra) + call.host_args() + [scale], dims, call
     b, h, hkv, sq, skv = call_checks.check_tensors(plan, q, k, v, cpu=True)
     dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
     extra = call_checks.check_extra(plan, (b, h, hkv, sq, skv), tensors, cpu=True)
     args = [_host_array(x) for x in (q, k, v)] + [None]
-    return _extra_inputs(plan, args, dims, extra), dims, None
+    return _extra_inputs(plan, args, dims, extra) + [scale], dims, None
 
 
 def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
@@ -387,10 +396,11 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
                   filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None,
-                  serving: dict | None = None):
+                  serving: dict | None = None, softmax_scale: float | None = None):
     """Like `emulate`, returning (out as float32 numpy, Stats); out is (out, lse) for a spec with lse.
     `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors);
-    `serving`: the serving keywords (cu_seqlens_q, ..., num_splits). Outputs start as NaN, so an
+    `serving`: the serving keywords (cu_seqlens_q, ..., num_splits); `softmax_scale` the kernel's
+    run-time scale (None: 1 / sqrt(head_dim)). Outputs start as NaN, so an
     element no block wrote stays NaN; a split kernel's partials are left in `stats.partials`."""
     from attngen.plan import Plan, as_plan
     from attngen.render import render_source
@@ -404,7 +414,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
-    inputs, dims, call = _prepare(plan, q, k, v, tensors, serving)
+    inputs, dims, call = _prepare(plan, q, k, v, tensors, serving, softmax_scale)
     text = render_source(plan) if source is None else source
     filename = filename or f"<emitted {plan.name}>"
     stats = Stats()
@@ -434,7 +444,8 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
 
 def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
             proxy_fences: bool = PROXY_FENCES, alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, **tensors):
+            max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None,
+            **tensors):
     """Run the kernel emitted for a spec (or plan) on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
@@ -444,6 +455,8 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     `seed` and `policy` ("random", "producer-first", "consumers-first") pick the schedule.
     `proxy_fences` also requires fence.proxy.async + a named barrier between ordinary
     shared-memory writes and a TMA store or wgmma reading them (see hazards.py).
+    `softmax_scale` (or `scale`, SDPA's name): score = q . k * softmax_scale, a run-time argument
+    of the kernel; None gives 1 / sqrt(head_dim); a non-finite or non-positive one is an InputError.
     Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
     score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
     [B, H, Sq]). Every tensor is checked first by the runtime's own rules (attngen/inputs.py:
@@ -462,12 +475,13 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan)
+    softmax_scale = resolve_scale(softmax_scale, scale, head_dim=plan.spec.head_dim)
     tensors = dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks)
     tensors = {n: t for n, t in tensors.items() if t is not None}
     serving = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
     result, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences,
-                              tensors=tensors, serving=serving)
+                              tensors=tensors, serving=serving, softmax_scale=softmax_scale)
     out, lse = result if plan.spec.lse else (result, None)
     if hasattr(q, "detach"):
         import torch
@@ -504,29 +518,30 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
 
 
 def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
-                   run=None):
+                   run=None, softmax_scale=None):
     """Emulate the plan's kernel on variant_inputs and compare out (and lse) with the fp64 reference.
 
     Returns (ok, text, stats); raises EmulationError for a hazard or deadlock. `run` replaces
-    emulate_stats (the CLI passes the package's, which its tests may wrap)."""
+    emulate_stats (the CLI passes the package's, which its tests may wrap). `softmax_scale` is
+    passed to the kernel and to the reference alike (None: both use 1 / sqrt(head_dim))."""
     from attngen.reference import check_lse, variant_of
 
     from attngen.serving import serving_fields
 
     if serving_fields(plan).uses_serving:
         return check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, seed=seed, policy=policy, source=source,
-                                      filename=filename, run=run)
+                                      filename=filename, run=run, softmax_scale=softmax_scale)
     spec = plan.spec
     q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, q_len, kv_len, seed)
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
-                                           tensors=tensors)
+                                           tensors=tensors, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **variant)
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
     ok, text = res.ok, str(res)
     if lse is not None:
-        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, **variant)
+        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
         ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
     return ok, text, stats
 
@@ -545,7 +560,7 @@ def serving_lengths(layout: str, q_len: int, kv_len: int) -> tuple:
 
 
 def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
-                           run=None):
+                           run=None, softmax_scale=None):
     """check_emulated for a serving kernel: a ragged batch (serving_lengths) whose unused cache rows and
     pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
     when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
@@ -562,10 +577,11 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, poli
     if plan.split_kv:
         keywords["num_splits"] = CHECK_SPLITS
     result, stats = (run or emulate_stats)(plan, q, x.k, x.v, seed=seed, policy=policy, source=source, filename=filename,
-                                           serving=keywords)
+                                           serving=keywords, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
     call = check_serving(plan, q, x.k, x.v, **keywords)
-    res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, **variant_of(spec))
+    res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
+                              **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequences (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)
@@ -710,6 +726,7 @@ def _command_options(args, spec):
     if args.heads is None:  # derived from --kv-heads: that is the option to change
         options["heads"] = ("--kv-heads", spec.gqa_group)
     check_run(spec, Shape(args.batch, heads, args.kv_heads, args.q_len, args.kv_len), args.seed, options)
+    check_scale(getattr(args, "softmax_scale", None), spec.head_dim, "--softmax-scale")
     if args.policy not in POLICIES:
         raise InputError("--policy", args.policy, f"one of {', '.join(POLICIES)}")
     source, filename = None, None
@@ -741,11 +758,13 @@ def command(args, plan=None) -> int:
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
     shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
+    scale = getattr(args, "softmax_scale", None)
     print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
-          f"seed {args.seed}, policy {args.policy}")
+          f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
         ok, text, stats = check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
-                                         seed=args.seed, policy=args.policy, source=source, filename=filename)
+                                         seed=args.seed, policy=args.policy, source=source, filename=filename,
+                                         softmax_scale=scale)
     except EmulationError as e:
         print(e.report)
         return 1

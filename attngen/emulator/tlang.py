@@ -21,7 +21,8 @@ What each construct means here:
   numpy expression in float32. An `if` whose test varies with the indices runs its body once
   under the mask of the elements that take it (memory.predicated); an `if` on per-element
   float values stays unsupported (the templates use T.if_then_else for those).
-- Parameters are T.Tensor buffers (float or int32) and `T.int32` scalars (a Python int).
+- Parameters are T.Tensor buffers (float or int32), `T.int32` scalars (a Python int) and
+  `T.float32` scalars (a numpy float32, so arithmetic on it stays float32 as on the GPU).
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ class PrimFunc:
         for name, ann in func.__annotations__.items():
             if name == "return":
                 continue
-            if not isinstance(ann, TensorType) and ann != "int32":
-                raise UnsupportedConstruct(f"prim_func parameter {name}: only T.Tensor and T.int32 parameters are modeled")
+            if not isinstance(ann, TensorType) and ann not in ("int32", "float32"):
+                raise UnsupportedConstruct(f"prim_func parameter {name}: only T.Tensor, T.int32 and T.float32 "
+                                           "parameters are modeled")
             self.params.append((name, ann))
 
 
