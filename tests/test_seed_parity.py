@@ -6,10 +6,13 @@ figures (our own copy below, measured on 2026-11-29 by lowering the seed's hand-
 tilelang 0.1.15, nvcc 13.0, sm_90a), and its lowered CUDA is the seed's up to identifier names,
 renumbered temporaries, the order of the local declarations, and the places docs/seed-parity.md
 lists: the fixes of the seed's three bugs (1: a masked prologue; 4: the epilogue's fence and
-barrier; 5 and 6: the running max's lowest-float start, the epilogue's division of a nonzero row
-sum only), the lowering edits of issue 9's cold builds (2: tile 0's row sum; 3: the mask test),
-and a fence TileLang puts in the seed's text only. Each of those is a rewrite below that must
-apply exactly where the doc says (once per consumer warpgroup), so none can hide another difference.
+barrier; 5 and 6: the running max's finite, scale-safe start, the epilogue's division of a nonzero
+row sum only), the lowering edits of issue 9's cold builds (2: tile 0's row sum; 3: the mask test),
+issue 18's run-time softmax scale (7: the kernel's softmax_scale parameter, and
+softmax_scale * LOG2E where the seed has its constant, which must be log2(e) / sqrt(head_dim) as
+the reference computes it), and a fence TileLang puts in the seed's text only. Each of those is a
+rewrite below that must apply exactly where the doc says (once per consumer warpgroup, or a fixed
+number of times), so none can hide another difference.
 
 The seed kernel is read from the seed notes (bench/seed_kernel.py), never from this repository.
 """
@@ -19,12 +22,15 @@ import importlib.util
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import attngen
 from attngen.build import build
 from attngen.lower import import_tilelang, load_module, lower_prim_func, lower_source, TARGET
+from attngen.hw import LOG2E
 from attngen.plan import SEED_SHAPE, Shape, make_plan
+from attngen.reference import default_scale
 from attngen.render import render_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +48,12 @@ SEED_NAMES = {"Qs": "Q_shared", "Ks": "K_shared", "Vs": "V_shared", "Os": "O_sha
               "kfree": "k_empty", "vready": "v_full", "vfree": "v_empty", "q_bar": "q_full", "sm": "m_cur",
               "smp": "m_prev", "ss": "row_sum_tile", "logsum": "row_sum", "pcast": "p_reg"}
 CONSUMERS = 2  # each rewrite of a consumer's text applies once per consumer warpgroup
+# 7. the run-time scale: a float literal as TileLang prints it (C99 hex, `f`, the decimal in a comment)
+LITERAL = r"(?P<{}>0x[0-9a-f.]+p[+-]\d+)f/\*[^*/]*\*/"
+SCALE_EXPR = re.compile(rf"\(softmax_scale \* {LITERAL.format('log2e')}\)")  # our scale_log2, substituted at each use
+# per consumer: tile 0's exp2 (the score's and the max's factor) and, in each steady loop, alpha's
+# (the old max's and the new max's) and the exp2's (the score's and the max's)
+SCALE_USES = 2 + 2 * 4
 
 
 def seed_module():
@@ -95,6 +107,17 @@ def expect(what: str, applied: int, times: int) -> None:
         raise Mismatch(f"{what}: applies {applied} time(s), expected {times}")
 
 
+def scale_log2(head_dim: int) -> np.float32:
+    """log2(e) / sqrt(head_dim), as the reference computes the kernel's factor at the default scale
+    (reference.attention_lowprec: float32(scale) * float32(LOG2E))."""
+    return np.float32(default_scale(head_dim)) * np.float32(LOG2E)
+
+
+def is_scale_log2(literal: str, head_dim: int) -> bool:
+    """Whether softmax_scale * `literal` is scale_log2(head_dim) at the default scale."""
+    return np.float32(default_scale(head_dim)) * np.float32(float.fromhex(literal)) == scale_log2(head_dim)
+
+
 def drop_block(lines: list, head: str) -> tuple[list, int]:
     """The lines without each block that opens with `head` (to its matching brace)."""
     out, i, n = [], 0, 0
@@ -113,9 +136,9 @@ def drop_block(lines: list, head: str) -> tuple[list, int]:
     return out, n
 
 
-def ours_as_seed(lines: list) -> list:
+def ours_as_seed(lines: list, head_dim: int) -> list:
     """Our lowered kernel with the differences docs/seed-parity.md lists (all but 2, numbered as
-    there) put back in the seed's form."""
+    there) put back in the seed's form; 7 (the run-time scale) in a form both sides are put in."""
     # 1. bug 1 fixed: the masked prologue (block 0's first tile is diagonal)
     lines, n = drop_block(lines, "if (((int)blockIdx.x) < 1) {")
     expect("difference 1 (the masked prologue)", n, CONSUMERS)
@@ -140,13 +163,22 @@ def ours_as_seed(lines: list) -> list:
         out.append(lines[i])
         i += 1
     expect("difference 4 (the epilogue's fence and barrier)", n, CONSUMERS)
-    # 5. bug 3 fixed: m_cur is filled with the lowest float, where the seed fills it with -inf
-    lines, n = out, 0
-    for i in range(len(lines) - 1):
-        fill = re.fullmatch(r"float (broadcast_var\w*) = -0x1\.fffffep\+127f/\*-3\.402823e\+38\*/;", lines[i])
-        if fill and re.fullmatch(rf"\*\(float2\*\)\(m_cur(_\d+)? \+ 0\) = make_float2\({fill[1]}, {fill[1]}\);", lines[i + 1]):
-            lines[i], n = f"float {fill[1]} = -CUDART_INF_F;", n + 1
-    expect("difference 5 (the fill value of m_cur)", n, CONSUMERS)
+    # 5. bug 3 fixed: m_cur starts at a floor that stays finite once scaled (the lowest float halved,
+    # over max(scale_log2, 1)), where the seed fills it with -inf; TileLang folds our floor into the
+    # fill, where it puts the seed's -inf in a variable first
+    floor = re.compile(rf"\*\(float2\*\)\((m_cur(?:_\d+)?) \+ 0\) = make_float2\((?P<f>\(-0x1\.fffffep\+126f/\*-1\.701412e\+38\*/ / "
+                       rf"max\({SCALE_EXPR.pattern}, 0x1p\+0f/\*1\.000000e\+00\*/\)\)), (?P=f)\);")
+    lines, out, n = out, [], 0
+    for line in lines:
+        m = floor.fullmatch(line)
+        if m and is_scale_log2(m["log2e"], head_dim):
+            var = f"broadcast_var_{1000 + n}"  # a name of the seed's family that no statement has
+            out += [f"float {var} = -CUDART_INF_F;", f"*(float2*)({m[1]} + 0) = make_float2({var}, {var});"]
+            n += 1
+            continue
+        out.append(line)
+    lines = out
+    expect("difference 5 (the start of m_cur)", n, CONSUMERS)
     # 6. bug 3 fixed: the epilogue divides a row by its sum only where the sum is not 0 (a row with
     # nothing to attend to gives 0, not NaN); the seed divides every row
     head = re.compile(r"float (broadcast_var\w*) = 0x0p\+0f/\*0\.000000e\+00\*/;")
@@ -166,12 +198,29 @@ def ours_as_seed(lines: list) -> list:
         out.append(lines[i])
         i += 1
     expect("difference 6 (the epilogue's division of a nonzero row sum only)", n, CONSUMERS)
+    # 7. issue 18's run-time scale: the kernel takes softmax_scale as its last parameter (in its
+    # declaration and its definition) ...
+    signature = re.compile(r'(extern "C" __global__ void .*), float softmax_scale\)( \{|;)')
+    lines, n = out, 0
+    for i, line in enumerate(lines):
+        m = signature.fullmatch(line)
+        if m:
+            lines[i], n = f"{m[1]}){m[2]}", n + 1
+    expect("difference 7 (the kernel's softmax_scale parameter)", n, 2)
+    # ... and each use of scale_log2 is softmax_scale * LOG2E, where the seed has the constant
+    # log2(e) / sqrt(head_dim): a factor that is not that at the default scale stays as it is
+    out, n = [], 0
+    for line in lines:
+        new = SCALE_EXPR.sub(lambda m: "scale_log2" if is_scale_log2(m["log2e"], head_dim) else m[0], line)
+        n += new != line
+        out.append(new)
+    expect("difference 7 (scale_log2 from softmax_scale)", n, CONSUMERS * SCALE_USES)
     return out
 
 
-def seed_as_ours(lines: list) -> list:
+def seed_as_ours(lines: list, head_dim: int) -> list:
     """The seed's lowered kernel with the lowering edit of docs/seed-parity.md (difference 2) made,
-    and TileLang's extra fence taken out."""
+    TileLang's extra fence taken out, and its constant scale named as ours is (difference 7)."""
     # 2. tile 0's row sum: no fill of row_sum (0); tile 0's sum reduces straight into row_sum
     # where the seed reduces into row_sum_tile and copies it
     out, n = [], 0
@@ -203,6 +252,31 @@ def seed_as_ours(lines: list) -> list:
             continue
         out.append(line)
     expect("the seed's extra fence", n, 1)
+    # 7. the run-time scale: the seed's compile-time factor, which must be log2(e) / sqrt(head_dim),
+    # named scale_log2 as ours is; TileLang puts the constant in a variable where it broadcasts it
+    factor = re.compile(rf"\(m_cur\w*\[\(\w+ & 1\)\] \* {LITERAL.format('c')}\)")
+    constants = {m[0][m[0].index(" * ") + 3:-1] for line in out for m in factor.finditer(line)}
+    if len(constants) != 1:
+        raise Mismatch(f"the seed's scale: the max is multiplied by {sorted(constants)}, expected one constant")
+    constant = constants.pop()
+    value = np.float32(float.fromhex(re.fullmatch(LITERAL.format("c"), constant)["c"]))
+    if value != scale_log2(head_dim):
+        raise Mismatch(f"the seed's scale {value:.9g} is not log2(e) / sqrt({head_dim}) = {scale_log2(head_dim):.9g}")
+    lines, out, n, held = out, [], 0, []
+    for line in lines:
+        m = re.fullmatch(rf"float (broadcast_var\w*) = {re.escape(constant)};", line)
+        if m:
+            held.append(m[1])
+            n += 1
+            continue
+        new = line.replace(constant, "scale_log2")
+        n += new != line
+        out.append(new)
+    for var in held:
+        uses = [i for i, line in enumerate(out) if re.search(rf"\b{var}\b", line)]
+        expect(f"difference 7 (the use of the seed's {var})", len(uses), 1)
+        out[uses[0]] = re.sub(rf"\b{var}\b", "scale_log2", out[uses[0]])
+    expect("difference 7 (the seed's constant scale)", n, CONSUMERS * SCALE_USES)
     return out
 
 
@@ -231,11 +305,12 @@ def canonical(lines: list) -> tuple[list, list]:
     return body, sorted(decls & {d for d in decls if re.search(r"\w+#\d+", d)[0] in used})
 
 
-def compare(seed_cuda: str, ours_cuda: str, kernel_name: str) -> None:
-    """Raise Mismatch naming the first statement where the two kernels differ."""
-    seed = [line.strip() for line in rename(seed_cuda, {**SEED_NAMES, "main_kernel": f"{kernel_name}_kernel"}).splitlines()]
+def compare(seed_cuda: str, ours_cuda: str, spec: attngen.Spec) -> None:
+    """Raise Mismatch naming the first statement where the seed's kernel and ours (of `spec`) differ."""
+    seed = [line.strip() for line in rename(seed_cuda, {**SEED_NAMES, "main_kernel": f"{make_plan(spec).name}_kernel"}).splitlines()]
     ours = [line.strip() for line in ours_cuda.splitlines()]
-    (a, a_decl), (b, b_decl) = canonical(seed_as_ours([x for x in seed if x])), canonical(ours_as_seed([x for x in ours if x]))
+    a, a_decl = canonical(seed_as_ours([x for x in seed if x], spec.head_dim))
+    b, b_decl = canonical(ours_as_seed([x for x in ours if x], spec.head_dim))
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             raise Mismatch(f"statement {i}: the seed's\n  {x}\nours\n  {y}")
@@ -276,22 +351,41 @@ def seed_cuda():
 
 def test_lowered_cuda_is_the_seeds_statement_for_statement(lowered, seed_cuda):
     spec, result = lowered
-    compare(seed_cuda, result.cuda_source, make_plan(spec).name)
+    compare(seed_cuda, result.cuda_source, spec)
+
+
+SCALE = "(softmax_scale * 0x1.7154764ee6c2fp+0f/*1.442695e+00*/)"  # our scale_log2 as TileLang prints it
+FLOOR = f"(-0x1.fffffep+126f/*-1.701412e+38*/ / max({SCALE}, 0x1p+0f/*1.000000e+00*/))"  # our m_cur start
 
 
 @pytest.mark.parametrize("edit", [
     ("ki_6 < 8", "ki_6 < 7"),  # one wgmma fewer in one QK
     ("(k_2 * 128)", "(k_2 * 112)"),  # the mask test of another tile size
     ("v__6 = *(float2*)(m_prev + 0);", "v__6 = *(float2*)(m_cur + 0);"),  # an operand names another buffer
-    ("-0x1.fffffep+127f/*-3.402823e+38*/", "-CUDART_INF_F"),  # the seed's -inf start (bug 3) in one warpgroup
+    (f"make_float2({FLOOR}, {FLOOR})", "make_float2(-CUDART_INF_F, -CUDART_INF_F)"),  # the seed's -inf start (bug 3) in one warpgroup
+    ("-0x1.fffffep+126f/*-1.701412e+38*/", "-0x1.fffffep+127f/*-3.402823e+38*/"),  # one floor not halved: -inf once scaled by > 1
+    ("0x1p+0f/*1.000000e+00*/))", "0x1p-1f/*5.000000e-01*/))"),  # one floor's divisor bounded below by 0.5, not 1
     ("(i_22 & 1)] == 0x0p+0f", "(i_22 & 1)] <= 0x0p+0f"),  # one epilogue's select under another test
+    (f"(m_cur[(i_7 & 1)] * {SCALE})", "(m_cur[(i_7 & 1)] * (softmax_scale * 0x1.62e42fefa39efp-1f/*6.931472e-01*/))"),  # ln 2 for LOG2E in one factor
+    ("V_desc, float softmax_scale);", "V_desc, double softmax_scale);"),  # the declaration's parameter of another type
 ])
 def test_the_comparison_catches_a_changed_statement(lowered, seed_cuda, edit):
     spec, result = lowered
     old, new = edit
     assert old in result.cuda_source
     with pytest.raises(Mismatch):
-        compare(seed_cuda, result.cuda_source.replace(old, new, 1), make_plan(spec).name)
+        compare(seed_cuda, result.cuda_source.replace(old, new, 1), spec)
+
+
+@pytest.mark.parametrize("count, message", [(-1, "is not log2"), (1, "the seed's constant scale")])
+def test_the_comparison_catches_a_seed_of_another_scale(lowered, seed_cuda, count, message):
+    """The seed's constant scale must be log2(e) / sqrt(head_dim), not just the same on both sides:
+    here it is log2(e) / sqrt(64) in all its uses (-1) or in the first (1)."""
+    spec, result = lowered
+    constant = "0x1.0527dbd5cafffp-3f/*1.275174e-01*/"  # log2(e) / sqrt(128)
+    assert constant in seed_cuda
+    with pytest.raises(Mismatch, match=message):
+        compare(seed_cuda.replace(constant, "0x1.7154764ee6c2fp-3f/*1.803369e-01*/", count), result.cuda_source, spec)
 
 
 def test_the_comparison_catches_the_one_steady_loop(seed_cuda):
@@ -299,4 +393,4 @@ def test_the_comparison_catches_the_one_steady_loop(seed_cuda):
     spec = dataclasses.replace(attngen.load_spec(ROOT / "examples" / "seed_parity.toml"), steady_loop="one")
     cuda = lower_source(render_source(spec, Shape(*dataclasses.astuple(SEED_SHAPE)))).cuda_source
     with pytest.raises(Mismatch):
-        compare(seed_cuda, cuda, make_plan(spec).name)
+        compare(seed_cuda, cuda, spec)
