@@ -256,6 +256,9 @@ class _Translator:
             if node.keywords:
                 raise FlexTranslationError(fn, line, f"keyword arguments in a call of `{ast.unparse(node.func)}`")
             target = self.resolve(fn, node.func, env)
+            if target is None and isinstance(node.func, ast.Attribute):
+                raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` on a value "
+                                                     f"(use a function: torch.{node.func.attr}(x))")
             args = [ex(a) for a in node.args]
             name = _function_name(target)
             if name is not None:
