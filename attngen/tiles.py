@@ -427,16 +427,14 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 def tile_states(visible: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     """Each (block_m x block_n) tile of a boolean mask [..., q_len, kv_len] as EMPTY (no entry
     visible), PARTIAL or FULL (every entry visible): an int8 array [..., ceildiv(q_len, block_m),
-    ceildiv(kv_len, block_n)]. Entries past q_len or kv_len are not part of any tile's verdict
-    (the kernels' own bounds remove them), so the last tile of a row is judged on what it holds."""
+    ceildiv(kv_len, block_n)]. Entries past q_len or kv_len count as masked, as FlexAttention's
+    create_block_mask counts them, so a tile that runs past either length is never FULL."""
     *lead, q_len, kv_len = visible.shape
     nq, nk = ceildiv(q_len, block_m), ceildiv(kv_len, block_n)
     pad = [(0, 0)] * len(lead) + [(0, nq * block_m - q_len), (0, nk * block_n - kv_len)]
     vis = np.pad(visible.astype(bool), pad, constant_values=False).reshape(*lead, nq, block_m, nk, block_n)
-    inside = np.pad(np.ones((q_len, kv_len), bool), pad[-2:], constant_values=False).reshape(nq, block_m, nk, block_n)
     seen = vis.sum(axis=(-3, -1))
-    cells = inside.sum(axis=(1, 3))
-    return np.where(seen == 0, EMPTY, np.where(seen == cells, FULL, PARTIAL)).astype(np.int8)
+    return np.where(seen == 0, EMPTY, np.where(seen == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
 
 
 def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -245,14 +245,17 @@ def test_a_percent_mask_on_the_cpu_model_matches_the_reference():
 
 
 def expected_states(dense: np.ndarray, bm: int, bn: int) -> np.ndarray:
-    """Per tile, independently: EMPTY if no in-range entry is visible, FULL if all are, else PARTIAL."""
+    """Per tile, independently: EMPTY if no entry is visible, FULL if all bm x bn are (a tile that
+    runs past a length is never full: entries past it are masked, as in FlexAttention), else PARTIAL."""
     B, H, Q, KV = dense.shape
     nq, nk = -(-Q // bm), -(-KV // bn)
     out = np.zeros((B, H, nq, nk), np.int8)
     for i in range(nq):
         for j in range(nk):
             tile = dense[:, :, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-            out[:, :, i, j] = np.where(tile.all(axis=(2, 3)), tiles.FULL, np.where(tile.any(axis=(2, 3)), tiles.PARTIAL, tiles.EMPTY))
+            whole = tile.shape[2] == bm and tile.shape[3] == bn
+            full = tile.all(axis=(2, 3)) & whole
+            out[:, :, i, j] = np.where(full, tiles.FULL, np.where(tile.any(axis=(2, 3)), tiles.PARTIAL, tiles.EMPTY))
     return out
 
 
@@ -398,3 +401,43 @@ def test_scale_reaches_the_kernel():
     out = flex.flex_attention(q, k, k, scale=0.3)
     bshd = [t.transpose(1, 2) for t in (q, k, k)]
     assert check_close(out.transpose(1, 2), *bshd, False, scale=0.3).ok
+
+
+# -- next to torch's own FlexAttention (CPU, float64), where this torch has it -------------------------------------
+
+try:
+    from torch.nn.attention import flex_attention as torch_flex
+except ImportError:  # torch before 2.5
+    torch_flex = None
+
+
+@pytest.mark.skipif(torch_flex is None, reason="this torch has no torch.nn.attention.flex_attention")
+@settings(max_examples=4)
+@given(st.integers(1, 100), st.integers(1, 100), st.sampled_from(["causal", "document", "strided", "prefix_lm"]),
+       st.sampled_from([16, 32, 128]))
+def test_next_to_torchs_flex_attention(sq, skv, mask, block):
+    import warnings
+    fn = MASKS[mask]
+    q, k, v = rand(1, 4, sq, D, seed=11), rand(1, 4, skv, D, seed=12), rand(1, 4, skv, D, seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = torch_flex.create_block_mask(fn, None, None, sq, skv, device="cpu", BLOCK_SIZE=block)
+        ref, ref_lse = torch_flex.flex_attention(q.double(), k.double(), v.double(), score_mod=bias_mod,
+                                                 block_mask=theirs, return_lse=True)
+    ours = flex.create_block_mask(fn, None, None, sq, skv, BLOCK_SIZE=block)
+    for n_name, i_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        n_ours, n_theirs = getattr(ours, n_name), getattr(theirs, n_name)
+        assert torch.equal(n_ours, n_theirs.to(torch.int32)), n_name
+        for r in range(n_ours.shape[-1]):
+            c = int(n_ours[0, 0, r])
+            assert torch.equal(getattr(ours, i_name)[0, 0, r, :c], getattr(theirs, i_name)[0, 0, r, :c].to(torch.int32))
+    for bm in (ours, theirs):  # torch's BlockMask is read the same way (its mask_mod, its lengths)
+        out, lse = flex.flex_attention(q, k, v, score_mod=bias_mod, block_mask=bm, return_lse=True)
+        tr_s, tr_m = flex.translate(bias_mod, "score_mod"), flex.translate(fn, "mask_mod")
+        bound = check_close(out.transpose(1, 2), *[t.transpose(1, 2) for t in (q, k, v)], False, score_mod=tr_s.text,
+                            mask_mod=tr_m.text, tensors={**tr_s.tensors, **tr_m.tensors}).bound
+        seen = ~torch.isneginf(ref_lse)  # torch gives NaN-free zeros for rows that see no key as well
+        assert float((out.double() - ref).abs().max()) <= bound
+        assert torch.equal(torch.isneginf(lse), ~seen)
+        if seen.any():
+            assert float((lse.double() - ref_lse)[seen].abs().max()) < 2e-3
