@@ -230,7 +230,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     serving = {}
     if table is not None:
         serving.update(block_table=table, seqused_k=cache_seqlens)
-        splits = _splits(num_splits, "auto")
+        # 0 is FA3's heuristic: attngen's "auto", except where attngen has no split kernel (a window)
+        splits = _splits(num_splits, "auto" if "window" not in kw else None)
         if splits is not None:
             serving["num_splits"] = splits
     else:

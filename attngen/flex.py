@@ -71,10 +71,23 @@ class Translated:
 
 
 def _function_node(fn):
-    """The ast node (FunctionDef or Lambda) of fn, in its whole file's tree."""
+    """The ast node (FunctionDef or Lambda) of fn, in its whole file's tree (memoized per code
+    object: the source is read and parsed once, the closure and globals on every call)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         raise FlexTranslationError(fn, "?", "not a Python function (attngen reads the mod's source)")
+    node = _nodes.get(code)
+    if node is None:
+        if len(_nodes) > 1024:
+            _nodes.clear()
+        node = _nodes[code] = _find_node(fn, code)
+    return node
+
+
+_nodes: dict = {}
+
+
+def _find_node(fn, code):
     lines = linecache.getlines(code.co_filename, getattr(fn, "__globals__", None))
     if not lines:
         raise FlexTranslationError(fn, code.co_firstlineno, "its source is not available (define it in a file)")
@@ -290,30 +303,32 @@ def _function_name(target):
 
 
 def translate(fn, kind: str) -> Translated:
-    """A score_mod (kind "score_mod") or mask_mod ("mask_mod") Python function as an expression."""
+    """A score_mod (kind "score_mod") or mask_mod ("mask_mod") Python function as an expression.
+
+    The closure and globals are read on every call (a rebound capture is seen at once); the
+    source is parsed once per function (_function_node) and the expression once per text
+    (_parsed)."""
     if not callable(fn):
         raise InputError(kind, type(fn).__name__, f"a Python function {'(score, b, h, q_idx, kv_idx)' if kind == 'score_mod' else '(b, h, q_idx, kv_idx)'}")
-    cached = _cache.get((id(fn), kind))
-    if cached is not None and cached[0] is fn:
-        return cached[1]
     tr = _Translator(kind)
     names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
     tree = tr.function(fn, [ast.Name(n, ast.Load()) for n in names])
     text = ast.unparse(ast.fix_missing_locations(tree))
-    try:
-        parsed = expr.parse(text, kind)
-    except expr.ExprError as e:
-        line = _function_node(fn).lineno
-        raise FlexTranslationError(fn, line, f"translated to `{text}`, which the expression language rejects "
-                                             f"{e}") from None
-    result = Translated(parsed.canonical, tr.tensors)
-    if len(_cache) > 256:
-        _cache.clear()
-    _cache[(id(fn), kind)] = (fn, result)  # fn kept alive: the id stays its own
-    return result
+    canonical = _parsed.get((text, kind))
+    if canonical is None:
+        try:
+            canonical = expr.parse(text, kind).canonical
+        except expr.ExprError as e:
+            line = _function_node(fn).lineno
+            raise FlexTranslationError(fn, line, f"translated to `{text}`, which the expression language rejects "
+                                                 f"{e}") from None
+        if len(_parsed) > 1024:
+            _parsed.clear()
+        _parsed[(text, kind)] = canonical
+    return Translated(canonical, tr.tensors)
 
 
-_cache: dict = {}
+_parsed: dict = {}
 
 
 # -- the block mask -------------------------------------------------------------------------------------

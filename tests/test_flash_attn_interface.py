@@ -16,6 +16,7 @@ import attngen
 from attngen import ops
 from attngen import flash_attn_interface as fa
 from attngen.reference import InputError, check_close, check_lse
+from attngen.spec import SpecError
 
 D = 64
 
@@ -68,11 +69,17 @@ def test_the_signatures_are_fa3s(name):
 
 @settings(max_examples=6)
 @given(st.integers(1, 2), st.integers(1, 130), st.integers(1, 130), st.sampled_from([(2, 2), (4, 2), (4, 1)]),
-       st.booleans(), st.sampled_from([(-1, -1), (17, 0), (5, 9)]), st.sampled_from([0.0, 30.0]), st.booleans())
-def test_flash_attn_func_matches_the_reference(batch, sq, skv, heads, causal, window, softcap, lse):
+       st.booleans(), st.sampled_from([(-1, -1), (17, 0), (5, 9)]), st.sampled_from([0.0, 30.0]), st.booleans(),
+       st.sampled_from([1, 0, 2]))
+def test_flash_attn_func_matches_the_reference(batch, sq, skv, heads, causal, window, softcap, lse, num_splits):
     h, hk = heads
     q, k, v = rand(batch, sq, h, D, seed=1), rand(batch, skv, hk, D, seed=2), rand(batch, skv, hk, D, seed=3)
-    result = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, return_attn_probs=lse)
+    if num_splits == 2 and window != (-1, -1):  # attngen has no split kernel with a window: said so by name
+        with pytest.raises(SpecError, match="splits"):
+            fa.flash_attn_func(q, k, v, window_size=window, num_splits=num_splits)
+        return
+    result = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, return_attn_probs=lse,
+                                num_splits=num_splits)
     out, got_lse = result if lse else (result, None)
     assert isinstance(result, tuple) == lse  # FA3: out alone, or (out, softmax_lse)
     assert out.shape == (batch, sq, h, D)
@@ -120,8 +127,10 @@ def test_flash_attn_varlen_func_matches_the_reference_per_sequence(q_lens, kv_le
 
 @settings(max_examples=5)
 @given(st.integers(1, 2), st.integers(1, 5), st.sampled_from([64, 96]), st.booleans(), st.booleans(),
-       st.sampled_from([0, 1, 2]), st.randoms(use_true_random=False))
-def test_flash_attn_with_kvcache_matches_the_reference(batch, sq, s_cache, paged, causal, num_splits, rnd):
+       st.sampled_from([0, 1, 2]), st.sampled_from([(-1, -1), (-1, -1), (20, 0)]), st.randoms(use_true_random=False))
+def test_flash_attn_with_kvcache_matches_the_reference(batch, sq, s_cache, paged, causal, num_splits, window, rnd):
+    if window != (-1, -1) and num_splits == 2:
+        num_splits = 0  # FA3's default with a window: no split (attngen has no split kernel with a window)
     h, hk = 4, 2
     lens = [rnd.randint(0, s_cache) for _ in range(batch)]
     q = rand(batch, sq, h, D, seed=10)
@@ -138,7 +147,7 @@ def test_flash_attn_with_kvcache_matches_the_reference(batch, sq, s_cache, paged
     before = [c.clone() for c in caches]
     seqlens = torch.tensor(lens, dtype=torch.int32) if rnd.random() < 0.5 or batch > 1 else lens[0]
     out, lse = fa.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, causal=causal, num_splits=num_splits,
-                                         return_softmax_lse=True, **extra)
+                                         window_size=window, return_softmax_lse=True, **extra)
     assert all(torch.equal(a, b) for a, b in zip(caches, before))  # the cache is read, never written
     assert out.shape == q.shape and lse.shape == (batch, h, sq)
     for b, n in enumerate(lens):
@@ -146,8 +155,8 @@ def test_flash_attn_with_kvcache_matches_the_reference(batch, sq, s_cache, paged
             assert not out[b].any() and bool(torch.isneginf(lse[b]).all())
             continue
         args = q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n]
-        assert check_close(out[b:b + 1], *args, causal).ok
-        assert check_lse(lse[b:b + 1], *args, causal).ok
+        assert check_close(out[b:b + 1], *args, causal, window=window).ok
+        assert check_lse(lse[b:b + 1], *args, causal, window=window).ok
 
 
 def test_kvcache_without_seqlens_is_the_whole_cache_and_batch_idx_picks_rows():
@@ -230,6 +239,11 @@ def test_a_repeated_call_plans_once(monkeypatch):
     assert torch.equal(first, second) and len(calls) == 1
     fa.flash_attn_func(q, k, v, causal=False)  # another spec: planned anew
     assert len(calls) == 2
+    kc = rand(2, 64, 2, D, seed=26)
+    for lens in ([5, 60], [33, 1]):  # other cache lengths, the same kernel
+        fa.flash_attn_with_kvcache(q[:, :3].expand(2, 3, 2, D).contiguous(), kc, kc,
+                                   cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True)
+    assert len(calls) == 3
 
 
 @pytest.mark.skipif(not scale_accepted(), reason="attngen.attention takes no run-time softmax_scale yet (issue 18)")

@@ -120,16 +120,38 @@ def test_captures_helpers_and_locals_become_expression_parts():
     assert flex.translate(lambda b, h, i, j: q[i] > 0, "mask_mod").text == "t_q[q_idx] > 0"
 
 
+def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monkeypatch):
+    from attngen import ops
+    global doc_ids
+    saved = doc_ids
+    q = rand(1, 2, 100, D, seed=30)
+    calls = []
+    real = ops._resolve
+    monkeypatch.setattr(ops, "_resolve", lambda *a: calls.append(1) or real(*a))
+    ops._plans.clear()
+    block = flex.create_block_mask(document, None, None, 100, 100)
+    first = flex.flex_attention(q, q, q, block_mask=block)
+    assert torch.equal(flex.flex_attention(q, q, q, block_mask=block), first) and len(calls) == 1
+    try:
+        doc_ids = torch.tensor([0] * 50 + [1] * 50)
+        second = flex.flex_attention(q, q, q, block_mask=block)
+    finally:
+        doc_ids = saved
+    assert not torch.equal(first, second) and len(calls) == 1  # new values, the same kernel
+    bshd = q.transpose(1, 2)
+    assert check_close(second.transpose(1, 2), bshd, bshd, bshd, False,
+                       mask_mod="doc_ids[q_idx] == doc_ids[kv_idx] and q_idx >= kv_idx",
+                       tensors={"doc_ids": torch.tensor([0.0] * 50 + [1.0] * 50)}).ok
+
+
 def test_a_wrong_translation_is_caught_by_the_check(monkeypatch):
     monkeypatch.setitem(flex.TORCH_FUNCS, "minimum", "max")  # a deliberately broken mapping
-    flex._cache.clear()
     tr = flex.translate(alibi_like, "score_mod")
     b, h, qi, kj = grid(1, 4, 8, 8)
     score = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     env = {"score": score.numpy(), "b": b.numpy(), "h": h.numpy(), "q_idx": qi.numpy(), "kv_idx": kj.numpy()}
     got = expr.evaluate(expr.parse(tr.text, "score_mod"), env, {n: t.numpy() for n, t in tr.tensors.items()})
     assert not np.allclose(got, alibi_like(score, b, h, qi, kj).numpy())
-    flex._cache.clear()
 
 
 # -- translation errors: the function, the file's line, the construct ---------------------------------------
