@@ -94,12 +94,14 @@ def test_flash_attn_func_matches_the_reference(batch, sq, skv, heads, causal, wi
 def test_attention_chunk_is_fa3s_chunked_local_attention():
     q, k, v = rand(1, 37, 2, D, seed=4), rand(1, 70, 2, D, seed=5), rand(1, 70, 2, D, seed=6)
     out = fa.flash_attn_func(q, k, v, causal=True, attention_chunk=16)
-    # FA3 (mask.h): row i sees keys in [round_down(i + off, C), round_down(i + off, C) + C), with causal
-    off = 70 - 37
-    expect = "(q_idx + 33) // 16 == kv_idx // 16"
-    assert check_close(out, q, k, v, True, mask_mod=expect).ok
+    # FA3 (mask.h): row i sees keys in [round_down(i + off, C), round_down(i + off, C) + C), with
+    # causal; off = seqlen_k - seqlen_q = 33. Written here by hand, as a dense numpy mask:
+    i, j = np.arange(37)[:, None], np.arange(70)[None, :]
+    start = (i + 33) // 16 * 16
+    dense = (j >= start) & (j < start + 16)
+    table = torch.tensor(dense, dtype=torch.float32)
+    assert check_close(out, q, k, v, True, mask_mod="chunk[q_idx, kv_idx] > 0", tensors={"chunk": table}).ok
     assert not check_close(out, q, k, v, True).ok  # the chunk changed the result
-    assert off == 33
 
 
 @settings(max_examples=4)
