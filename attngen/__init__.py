@@ -5,7 +5,9 @@ Flow (each step a module; data flows one way, each entry point plans once):
          -> build (lower + nvcc) | emulate (CPU model) | runtime (GPU) -> ops (torch custom ops)
 hw holds the target's facts beneath all of them; reference is the fp64 oracle.
 `attngen.attention` is attngen.ops.attention (torch.ops.attngen.fwd), imported on first use:
-`import attngen` alone does not import torch.
+`import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
+way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.flex) and the module
+`attngen.flash_attn_interface` (FlashAttention-3's names).
 """
 
 from attngen.version import __version__  # noqa: E402
@@ -23,10 +25,15 @@ def __getattr__(name):
 
         globals()["attention"] = attention
         return attention
+    if name in ("flex_attention", "create_block_mask", "BlockMask"):
+        from attngen import flex
+
+        globals()[name] = getattr(flex, name)
+        return globals()[name]
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
 
 
 __all__ = [
     "Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",
-    "emulate", "compile_kernel", "attention", "__version__",
+    "emulate", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask", "__version__",
 ]

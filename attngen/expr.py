@@ -8,6 +8,9 @@ An expression is Python syntax read with `ast` and checked against a whitelist:
     name[index, ...]         a float32 call-time tensor (bias[h], doc[b, q_idx], table[q_idx - kv_idx + 64]);
                              indices are integer expressions, clamped to the tensor's extent
     + - * /  unary -         arithmetic (/ is true division)
+    a % n, a // n            integer remainder and floor division (document ids, strided patterns):
+                             a an integer expression, n a nonzero integer literal; Python's floor
+                             semantics (the result takes n's sign), as torch's % and // on ints
     tanh exp log abs min max where(cond, a, b)
     == != < <= > >=  and or not   comparisons and boolean logic
 
@@ -50,7 +53,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 
 ALLOWED = ("allowed: score (score_mod only), b, h, q_idx, kv_idx, numeric literals, call-time tensors "
-           "indexed like bias[h], + - * /, tanh exp log abs min max where, comparisons, and or not")
+           "indexed like bias[h], + - * / (int % //), tanh exp log abs min max where, comparisons, and or not")
 
 
 class ExprError(ValueError):
@@ -117,6 +120,23 @@ def parse(text: str, kind: str) -> Expr:
             raise ExprError(_col(node), f"{what} must be a comparison or boolean, got a number")
         return t
 
+    def integer_op(node):
+        # integers only, by a nonzero literal: the kernel's int32 floormod/floordiv, never a
+        # run-time division by zero, and the same value in numpy, TileLang and Python
+        sym = "%" if isinstance(node.op, ast.Mod) else "//"
+        if visit(node.left) != INT:
+            raise ExprError(_col(node.left), f"the left operand of {sym} must be an integer expression of b, h, "
+                                             f"q_idx, kv_idx and integer literals (a tensor entry or score is a float)")
+        visit(node.right)
+        lit = node.right.operand if isinstance(node.right, ast.UnaryOp) and isinstance(node.right.op, ast.USub) \
+            else node.right
+        if not (isinstance(lit, ast.Constant) and type(lit.value) is int):
+            raise ExprError(_col(node.right), f"the right operand of {sym} must be an integer literal (like 64), "
+                                              f"so the kernel never divides by zero")
+        if lit.value == 0:
+            raise ExprError(_col(node.right), f"{sym} by the literal 0 is undefined")
+        return INT
+
     def visit(node):
         t = _visit(node)
         types[id(node)] = t
@@ -172,6 +192,8 @@ def parse(text: str, kind: str) -> Expr:
                 return boolean(node.operand, "the operand of not")
             bad(node, "this unary operator")
         if isinstance(node, ast.BinOp):
+            if isinstance(node.op, (ast.Mod, ast.FloorDiv)):
+                return integer_op(node)
             if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
                 bad(node, f"the operator {type(node.op).__name__}")
             a = numeric(node.left, "an operand of arithmetic")
@@ -279,6 +301,10 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
                 return a - b
             if isinstance(node.op, ast.Mult):
                 return a * b
+            if isinstance(node.op, ast.Mod):  # numpy's, like Python's: floor semantics
+                return np.mod(a, b)
+            if isinstance(node.op, ast.FloorDiv):
+                return np.floor_divide(a, b)
             with np.errstate(divide="ignore", invalid="ignore"):
                 return np.true_divide(a, b)
         if isinstance(node, ast.BoolOp):
@@ -356,6 +382,9 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
             sign = "-" if isinstance(node.op, ast.USub) else "+"
             return f"({sign}{ev(node.operand)})"
         if isinstance(node, ast.BinOp):
+            if isinstance(node.op, (ast.Mod, ast.FloorDiv)):  # TVM's floor forms (C's % and / truncate)
+                fn = "floormod" if isinstance(node.op, ast.Mod) else "floordiv"
+                return f"T.{fn}({ev(node.left)}, {ev(node.right)})"
             op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
             if isinstance(node.op, ast.Div):
                 a, b = as_float(node.left), as_float(node.right)
@@ -433,6 +462,8 @@ def derivative(e: Expr) -> Expr:
         if isinstance(n, ast.UnaryOp):
             du = d(n.operand)
             return du if isinstance(n.op, ast.UAdd) or is_const(du, 0) else ast.UnaryOp(ast.USub(), du)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mod, ast.FloorDiv)):
+            return zero  # integer operands: no score inside
         if isinstance(n, ast.BinOp):
             a, b = n.left, n.right
             da, db = d(a), d(b)

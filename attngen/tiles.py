@@ -418,3 +418,29 @@ def split_count(n_tiles, first, tiles_per):
 def at_least_one(x):
     """The kernel's rule: a block (or split) that sees no key still runs one fully masked visit."""
     return max_(x, 1)
+
+
+# -- block masks (FlexAttention's BlockMask): a mask's tiles, empty / partial / full ------------------
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def tile_states(visible: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
+    """Each (block_m x block_n) tile of a boolean mask [..., q_len, kv_len] as EMPTY (no entry
+    visible), PARTIAL or FULL (every entry visible): an int8 array [..., ceildiv(q_len, block_m),
+    ceildiv(kv_len, block_n)]. Entries past q_len or kv_len count as masked, as FlexAttention's
+    create_block_mask counts them, so a tile that runs past either length is never FULL."""
+    *lead, q_len, kv_len = visible.shape
+    nq, nk = ceildiv(q_len, block_m), ceildiv(kv_len, block_n)
+    pad = [(0, 0)] * len(lead) + [(0, nq * block_m - q_len), (0, nk * block_n - kv_len)]
+    vis = np.pad(visible.astype(bool), pad, constant_values=False).reshape(*lead, nq, block_m, nk, block_n)
+    seen = vis.sum(axis=(-3, -1))
+    return np.where(seen == 0, EMPTY, np.where(seen == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
+
+
+def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of tiles [..., rows, cols] of booleans: (counts [..., rows], indices [..., rows, cols]),
+    each row's selected columns ascending, then padded with the remaining columns ascending (as
+    Flex pads kv_indices: only the first count entries of a row are meaningful)."""
+    counts = selected.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+    return counts, order

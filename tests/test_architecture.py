@@ -1,7 +1,7 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
     version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache, inputs
-                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli
+                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli | flex | flash_attn_interface
 
 ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
 it (and the facade's attngen.attention, lazily) may import it.
@@ -26,7 +26,7 @@ LAYERS = {
     "lower": 4, "cache": 4, "inputs": 4,
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
     "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
-    "cli": 7,
+    "cli": 7, "flex": 7, "flash_attn_interface": 7,  # the front doors (docs/interfaces.md) over ops
 }
 TOP = {"attngen", "attngen.__main__"}
 

@@ -1,0 +1,249 @@
+"""FlashAttention-3's front door (hopper/flash_attn_interface.py's names, arguments, defaults,
+layouts and return conventions) on attngen's kernels:
+
+    from attngen.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+Tensors are [B, S, H, D] (varlen: [total, H, D]) as in FA3. Each function maps its arguments to
+attngen.attention's keywords (docs/interfaces.md has the table); the op resolves and memoizes
+the spec per call signature (attngen.ops.resolve) and the runtime memoizes the compiled kernel
+per spec, so a repeated call plans nothing new. An FA3 argument attngen cannot serve raises an
+InputError naming it and why, unless it has FA3's default; none is silently ignored.
+
+Returns as FA3 does: `out`, or `(out, softmax_lse)` with return_attn_probs (flash_attn_func,
+flash_attn_varlen_func) or return_softmax_lse (flash_attn_with_kvcache); softmax_lse is float32
+[B, H, Sq] (varlen: [H, total_q]), the natural-log log-sum-exp of the scaled scores.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from attngen.ops import attention
+from attngen.plan import BLOCK_N_CANDIDATES
+from attngen.reference import InputError
+
+BSHD = "[batch, seqlen, nheads, headdim] (FlashAttention's layout)"
+
+
+def _unsupported(name: str, value, default, why: str) -> None:
+    if value is None and default is None:
+        return
+    if default is not None and not isinstance(value, torch.Tensor) and value == default:
+        return
+    shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else value
+    raise InputError(name, shown, f"{default!r} (FA3's default): {why}")
+
+
+def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
+            sm_margin, deterministic) -> dict:
+    """The keywords every door shares, with their refusals."""
+    _unsupported("qv", qv, None, "attngen has no QV term (FA3's extra q @ v score for MLA decode)")
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        _unsupported(name, x, None, "attngen's kernels take float16/bfloat16, not FP8, so there is nothing to descale")
+    _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
+                                             "it takes no per-call override")
+    _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
+    if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers FA3's backward only
+        raise InputError("deterministic", deterministic, "a bool")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
+    kw = {"causal": bool(causal)}
+    if tuple(window_size) != (-1, -1):
+        kw["window"] = tuple(window_size)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise InputError("softcap", softcap, "a number >= 0 (0.0: off)")
+    if softcap != 0:
+        kw["softcap"] = float(softcap)
+    if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
+        kw["softmax_scale"] = float(softmax_scale)
+    return kw
+
+
+def _splits(num_splits, auto):
+    """FA3's num_splits: 1 no split, 0 its heuristic, n > 1 that many. `auto`: what 0 becomes."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise InputError("num_splits", num_splits, "an int: 0 (automatic), 1 (no split) or a count > 1")
+    return auto if num_splits == 0 else (None if num_splits == 1 else num_splits)
+
+
+def _check_gqa(q, k, v, h_axis: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, f"a torch.Tensor {layout}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise InputError("k.shape", list(k.shape), f"the rank of q {list(q.shape)}: {layout}")
+    hq, hk = q.shape[h_axis], k.shape[h_axis]
+    if hk < 1 or hq % hk:
+        raise InputError(f"q.shape[{h_axis}] (nheads)", hq,
+                         f"a multiple of k.shape[{h_axis}] (nheads_k) = {hk}: q, k, v are {layout}; a "
+                         f"[batch, nheads, seqlen, headdim] tensor (SDPA/Flex layout) needs .transpose(1, 2)")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise InputError("v.shape", list(v.shape), f"k's {list(k.shape[:-1])} but the head dim: {layout}")
+
+
+def _chunk_mask(attention_chunk, q_len, kv_len, where: str) -> dict:
+    """FA3's attention_chunk (chunked local attention): row i sees keys in its chunk of the
+    bottom-right-aligned key positions, as a mask_mod with the new integer // (the offset is a
+    literal: one kernel per kv_len - q_len)."""
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
+        raise InputError("attention_chunk", attention_chunk, "an int >= 0 (0: off)")
+    if attention_chunk == 0:
+        return {}
+    if where != "dense":
+        raise InputError("attention_chunk", attention_chunk, f"0 in {where}: the chunk's offset differs per "
+                                                             f"sequence, and a mask_mod holds it as a literal")
+    off = int(kv_len) - int(q_len)
+    return {"mask_mod": f"(q_idx + {off}) // {attention_chunk} == kv_idx // {attention_chunk}"}
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                    deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FA3's flash_attn_func: q [B, Sq, H, D], k/v [B, Skv, HKV, D] -> out [B, Sq, H, D];
+    (out, softmax_lse [B, H, Sq]) with return_attn_probs (FA3 returns the LSE there, not probabilities)."""
+    _check_gqa(q, k, v, 2, BSHD)
+    kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
+                 sm_margin, deterministic)
+    if q.dim() != 4:
+        raise InputError("q.shape", list(q.shape), f"4 dimensions: {BSHD}")
+    kw.update(_chunk_mask(attention_chunk, q.shape[1], k.shape[1], "dense"))
+    splits = _splits(num_splits, None)  # 0: attngen's choice, which for a dense call is no split
+    if splits is not None:
+        kw["num_splits"] = splits
+    return attention(q, k, v, return_lse=bool(return_attn_probs), **kw)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FA3's flash_attn_varlen_func: packed q [total_q, H, D], k/v [total_k, HKV, D], int32
+    cu_seqlens_q/cu_seqlens_k [B + 1] -> out [total_q, H, D]; (out, softmax_lse [H, total_q])
+    with return_attn_probs. max_seqlen_k is checked against cu_seqlens_k (attngen reads each
+    key length from it)."""
+    layout = "[total, nheads, headdim] (packed varlen)"
+    _check_gqa(q, k, v, 1, layout)
+    if q.dim() != 3:
+        raise InputError("q.shape", list(q.shape), f"3 dimensions: {layout}")
+    kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
+                 sm_margin, deterministic)
+    _unsupported("seqused_q", seqused_q, None, "attngen reads each query length from cu_seqlens_q")
+    _unsupported("seqused_k", seqused_k, None, "a dense varlen call reads each key length from cu_seqlens_k "
+                                               "(seqused_k is a paged cache's: flash_attn_with_kvcache)")
+    kw.update(_chunk_mask(attention_chunk, 0, 0, "a varlen call"))
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+        raise InputError("max_seqlen_k", type(max_seqlen_k).__name__, "an int, the longest key sequence")
+    if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 and cu_seqlens_k.numel() > 1:
+        longest = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        if max_seqlen_k < longest:
+            raise InputError("max_seqlen_k", max_seqlen_k, f"at least {longest}, the longest sequence in cu_seqlens_k")
+    splits = _splits(num_splits, None)
+    if splits is not None:
+        kw["num_splits"] = splits
+    return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     return_lse=bool(return_attn_probs), **kw)
+
+
+def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
+    """A dense cache [B_cache, S_cache, HKV, D] as pages of the largest block_n candidate that
+    divides S_cache: a view (no copy for a contiguous cache), with the page table that walks
+    each sequence's row (row cache_batch_idx[b] if given)."""
+    s_cache = int(k_cache.shape[1])
+    page = next((p for p in BLOCK_N_CANDIDATES if s_cache % p == 0), None)
+    if page is None:
+        raise InputError("k_cache.shape[1] (seqlen_cache)", s_cache,
+                         f"a multiple of 16 with cache_seqlens: attngen reads a dense cache as pages of "
+                         f"{'/'.join(map(str, BLOCK_N_CANDIDATES))} keys (docs/interfaces.md)")
+    per = s_cache // page
+    k_pages = k_cache.reshape(k_cache.shape[0] * per, page, *k_cache.shape[2:])
+    v_pages = v_cache.reshape(v_cache.shape[0] * per, page, *v_cache.shape[2:])
+    rows = torch.arange(batch, dtype=torch.int32, device=k_cache.device) if cache_batch_idx is None \
+        else cache_batch_idx.to(torch.int32)
+    table = rows[:, None] * per + torch.arange(per, dtype=torch.int32, device=k_cache.device)[None, :]
+    return k_pages, v_pages, table.contiguous()
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FA3's flash_attn_with_kvcache without the append: q [B, Sq, H, D] (or packed with
+    cu_seqlens_q), k_cache/v_cache dense [B_cache, S_cache, HKV, D] or paged [num_pages,
+    page_size, HKV, D] with page_table int32 [B, max_pages]; cache_seqlens an int or int32 [B]
+    (None: the whole dense cache). Causal aligns each sequence bottom-right at its cache length.
+    num_splits 0 is attngen's "auto". Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    for name, x in (("k", k), ("v", v), ("cu_seqlens_k_new", cu_seqlens_k_new)):
+        _unsupported(name, x, None, "appending new keys and values into the cache needs a companion kernel "
+                                    "that attngen does not have yet; write them into k_cache/v_cache and "
+                                    "raise cache_seqlens, then call without k and v")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)):
+        _unsupported(name, x, None, "attngen applies no rotary embedding (FA3 applies it only with k and v)")
+    if not isinstance(rotary_interleaved, bool):
+        raise InputError("rotary_interleaved", rotary_interleaved, "a bool (it matters only with rotary_cos)")
+    _unsupported("cache_leftpad", cache_leftpad, None, "attngen's caches start at key 0")
+    _unsupported("scheduler_metadata", scheduler_metadata, None, "attngen plans its grid per call")
+    kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
+                 sm_margin, False)
+    kw.update(_chunk_mask(attention_chunk, 0, 0, "flash_attn_with_kvcache"))
+    varlen = cu_seqlens_q is not None
+    layout = "[total_q, nheads, headdim] with cu_seqlens_q" if varlen else BSHD
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+    if q.dim() != (3 if varlen else 4):
+        raise InputError("q.shape", list(q.shape), f"{3 if varlen else 4} dimensions: {layout}")
+    if k_cache.dim() != 4 or k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise InputError("k_cache.shape", list(k_cache.shape), f"4 dimensions like v_cache {list(v_cache.shape)}: "
+                                                               f"[batch_cache, seqlen_cache, nheads_k, headdim] or "
+                                                               f"[num_blocks, page_block_size, nheads_k, headdim]")
+    hq, hk = q.shape[-2], k_cache.shape[2]
+    if hk < 1 or hq % hk:
+        raise InputError(f"q.shape[{q.dim() - 2}] (nheads)", hq,
+                         f"a multiple of k_cache.shape[2] (nheads_k) = {hk}: q is {layout}, the cache "
+                         f"[.., .., nheads_k, headdim]")
+    batch = int(cu_seqlens_q.shape[0]) - 1 if varlen else int(q.shape[0])
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise InputError("cache_seqlens", type(cache_seqlens).__name__, "an int or an int32 tensor [batch]")
+    if page_table is not None:
+        _unsupported("cache_batch_idx", cache_batch_idx, None, "a paged cache's sequences are its page_table's rows")
+        k_pages, v_pages, table = k_cache, v_cache, page_table
+        if cache_seqlens is None:  # every listed page in use
+            cache_seqlens = torch.full((batch,), int(page_table.shape[1]) * int(k_cache.shape[1]), dtype=torch.int32,
+                                       device=k_cache.device)
+    elif cache_seqlens is None and cache_batch_idx is None and not varlen:
+        k_pages, v_pages, table = k_cache, v_cache, None  # the whole dense cache: a plain call
+    else:
+        if cache_batch_idx is not None and not isinstance(cache_batch_idx, torch.Tensor):
+            raise InputError("cache_batch_idx", type(cache_batch_idx).__name__, "an int32 tensor [batch]")
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise InputError("k_cache.shape[0] (batch_cache)", int(k_cache.shape[0]), f"at least {batch}, q's batch")
+        k_pages, v_pages, table = _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx)
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((batch,), int(k_cache.shape[1]), dtype=torch.int32, device=k_cache.device)
+    serving = {}
+    if table is not None:
+        serving.update(block_table=table, seqused_k=cache_seqlens)
+        # 0 is FA3's heuristic: attngen's "auto", except where attngen has no split kernel (a window)
+        splits = _splits(num_splits, "auto" if "window" not in kw else None)
+        if splits is not None:
+            serving["num_splits"] = splits
+    else:
+        splits = _splits(num_splits, None)
+        if splits is not None:
+            raise InputError("num_splits", num_splits, "0 or 1 for a dense cache without cache_seqlens "
+                                                       "(attngen splits only serving calls)")
+    if varlen:
+        serving.update(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+    elif max_seqlen_q is not None:
+        raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
+    return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

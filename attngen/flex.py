@@ -1,0 +1,486 @@
+"""FlexAttention's front door: `flex_attention`, Python score_mod/mask_mod functions, `create_block_mask`.
+
+    out = attngen.flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                                 enable_gqa=False, return_lse=False)     # [B, H, S, D], as torch's
+    mask = attngen.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128)
+
+A score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx) is an ordinary Python
+function (a def, a nested def or a lambda). `translate` reads its source with `ast` (the whole
+file, so line numbers are the file's) and its closure and globals with `inspect`, and writes the
+expression language of attngen/expr.py: torch.where -> where, torch.tanh/exp/log/abs/minimum/
+maximum and the builtins abs/min/max, arithmetic, % and //, comparisons, & | ~ -> and or not.
+A captured tensor becomes a call-time tensor (float32: document ids are exact up to 2**24), a
+captured Python number a literal, and a call of another such function (and_masks-style helpers)
+is inlined. Local assignments are substituted. Anything else is a FlexTranslationError naming the
+function, the file's line and the construct: there is no fallback.
+
+The kernel does not yet skip a block mask's empty tiles (docs/interfaces.md): flex_attention with
+a block_mask applies its mask_mod as a spec mask_mod, exactly, visiting every tile.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dataclasses
+import inspect
+import keyword
+import linecache
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from attngen import expr, tiles
+from attngen.ops import attention
+from attngen.reference import InputError
+from attngen.spec import FIELDS
+
+# names a call-time tensor may not take: the language's, the spec fields and attention's keywords
+TAKEN = expr.RESERVED | set(FIELDS) | {"softmax_scale", "scale", "out", "cu_seqlens_q", "cu_seqlens_k",
+                                       "max_seqlen_q", "block_table", "seqused_k", "num_splits"}
+
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+# torch / math functions -> the language's (argument count checked by expr.parse)
+TORCH_FUNCS = {"where": "where", "tanh": "tanh", "exp": "exp", "log": "log", "abs": "abs",
+               "minimum": "min", "maximum": "max", "min": "min", "max": "max"}
+MATH_FUNCS = {"tanh": "tanh", "exp": "exp", "log": "log", "fabs": "abs"}
+BUILTIN_FUNCS = {abs: "abs", min: "min", max: "max"}
+
+
+class FlexTranslationError(InputError):
+    """A score_mod/mask_mod the expression language cannot express: the function, the line, the construct."""
+
+    def __init__(self, fn, line, what: str):
+        where = f"{getattr(fn, '__qualname__', fn)} ({_file(fn)}, line {line})"
+        ValueError.__init__(self, f"{where}: {what}")
+        self.argument, self.value, self.expected = getattr(fn, "__qualname__", repr(fn)), line, what
+
+
+def _file(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code else "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Translated:
+    text: str  # the expression (canonical form)
+    tensors: dict  # name -> torch.Tensor (float32) the expression indexes
+
+
+def _function_node(fn):
+    """The ast node (FunctionDef or Lambda) of fn, in its whole file's tree (memoized per code
+    object: the source is read and parsed once, the closure and globals on every call)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise FlexTranslationError(fn, "?", "not a Python function (attngen reads the mod's source)")
+    node = _nodes.get(code)
+    if node is None:
+        if len(_nodes) > 1024:
+            _nodes.clear()
+        node = _nodes[code] = _find_node(fn, code)
+    return node
+
+
+_nodes: dict = {}
+
+
+def _find_node(fn, code):
+    lines = linecache.getlines(code.co_filename, getattr(fn, "__globals__", None))
+    if not lines:
+        raise FlexTranslationError(fn, code.co_firstlineno, "its source is not available (define it in a file)")
+    try:
+        tree = ast.parse("".join(lines))
+    except SyntaxError as e:
+        raise FlexTranslationError(fn, code.co_firstlineno, f"its file does not parse ({e.msg})") from None
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Lambda) and code.co_name == "<lambda>" and node.lineno == code.co_firstlineno:
+            found.append(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if code.co_firstlineno in (first, node.lineno):
+                found.append(node)
+    if len(found) > 1 and code.co_name == "<lambda>":  # several lambdas on one line: match the parameters
+        params = code.co_varnames[:code.co_argcount]
+        found = [n for n in found if tuple(a.arg for a in n.args.args) == params]
+    if len(found) != 1:
+        raise FlexTranslationError(fn, code.co_firstlineno,
+                                   "its source cannot be located unambiguously (put each lambda on its own line)")
+    return found[0]
+
+
+class _Translator:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.by_id: dict[int, str] = {}
+
+    # -- one function: parameters bound to expression trees, locals substituted -------------
+    def function(self, fn, args: list, depth: int = 0) -> ast.expr:
+        if depth > 8:
+            raise FlexTranslationError(fn, fn.__code__.co_firstlineno, "calls nest more than 8 deep")
+        node = _function_node(fn)
+        line0 = node.lineno
+        a = node.args
+        if a.vararg or a.kwarg or a.kwonlyargs:
+            raise FlexTranslationError(fn, line0, "*args, **kwargs or keyword-only parameters")
+        params = [p.arg for p in a.posonlyargs + a.args]
+        if len(params) != len(args):
+            raise FlexTranslationError(fn, line0, f"it takes {len(params)} parameters, {len(args)} expected "
+                                                  f"({', '.join(SCORE_ARGS if self.kind == 'score_mod' else MASK_ARGS)})")
+        env = dict(zip(params, args))
+        if isinstance(node, ast.Lambda):
+            return self.expr(fn, node.body, env, depth)
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]  # the docstring
+        for stmt in body:
+            if isinstance(stmt, ast.Return) and stmt.value is not None:
+                return self.expr(fn, stmt.value, env, depth)
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+                    raise FlexTranslationError(fn, stmt.lineno, "an assignment to anything but one plain name")
+                env[targets[0].id] = self.expr(fn, stmt.value, env, depth)
+                continue
+            if isinstance(stmt, ast.Pass):
+                continue
+            raise FlexTranslationError(fn, stmt.lineno, f"the statement `{type(stmt).__name__}` "
+                                                        f"(only assignments and one return; use torch.where for a branch)")
+        raise FlexTranslationError(fn, line0, "no return statement with a value")
+
+    # -- an expression --------------------------------------------------------------------------
+    def lookup(self, fn, name: str, line: int):
+        code = fn.__code__
+        if name in code.co_freevars and fn.__closure__:
+            cell = fn.__closure__[code.co_freevars.index(name)]
+            try:
+                return cell.cell_contents
+            except ValueError:
+                raise FlexTranslationError(fn, line, f"the captured name `{name}` is not bound yet") from None
+        if name in fn.__globals__:
+            return fn.__globals__[name]
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+        raise FlexTranslationError(fn, line, f"the name `{name}` is not defined")
+
+    def resolve(self, fn, node, env):
+        """The Python object a name or attribute chain (torch.where, math.pi, self_cfg.x) refers to."""
+        if isinstance(node, ast.Name):
+            if node.id in env:
+                return None
+            return self.lookup(fn, node.id, node.lineno)
+        if isinstance(node, ast.Attribute):
+            base = self.resolve(fn, node.value, env)
+            if base is None:
+                return None
+            try:
+                return getattr(base, node.attr)
+            except AttributeError:
+                raise FlexTranslationError(fn, node.lineno, f"the attribute `.{node.attr}` does not exist") from None
+        return None
+
+    def tensor(self, t: torch.Tensor, name: str) -> str:
+        if id(t) in self.by_id:
+            return self.by_id[id(t)]
+        base = name.lstrip("_") or "t"
+        if base in TAKEN or keyword.iskeyword(base) or not base.isidentifier():
+            base = f"t_{base}"
+        out, n = base, 1
+        while out in self.tensors:
+            n += 1
+            out = f"{base}{n}"
+        self.tensors[out] = t.detach().to(torch.float32)
+        self.by_id[id(t)] = out
+        return out
+
+    def literal(self, fn, value, line) -> ast.expr:
+        if isinstance(value, bool):  # the language has no boolean literal
+            return ast.Compare(ast.Constant(0), [ast.Eq() if value else ast.NotEq()], [ast.Constant(0)])
+        if isinstance(value, numbers.Integral):
+            return ast.Constant(int(value))
+        if isinstance(value, numbers.Real):
+            return ast.Constant(float(value))
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            raise FlexTranslationError(fn, line, "a captured 0-d tensor (pass a Python number, or index a 1-d tensor)")
+        raise FlexTranslationError(fn, line, f"the captured value of type {type(value).__name__} "
+                                             f"(numbers become literals, tensors must be indexed)")
+
+    def expr(self, fn, node, env, depth) -> ast.expr:
+        line = getattr(node, "lineno", fn.__code__.co_firstlineno)
+        ex = lambda n: self.expr(fn, n, env, depth)  # noqa: E731
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, (bool, int, float)):
+                return self.literal(fn, node.value, line)
+            raise FlexTranslationError(fn, line, f"the literal {node.value!r}")
+        if isinstance(node, ast.Name):
+            if node.id in env:
+                return env[node.id]
+            value = self.lookup(fn, node.id, line)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                raise FlexTranslationError(fn, line, f"the tensor `{node.id}` used whole (index it, like {node.id}[h])")
+            return self.literal(fn, value, line)
+        if isinstance(node, ast.Attribute):
+            value = self.resolve(fn, node, env)
+            if value is None:
+                raise FlexTranslationError(fn, line, f"the attribute or method `.{node.attr}` "
+                                                     f"(use torch.{node.attr}(x) or a supported function)")
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                raise FlexTranslationError(fn, line, f"the tensor `{ast.unparse(node)}` used whole (index it)")
+            return self.literal(fn, value, line)
+        if isinstance(node, ast.Subscript):
+            chain, base = [], node
+            while isinstance(base, ast.Subscript):  # bias[h][q_idx] is bias[h, q_idx]
+                idx = base.slice.elts if isinstance(base.slice, ast.Tuple) else [base.slice]
+                chain = list(idx) + chain
+                base = base.value
+            t = self.resolve(fn, base, env)
+            if not isinstance(t, torch.Tensor):
+                raise FlexTranslationError(fn, line, f"indexing `{ast.unparse(base)}`, which is not a captured tensor")
+            if t.dim() != len(chain):
+                raise FlexTranslationError(fn, line, f"`{ast.unparse(base)}` has {t.dim()} dimensions, indexed with {len(chain)}")
+            if any(isinstance(i, (ast.Slice, ast.Starred)) for i in chain):
+                raise FlexTranslationError(fn, line, "a slice (index with b, h, q_idx, kv_idx expressions)")
+            name = self.tensor(t, base.attr if isinstance(base, ast.Attribute) else base.id)
+            idx = [ex(i) for i in chain]
+            return ast.Subscript(ast.Name(name, ast.Load()), idx[0] if len(idx) == 1 else ast.Tuple(idx, ast.Load()),
+                                 ast.Load())
+        if isinstance(node, ast.BinOp):
+            ops = {ast.Add: ast.Add, ast.Sub: ast.Sub, ast.Mult: ast.Mult, ast.Div: ast.Div, ast.Mod: ast.Mod,
+                   ast.FloorDiv: ast.FloorDiv}
+            if isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+                return ast.BoolOp(ast.And() if isinstance(node.op, ast.BitAnd) else ast.Or(), [ex(node.left), ex(node.right)])
+            if type(node.op) not in ops:
+                raise FlexTranslationError(fn, line, f"the operator {_OPNAMES.get(type(node.op), type(node.op).__name__)}")
+            return ast.BinOp(ex(node.left), ops[type(node.op)](), ex(node.right))
+        if isinstance(node, ast.UnaryOp):
+            if isinstance(node.op, (ast.Invert, ast.Not)):
+                return ast.UnaryOp(ast.Not(), ex(node.operand))
+            return ast.UnaryOp(type(node.op)(), ex(node.operand))
+        if isinstance(node, ast.BoolOp):
+            return ast.BoolOp(type(node.op)(), [ex(v) for v in node.values])
+        if isinstance(node, ast.Compare):
+            return ast.Compare(ex(node.left), [type(o)() for o in node.ops], [ex(c) for c in node.comparators])
+        if isinstance(node, ast.Call):
+            if node.keywords:
+                raise FlexTranslationError(fn, line, f"keyword arguments in a call of `{ast.unparse(node.func)}`")
+            target = self.resolve(fn, node.func, env)
+            if target is None and isinstance(node.func, ast.Attribute):
+                raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` on a value "
+                                                     f"(use a function: torch.{node.func.attr}(x))")
+            args = [ex(a) for a in node.args]
+            name = _function_name(target)
+            if name is not None:
+                return ast.Call(ast.Name(name, ast.Load()), args, [])
+            if inspect.isfunction(target):  # a helper mod (and_masks-style): inlined
+                return self.function(target, args, depth + 1)
+            raise FlexTranslationError(fn, line, f"calling `{ast.unparse(node.func)}` (supported: torch.where, "
+                                                 f"torch.tanh/exp/log/abs/minimum/maximum, abs, min, max, and "
+                                                 f"Python functions made of these)")
+        if isinstance(node, ast.IfExp):
+            raise FlexTranslationError(fn, line, "a conditional expression `x if c else y` (use torch.where(c, x, y))")
+        raise FlexTranslationError(fn, line, f"the construct `{type(node).__name__}` ({ast.unparse(node)[:40]})")
+
+
+_OPNAMES = {ast.Pow: "** (power)", ast.LShift: "<<", ast.RShift: ">>", ast.BitXor: "^ (xor)",
+            ast.MatMult: "@ (matmul)"}
+
+
+def _function_name(target):
+    """The language's name of a torch/math/builtin function object, or None."""
+    for table, module in ((TORCH_FUNCS, torch), (MATH_FUNCS, math)):
+        for py, ours in table.items():
+            if getattr(module, py, None) is target:
+                return ours
+    try:
+        return BUILTIN_FUNCS.get(target)
+    except TypeError:
+        return None
+
+
+def translate(fn, kind: str) -> Translated:
+    """A score_mod (kind "score_mod") or mask_mod ("mask_mod") Python function as an expression.
+
+    The closure and globals are read on every call (a rebound capture is seen at once); the
+    source is parsed once per function (_function_node) and the expression once per text
+    (_parsed)."""
+    if not callable(fn):
+        raise InputError(kind, type(fn).__name__, f"a Python function {'(score, b, h, q_idx, kv_idx)' if kind == 'score_mod' else '(b, h, q_idx, kv_idx)'}")
+    tr = _Translator(kind)
+    names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
+    tree = tr.function(fn, [ast.Name(n, ast.Load()) for n in names])
+    text = ast.unparse(ast.fix_missing_locations(tree))
+    canonical = _parsed.get((text, kind))
+    if canonical is None:
+        try:
+            canonical = expr.parse(text, kind).canonical
+        except expr.ExprError as e:
+            line = _function_node(fn).lineno
+            raise FlexTranslationError(fn, line, f"translated to `{text}`, which the expression language rejects "
+                                                 f"{e}") from None
+        if len(_parsed) > 1024:
+            _parsed.clear()
+        _parsed[(text, kind)] = canonical
+    return Translated(canonical, tr.tensors)
+
+
+_parsed: dict = {}
+
+
+# -- the block mask -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class BlockMask:
+    """FlexAttention's BlockMask fields: per (b, h, Q tile) the KV tiles that are partial
+    (kv_num_blocks, kv_indices: the mask runs there) and full (full_kv_num_blocks,
+    full_kv_indices: no mask needed), and the transposed q_* lists per KV tile. Empty tiles are in
+    neither list. Only the first *_num_blocks entries of an index row are meaningful."""
+    seq_lengths: tuple  # (Q_LEN, KV_LEN)
+    BLOCK_SIZE: tuple  # (Q block, KV block)
+    kv_num_blocks: torch.Tensor  # int32 [B, H, nq]
+    kv_indices: torch.Tensor  # int32 [B, H, nq, nk]
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor  # int32 [B, H, nk]
+    q_indices: torch.Tensor  # int32 [B, H, nk, nq]
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
+    mask_mod: object
+    states: np.ndarray  # int8 [B, H, nq, nk]: tiles.EMPTY / PARTIAL / FULL
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+
+    def sparsity(self) -> float:
+        """Percent of tiles that are empty."""
+        return 100.0 * float((self.states == tiles.EMPTY).mean())
+
+
+def _positive(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+        raise InputError(name, x, "a positive int")
+    return int(x)
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False) -> BlockMask:
+    """Evaluate mask_mod (translated, with numpy: expr.evaluate) over [B, H, Q_LEN, KV_LEN] and
+    classify each BLOCK_SIZE tile (tiles.tile_states). B or H None is 1 (broadcast, as Flex).
+    BLOCK_SIZE is an int or (Q block, KV block). `device`: where the index tensors live (CPU
+    by default; Flex's default is "cuda"). `_compile` is accepted and changes nothing."""
+    B = 1 if B is None else _positive("B", B)
+    H = 1 if H is None else _positive("H", H)
+    Q_LEN, KV_LEN = _positive("Q_LEN", Q_LEN), _positive("KV_LEN", KV_LEN)
+    bm, bn = (BLOCK_SIZE, BLOCK_SIZE) if not isinstance(BLOCK_SIZE, (tuple, list)) else tuple(BLOCK_SIZE)
+    bm, bn = _positive("BLOCK_SIZE", bm), _positive("BLOCK_SIZE", bn)
+    tr = translate(mask_mod, "mask_mod")
+    e = expr.parse(tr.text, "mask_mod")
+    arrays = {n: t.cpu().numpy() for n, t in tr.tensors.items()}
+    states = []
+    for q0 in range(0, Q_LEN, bm):  # one row of tiles at a time: memory B*H*bm*KV_LEN
+        env = {"b": np.arange(B)[:, None, None, None], "h": np.arange(H)[None, :, None, None],
+               "q_idx": np.arange(q0, min(q0 + bm, Q_LEN))[None, None, :, None],
+               "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
+        shape = (B, H, min(q0 + bm, Q_LEN) - q0, KV_LEN)
+        vis = np.broadcast_to(expr.evaluate(e, env, arrays), shape)
+        states.append(tiles.tile_states(vis, bm, bn))
+    st = np.concatenate(states, axis=2)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+
+    def lists(sel):
+        counts, idx = tiles.tile_lists(sel)
+        return torch.from_numpy(counts).to(dev), torch.from_numpy(idx).to(dev)
+
+    partial, full = st == tiles.PARTIAL, st == tiles.FULL
+    kv_n, kv_i = lists(partial)
+    fkv_n, fkv_i = lists(full)
+    q_n, q_i = lists(np.swapaxes(partial, -1, -2))
+    fq_n, fq_i = lists(np.swapaxes(full, -1, -2))
+    return BlockMask((Q_LEN, KV_LEN), (bm, bn), kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, mask_mod, st)
+
+
+# -- flex_attention --------------------------------------------------------------------------------------
+
+
+def _bhsd(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(name, type(t).__name__, "a torch.Tensor [B, H, S, D]")
+    if t.dim() != 4:
+        raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [B, H, S, D] (FlexAttention's layout)")
+
+
+def check_layout(query, key, value, enable_gqa: bool) -> None:
+    """Shapes that the [B, H, S, D] layout explains; a [B, S, H, D] tensor usually is not one."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _bhsd(name, t)
+    hint = ("flex_attention takes [B, H, S, D] (FlexAttention's layout); a [B, S, H, D] tensor (the "
+            "flash-attn layout) needs .transpose(1, 2)")
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise InputError("key.shape[0] (B)", key.shape[0], f"{query.shape[0]}, query's batch")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise InputError("value.shape", list(value.shape), f"heads and length {list(key.shape[1:3])} of key's: {hint}")
+    if key.shape[3] != query.shape[3]:
+        raise InputError("key.shape[3] (D)", key.shape[3], f"{query.shape[3]}, query's head dim: {hint}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv:
+        if hkv < 1 or hq % hkv:
+            raise InputError("query.shape[1] (H)", hq, f"a multiple of key.shape[1] (kv heads) = {hkv}: {hint}")
+        if not enable_gqa:
+            raise InputError("enable_gqa", enable_gqa, f"True: query has {hq} heads and key {hkv} (GQA), "
+                                                       f"as torch's flex_attention requires")
+
+
+def _to_bshd(t):
+    """[B, H, S, D] -> [B, S, H, D] as the kernels take it: a view when the permuted strides are
+    packed (the tensor is a transpose of a packed [B, S, H, D]), else one packed copy (the
+    kernels' host stub takes packed tensors only: attngen.inputs.check_layout)."""
+    view = t.transpose(1, 2)
+    return view if view.is_contiguous() else view.contiguous()
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None):
+    """torch.nn.attention.flex_attention's call, on attngen's kernel: [B, H, S, D] in and out;
+    returns out, or (out, lse [B, H, Q_LEN] float32, natural log) with return_lse."""
+    check_layout(query, key, value, enable_gqa)
+    if kernel_options:
+        raise InputError("kernel_options", kernel_options, "None: attngen picks its schedule from the spec and "
+                                                           "the tuned table (spec fields go to attngen.attention)")
+    kw = {}
+    if score_mod is not None:
+        tr = translate(score_mod, "score_mod")
+        kw["score_mod"] = tr.text
+        kw.update(tr.tensors)
+    if block_mask is not None:
+        mm = getattr(block_mask, "mask_mod", None)
+        lengths = tuple(getattr(block_mask, "seq_lengths", ()))
+        if mm is None or len(lengths) != 2:
+            raise InputError("block_mask", type(block_mask).__name__, "a BlockMask from attngen.create_block_mask")
+        if lengths != (query.shape[2], key.shape[2]):
+            raise InputError("block_mask.seq_lengths", lengths,
+                             f"({query.shape[2]}, {key.shape[2]}), query's and key's lengths")
+        bshape = tuple(getattr(block_mask, "kv_num_blocks").shape[:2]) if hasattr(block_mask, "kv_num_blocks") else (1, 1)
+        for axis, (got, want) in enumerate(zip(bshape, (query.shape[0], query.shape[1]))):
+            if got not in (1, want):
+                raise InputError(f"block_mask {'BH'[axis]}", got, f"1 or {want}")
+        tr = translate(mm, "mask_mod")
+        clash = set(tr.tensors) & set(kw)
+        if clash:  # the two mods captured different tensors under one name
+            raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
+        kw["mask_mod"] = tr.text
+        kw.update(tr.tensors)
+    if scale is not None:  # a run-time scale (issue 18); passed only when asked for
+        kw["softmax_scale"] = float(scale)
+    kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
+    out, lse = result if return_lse else (result, None)
+    out = out.transpose(1, 2)  # [B, H, S, D], a view
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["BlockMask", "FlexTranslationError", "Translated", "create_block_mask", "flex_attention", "translate"]
