@@ -33,6 +33,11 @@ SERVING_PRODUCER_REGS = {1: 56}
 # loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
 # spill reports: docs/spec-reference.md, "Register budget".
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
+# ...and beyond that when tiles are masked along a diagonal (causal or a window): the mask's row
+# and column index of each element is live beside the accumulators. At the 3-consumer edge hd64
+# causal at block_n 128 (accumulators 128) spilled 24 bytes with 32 spare, hd128 causal at 80
+# (124) fits with 36 (bench/plan_sweep.py; docs/spec-reference.md, "Register budget").
+DIAGONAL_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 4}
 ACCUM_BYTES = 4  # wgmma accumulates in float32
 # Registers a consumer thread needs beyond that for the variants' element-wise score work
 # (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor

@@ -9,9 +9,11 @@ table shows, per spec, the plan's estimate for a consumer thread, its setmaxnreg
 highest register the SASS names (the registers the kernel really uses: ptxas's own "Used N
 registers" is the launch cap, equal for every kernel of a thread count), and the spill bytes
 and LDL/STL counts. The summary line counts the specs that spill and the estimate's error
-against the SASS figure (estimate - used, over the specs that do not spill).
+against the SASS figure (estimate - used, over the specs that do not spill). `--neighbours` also
+builds, for each default block_n that only the estimate keeps from the next larger candidate,
+that candidate with the estimate off: if ptxas fits it, the default is smaller than it need be.
 
-    python bench/plan_sweep.py [-n 220] [--seed 21] [-j 2] [--jsonl results.jsonl] [--cache-dir DIR]
+    python bench/plan_sweep.py [-n 220] [--seed 21] [-j 2] [--neighbours] [--jsonl results.jsonl] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -272,8 +274,8 @@ def main(argv=None):
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--jsonl", default=None, help="also write one JSON row per spec here")
     ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--no-neighbours", action="store_true",
-                    help="do not build the next larger block_n of register-bound defaults (half the builds)")
+    ap.add_argument("--neighbours", action="store_true",
+                    help="also build the next larger block_n of each register-bound default, the estimate off")
     ap.add_argument("--list", action="store_true", help="print the drawn kernels and their estimates, build nothing")
     args = ap.parse_args(argv)
 
@@ -292,7 +294,7 @@ def main(argv=None):
             out.write(json.dumps({"i": i, **dataclasses.asdict(r)}) + "\n")
             out.flush()
 
-    rows = run(plans, args.jobs, args.cache_dir, on_row, neighbours=not args.no_neighbours)
+    rows = run(plans, args.jobs, args.cache_dir, on_row, neighbours=args.neighbours)
     print(f"\nin order ({time.monotonic() - t0:.0f} s):\n{HEADER}")
     for i, r in enumerate(rows):
         print(format_row(i, r))
