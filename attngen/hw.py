@@ -38,6 +38,11 @@ CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 # causal at block_n 128 (accumulators 128) spilled 24 bytes with 32 spare, hd128 causal at 80
 # (124) fits with 36 (bench/plan_sweep.py; docs/spec-reference.md, "Register budget").
 DIAGONAL_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 4}
+# ...and with packed sequences (layout "varlen"): the sequence's start and length, read from
+# cu_seqlens before the warpgroups split, stay live to the row-by-row epilogue. hd256 with a
+# mask_mod at block_n 48 (estimate 240 of 240) spilled both (8 B stack); hd128 with three
+# variants at 128 (236) fits (bench/plan_sweep.py).
+PER_SEQUENCE_REG_OVERHEAD = 4
 ACCUM_BYTES = 4  # wgmma accumulates in float32
 # Registers a consumer thread needs beyond that for the variants' element-wise score work
 # (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor

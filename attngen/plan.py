@@ -226,10 +226,15 @@ def mask_regs(spec: Spec) -> int:
     return hw.DIAGONAL_MASK_REG_OVERHEAD[spec.consumers] if diagonal and not variant_regs(spec) else 0
 
 
+def sequence_regs(spec: Spec) -> int:
+    """Extra registers per consumer thread for packed sequences (their offsets and lengths)."""
+    return hw.PER_SEQUENCE_REG_OVERHEAD if spec.layout == "varlen" else 0
+
+
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
     return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
-            + variant_regs(spec) + mask_regs(spec))
+            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
 
 
 def default_block_n(spec: Spec) -> int:
@@ -408,6 +413,7 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
         f"P {spec.block_n // 4}, overhead {hw.CONSUMER_REG_OVERHEAD[n]}"
         + (f", variants {variant_regs(spec)}" if variant_regs(spec) else "")
         + (f", diagonal mask {mask_regs(spec)}" if mask_regs(spec) else "")
+        + (f", varlen {sequence_regs(spec)}" if sequence_regs(spec) else "")
         + f") but setmaxnreg gives it {consumer_regs} "
         f"with {n} consumer(s); block_n <= {max(fits)} fits",
     )

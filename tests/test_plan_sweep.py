@@ -18,14 +18,18 @@ from attngen.spec import SpecError
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import plan_sweep  # noqa: E402
 
+VARLEN_EDGE = dict(head_dim=256, dtype="bfloat16", gqa_group=16, consumers=2, k_stages=1, v_stages=3,
+                   mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]", layout="varlen")
 # (fields, the block_n the plan must choose or accept); each within 8 registers of its cap
 EDGES = {
     "issue21_hd64_c3_causal": (plan_sweep.REPRODUCER, 112),
     "hd64_c3_full": (dict(head_dim=64, consumers=3, k_stages=3, v_stages=2, gqa_group=8), 128),
     "hd128_c3_causal": (dict(head_dim=128, consumers=3, causal=True), 80),
+    # packed sequences at the 240 edge: block_n 48 (estimate 240 without the varlen share) spilled 8 B
+    "hd256_c2_varlen_mask_mod": (VARLEN_EDGE, 32),
 }
-# The 240-register edge is in tests/test_build.py's presets: hd192_f16_full (240 of 240) and the
-# variant presets (236 of 240).
+# The rest of the 240-register edge is in tests/test_build.py's presets: hd192_f16_full (240 of
+# 240) and the variant presets (236 of 240).
 
 
 @pytest.mark.parametrize("name", EDGES)
@@ -64,3 +68,10 @@ def test_the_summary_counts_a_spilling_row():
     line = plan_sweep.summary([ok, bad])
     assert line.startswith("2 specs, 1 spill (1 of them within the estimate's budget)"), line
     assert "min +2, max +2" in line  # estimate - SASS registers over the spill-free row
+
+
+def test_packed_sequences_cost_registers_in_the_estimate():
+    with pytest.raises(SpecError, match=r"varlen 4\) but setmaxnreg gives it 240 .*block_n <= 32 fits"):
+        attngen.make_plan(attngen.Spec(**VARLEN_EDGE, block_n=48))
+    bshd = {k: v for k, v in VARLEN_EDGE.items() if k != "layout"}
+    assert attngen.make_plan(attngen.Spec(**bshd, block_n=48)).consumer_regs_needed == 240
