@@ -167,6 +167,7 @@ class Row:
 
 
 def spills_of(report: dict) -> int:
+    """Nonzero when a kernel (or its combine kernel) touches local memory: spill and stack bytes plus LDL/STL."""
     c = report.get("combine", {})
     return (report["spill_store_bytes"] + report["spill_load_bytes"] + report["stack_frame_bytes"] + report["sass"]["LDL"]
             + report["sass"]["STL"] + sum(c.get(k, 0) for k in ("spill_store_bytes", "spill_load_bytes", "stack_frame_bytes")))
