@@ -2,8 +2,8 @@
 
 The full sweep (220 seeded specs across every field) runs from bench/; here the 3-consumer
 specs whose estimate sits closest to their 160 registers, the issue-21 reproducer among them,
-and the refused neighbour of that reproducer, which ptxas must show spilling (else the estimate
-refuses a tile that fits).
+the varlen spec the sweep found spilling at 240, and the refused neighbour of the reproducer,
+which ptxas must show spilling (else the estimate refuses a tile that fits).
 """
 
 import sys
