@@ -28,7 +28,9 @@ LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel u
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 # A producer that looks up pages or split ranges per tile spills at 24 registers (measured:
 # 36 bytes on the paged split-KV decode preset); one consumer leaves the pool room for 56.
-SERVING_PRODUCER_REGS = {1: 56}
+# With 2 consumers the pool is full at 24 + 2 x 240, and a paged producer spilled there too
+# (4 bytes, bench/plan_sweep.py): it takes 40 and each consumer 232 (plan.reg_split).
+SERVING_PRODUCER_REGS = {1: 56, 2: 40}
 # Registers a consumer thread needs beyond its accumulators (row statistics, addresses,
 # loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
 # spill reports: docs/spec-reference.md, "Register budget".

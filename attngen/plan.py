@@ -237,10 +237,22 @@ def regs_needed(spec: Spec, block_n: int) -> int:
             + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
 
 
+def reg_split(spec: Spec) -> tuple:
+    """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
+    (page and split lookups per tile), the consumers keeping what the pool leaves them."""
+    n = spec.consumers
+    producer, consumer = hw.REG_SPLIT[n]
+    if spec.paged_kv or spec.splits != 1:
+        producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
+        pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
+        consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
+    return producer, consumer
+
+
 def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
-    _, consumer_regs = hw.REG_SPLIT[spec.consumers]
+    _, consumer_regs = reg_split(spec)
     fits_page = [bn for bn in BLOCK_N_CANDIDATES if not spec.paged_kv or spec.page_size % bn == 0]
     for bn in fits_page:
         if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
@@ -272,9 +284,7 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     n = spec.consumers
     threads = hw.WARPGROUP_THREADS * (n + 1)
     launch_regs = hw.launch_regs(threads)
-    producer_regs, consumer_regs = hw.REG_SPLIT[n]
-    if spec.paged_kv or spec.splits != 1:
-        producer_regs = hw.SERVING_PRODUCER_REGS.get(n, producer_regs)
+    producer_regs, consumer_regs = reg_split(spec)
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 

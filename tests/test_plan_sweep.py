@@ -75,3 +75,13 @@ def test_packed_sequences_cost_registers_in_the_estimate():
         attngen.make_plan(attngen.Spec(**VARLEN_EDGE, block_n=48))
     bshd = {k: v for k, v in VARLEN_EDGE.items() if k != "layout"}
     assert attngen.make_plan(attngen.Spec(**bshd, block_n=48)).consumer_regs_needed == 240
+
+
+def test_a_paged_producer_with_two_consumers_does_not_spill(build_cache):
+    """The sweep's paged spec whose 24-register producer spilled 4 bytes: it now has 40."""
+    spec = attngen.Spec(head_dim=192, dtype="bfloat16", causal=True, gqa_group=16, consumers=2, k_stages=1, v_stages=2,
+                        softcap=15.0, paged_kv=True, page_size=128)
+    plan = attngen.make_plan(spec)
+    assert (plan.producer_regs, plan.consumer_regs, plan.spec.block_n) == (40, 232, 64)
+    report = build(plan, cache_dir=build_cache).report
+    assert plan_sweep.spills_of(report) == 0, {k: report[k] for k in ("spill_store_bytes", "stack_frame_bytes", "sass")}
