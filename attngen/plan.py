@@ -249,11 +249,26 @@ def reg_split(spec: Spec) -> tuple:
     return producer, consumer
 
 
+# ALiBi with split-KV and 3 consumers: from block_n 80 nvcc keeps the S tile in local memory
+# (160 B stack, causal or not; the per-element distance inlines the split's first tile, a division
+# by the runtime num_splits), at 64 it stays in registers (bench/plan_sweep.py; not a register
+# overflow, so not in the estimate). Measured with bshd; the varlen form fitted at 80.
+ALIBI_SPLIT_MAX_BLOCK_N = 64
+
+
+def block_n_limit(spec: Spec) -> int | None:
+    """The largest block_n the emitted kernel keeps in registers whatever the estimate, or None."""
+    if spec.alibi and spec.splits != 1 and spec.consumers == 3:
+        return ALIBI_SPLIT_MAX_BLOCK_N
+    return None
+
+
 def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
     _, consumer_regs = reg_split(spec)
-    fits_page = [bn for bn in BLOCK_N_CANDIDATES if not spec.paged_kv or spec.page_size % bn == 0]
+    limit = block_n_limit(spec) or BLOCK_N_CANDIDATES[0]
+    fits_page = [bn for bn in BLOCK_N_CANDIDATES if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
     for bn in fits_page:
         if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
             return bn
@@ -291,6 +306,10 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)
+    limit = block_n_limit(spec)
+    if check_registers and limit and spec.block_n > limit:
+        raise SpecError("block_n", spec.block_n, f"with alibi, split-KV and 3 consumers the S tile of a block_n above {limit} "
+                        f"goes to local memory (nvcc); block_n <= {limit} fits, or use 2 consumers")
 
     smem = smem_layout(spec, spec.block_n)
     total = sum(smem.values())

@@ -85,3 +85,16 @@ def test_a_paged_producer_with_two_consumers_does_not_spill(build_cache):
     assert (plan.producer_regs, plan.consumer_regs, plan.spec.block_n) == (40, 232, 64)
     report = build(plan, cache_dir=build_cache).report
     assert plan_sweep.spills_of(report) == 0, {k: report[k] for k in ("spill_store_bytes", "stack_frame_bytes", "sass")}
+
+
+def test_alibi_with_split_kv_at_three_consumers_stays_in_registers(build_cache):
+    """The sweep's one local-memory kernel: ALiBi, split-KV, 3 consumers at block_n 80 kept S in a
+    160-byte stack frame; the plan now takes 64 and refuses 80 with a one-line reason."""
+    fields = dict(head_dim=64, consumers=3, k_stages=2, v_stages=3, alibi=True, splits=4)
+    with pytest.raises(SpecError, match=r"block_n <= 64 fits"):
+        attngen.make_plan(attngen.Spec(**fields, block_n=80))
+    plan = attngen.make_plan(attngen.Spec(**fields))
+    assert plan.spec.block_n == 64
+    assert attngen.make_plan(attngen.Spec(**{**fields, "consumers": 2})).spec.block_n == 128  # only at 3
+    report = build(plan, cache_dir=build_cache).report
+    assert plan_sweep.spills_of(report) == 0, {k: report[k] for k in ("spill_store_bytes", "stack_frame_bytes", "sass")}
