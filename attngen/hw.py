@@ -49,8 +49,9 @@ ACCUM_BYTES = 4  # wgmma accumulates in float32
 # Registers a consumer thread needs beyond that for the variants' element-wise score work
 # (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor
 # addresses). Measured with ptxas at the 3-consumer edge (160 registers), every variant at
-# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse,
-# sinks and window fit with the base estimate's 4 spare (docs/variants.md, "Registers").
+# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse and
+# sinks fit with the base estimate's 4 spare (docs/variants.md, "Registers"); a window is a
+# diagonal mask (DIAGONAL_MASK_REG_OVERHEAD).
 VARIANT_REG_OVERHEAD = 28
 
 
