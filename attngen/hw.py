@@ -28,17 +28,30 @@ LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel u
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 # A producer that looks up pages or split ranges per tile spills at 24 registers (measured:
 # 36 bytes on the paged split-KV decode preset); one consumer leaves the pool room for 56.
-SERVING_PRODUCER_REGS = {1: 56}
+# With 2 consumers the pool is full at 24 + 2 x 240, and a paged producer spilled there too
+# (4 bytes, bench/plan_sweep.py): it takes 40 and each consumer 232 (plan.reg_split).
+SERVING_PRODUCER_REGS = {1: 56, 2: 40}
 # Registers a consumer thread needs beyond its accumulators (row statistics, addresses,
 # loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
 # spill reports: docs/spec-reference.md, "Register budget".
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
+# ...and beyond that when tiles are masked along a diagonal (causal or a window): the mask's row
+# and column index of each element is live beside the accumulators. At the 3-consumer edge hd64
+# causal at block_n 128 (accumulators 128) spilled 24 bytes with 32 spare, hd128 causal at 80
+# (124) fits with 36 (bench/plan_sweep.py; docs/spec-reference.md, "Register budget").
+DIAGONAL_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 4}
+# ...and with packed sequences (layout "varlen"): the sequence's start and length, read from
+# cu_seqlens before the warpgroups split, stay live to the row-by-row epilogue. hd256 with a
+# mask_mod at block_n 48 (estimate 240 of 240) spilled both (8 B stack); hd128 with three
+# variants at 128 (236) fits (bench/plan_sweep.py).
+PER_SEQUENCE_REG_OVERHEAD = 4
 ACCUM_BYTES = 4  # wgmma accumulates in float32
 # Registers a consumer thread needs beyond that for the variants' element-wise score work
 # (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor
 # addresses). Measured with ptxas at the 3-consumer edge (160 registers), every variant at
-# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse,
-# sinks and window fit with the base estimate's 4 spare (docs/variants.md, "Registers").
+# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse and
+# sinks fit with the base estimate's 4 spare (docs/variants.md, "Registers"); a window is a
+# diagonal mask (DIAGONAL_MASK_REG_OVERHEAD).
 VARIANT_REG_OVERHEAD = 28
 
 

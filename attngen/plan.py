@@ -220,17 +220,56 @@ def variant_regs(spec: Spec) -> int:
     return hw.VARIANT_REG_OVERHEAD if elementwise else 0
 
 
+def mask_regs(spec: Spec) -> int:
+    """Extra registers per consumer thread for a diagonal mask (causal or a window). The element-wise
+    variants' overhead was measured on a causal windowed kernel, so it already covers the mask."""
+    diagonal = spec.causal or spec.window != (-1, -1)
+    return hw.DIAGONAL_MASK_REG_OVERHEAD[spec.consumers] if diagonal and not variant_regs(spec) else 0
+
+
+def sequence_regs(spec: Spec) -> int:
+    """Extra registers per consumer thread for packed sequences (their offsets and lengths)."""
+    return hw.PER_SEQUENCE_REG_OVERHEAD if spec.layout == "varlen" else 0
+
+
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
     return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
-            + variant_regs(spec))
+            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
+
+
+def reg_split(spec: Spec) -> tuple:
+    """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
+    (page and split lookups per tile), the consumers keeping what the pool leaves them."""
+    n = spec.consumers
+    producer, consumer = hw.REG_SPLIT[n]
+    if spec.paged_kv or spec.splits != 1:
+        producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
+        pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
+        consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
+    return producer, consumer
+
+
+# ALiBi with split-KV and 3 consumers: from block_n 80 nvcc keeps the S tile in local memory
+# (160 B stack, causal or not; the per-element distance inlines the split's first tile, a division
+# by the runtime num_splits), at 64 it stays in registers (bench/plan_sweep.py; not a register
+# overflow, so not in the estimate). Measured with bshd; the varlen form fitted at 80.
+ALIBI_SPLIT_MAX_BLOCK_N = 64
+
+
+def block_n_limit(spec: Spec) -> int | None:
+    """The largest block_n the emitted kernel keeps in registers whatever the estimate, or None."""
+    if spec.alibi and spec.splits != 1 and spec.consumers == 3:
+        return ALIBI_SPLIT_MAX_BLOCK_N
+    return None
 
 
 def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
-    _, consumer_regs = hw.REG_SPLIT[spec.consumers]
-    fits_page = [bn for bn in BLOCK_N_CANDIDATES if not spec.paged_kv or spec.page_size % bn == 0]
+    _, consumer_regs = reg_split(spec)
+    limit = block_n_limit(spec) or BLOCK_N_CANDIDATES[0]
+    fits_page = [bn for bn in BLOCK_N_CANDIDATES if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
     for bn in fits_page:
         if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
             return bn
@@ -294,15 +333,17 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     n = spec.consumers
     threads = hw.WARPGROUP_THREADS * (n + 1)
     launch_regs = hw.launch_regs(threads)
-    producer_regs, consumer_regs = hw.REG_SPLIT[n]
-    if spec.paged_kv or spec.splits != 1:
-        producer_regs = hw.SERVING_PRODUCER_REGS.get(n, producer_regs)
+    producer_regs, consumer_regs = reg_split(spec)
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)
+    limit = block_n_limit(spec)
+    if check_registers and limit and spec.block_n > limit:
+        raise SpecError("block_n", spec.block_n, f"with alibi, split-KV and 3 consumers the S tile of a block_n above {limit} "
+                        f"goes to local memory (nvcc); block_n <= {limit} fits, or use 2 consumers")
 
     smem = smem_layout(spec, spec.block_n)
     total = sum(smem.values())
@@ -434,6 +475,8 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
         f"a consumer thread would need about {needed} registers (O {head_dim_v(spec) // 2}, S {spec.block_n // 2}, "
         f"P {spec.block_n // 4}, overhead {hw.CONSUMER_REG_OVERHEAD[n]}"
         + (f", variants {variant_regs(spec)}" if variant_regs(spec) else "")
+        + (f", diagonal mask {mask_regs(spec)}" if mask_regs(spec) else "")
+        + (f", varlen {sequence_regs(spec)}" if sequence_regs(spec) else "")
         + f") but setmaxnreg gives it {consumer_regs} "
         f"with {n} consumer(s); block_n <= {max(fits)} fits",
     )

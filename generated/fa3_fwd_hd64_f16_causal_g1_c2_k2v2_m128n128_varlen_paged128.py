@@ -4,7 +4,7 @@
 # spec hash: e4bec99c337e
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
 # shape:     dynamic: batch, total_q, kv_heads, num_pages, max_pages are runtime values
-# schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
+# schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 40/232
 # smem:      98304 bytes dynamic (Q 16384, K 32768, V 32768, O 16384)
 # spec:
 #   head_dim = 64
@@ -44,8 +44,8 @@ TILES_PER_PAGE = 1  # a K/V tile is one TMA box inside one page
 THREADS = 384
 CONSUMER_THREADS = 256  # threads [0, 256) are consumers, the rest the producer
 TMA_THREAD_END = 288  # one producer warp issues all TMA copies
-PRODUCER_REGS = 24  # setmaxnreg: the producer gives registers away...
-CONSUMER_REGS = 240  # ...and each consumer takes them
+PRODUCER_REGS = 40  # setmaxnreg: the producer gives registers away...
+CONSUMER_REGS = 232  # ...and each consumer takes them
 TMA_ARRIVALS = 32  # arrivals that complete a "full" barrier (the TMA warp)
 RELEASE_ARRIVALS = CONSUMER_THREADS  # arrivals that complete an "empty" barrier (every consumer thread)
 PINGPONG_THREADS = 256  # a ping-pong barrier joins two warpgroups

@@ -80,6 +80,18 @@ def test_a_paging_or_splitting_producer_gets_more_registers_with_one_consumer():
     assert paged.producer_regs + paged.consumer_regs <= 2 * paged.launch_regs  # the pool still covers both
 
 
+def test_with_two_consumers_a_paged_producer_takes_registers_from_the_consumers():
+    base = make_plan(Spec(consumers=2))
+    paged = make_plan(Spec(consumers=2, paged_kv=True))
+    assert (base.producer_regs, base.consumer_regs) == hw.REG_SPLIT[2] == (24, 240)
+    assert (paged.producer_regs, paged.consumer_regs) == (hw.SERVING_PRODUCER_REGS[2], 232)
+    assert paged.producer_regs + 2 * paged.consumer_regs <= 3 * paged.launch_regs
+    assert make_plan(Spec(consumers=2, splits=4)).consumer_regs == 232
+    # the consumers' 232 is the register budget too: hd192 at block_n 128 (240 by the estimate) no longer fits
+    assert make_plan(Spec(head_dim=192, consumers=2, k_stages=1, v_stages=1, splits=4)).spec.block_n == 112
+    assert make_plan(Spec(head_dim=192, consumers=2, k_stages=1, v_stages=1)).spec.block_n == 128
+
+
 def test_varlen_stores_only_its_rows_and_reads_its_lengths():
     src = render_source(Spec(causal=True, layout="varlen"))
     assert "q_len = cu_seqlens_q[batch_idx + 1] - q_start" in src

@@ -409,8 +409,11 @@ def test_element_wise_variants_enter_the_register_estimate():
     base = regs_needed(Spec(consumers=3), 80)
     for fields in (dict(softcap=30.0), dict(alibi=True), dict(score_mod="score"), dict(mask_mod="kv_idx >= 0")):
         assert regs_needed(Spec(consumers=3, **fields), 80) == base + hw.VARIANT_REG_OVERHEAD, fields
-    for fields in (dict(lse=True), dict(sinks=True), dict(window=[300, -1])):  # fit with the base estimate (ptxas)
+    for fields in (dict(lse=True), dict(sinks=True)):  # fit with the base estimate (ptxas)
         assert regs_needed(Spec(consumers=3, **fields), 80) == base, fields
+    # a window masks along a diagonal, as causal does (issue 21); the variants' share already covers it
+    assert regs_needed(Spec(consumers=3, window=[300, -1]), 80) == base + hw.DIAGONAL_MASK_REG_OVERHEAD[3]
+    assert regs_needed(Spec(consumers=3, window=[300, -1], softcap=30.0), 80) == base + hw.VARIANT_REG_OVERHEAD
     assert make_plan(Spec(consumers=3, softcap=30.0)).spec.block_n < make_plan(Spec(consumers=3)).spec.block_n
     with pytest.raises(SpecError) as info:
         make_plan(Spec(consumers=3, block_n=80, softcap=30.0))
