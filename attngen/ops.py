@@ -354,15 +354,9 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     On CUDA tensors (an sm_90 GPU) the compiled kernel runs; on CPU tensors the same emitted
     kernel runs on the CPU model (slow: docs/torch.md). It calls torch.ops.attngen.fwd, so
     torch.compile (fullgraph), torch.export and autograd's bookkeeping see one op.
-    Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
-    Variants (docs/variants.md): `window=(left, right)`, `softcap`, `alibi_slopes` (float32
-    (heads,)), `sinks` (float32 (heads,)), `return_lse` (then returns (out, lse)), and
-    `score_mod=`/`mask_mod=` expressions whose tensors are passed as keywords by name. Other
-    spec fields (consumers, k_stages, block_n, aligned, ...) may be given as keywords too.
-    Serving (docs/serving.md, FlashAttention-3's names): `cu_seqlens_q`, `cu_seqlens_k` (int32
-    (batch + 1,)) and `max_seqlen_q` for packed q [total_q, H, D] and k/v [total_k, HKV, D];
-    `block_table` (int32 (batch, max_pages)) and `seqused_k` (int32 (batch,)) for a paged cache
-    k/v [num_pages, page_size, HKV, D]; `num_splits` (None, "auto" or an int) for split-KV.
+    Every other keyword (causal, window, softcap, alibi_slopes, sinks, return_lse, score_mod/mask_mod
+    and their tensors, spec fields, the serving keywords) is runtime.attention's (docs/variants.md,
+    docs/serving.md); the op validates them the same way.
     The output is packed like q; lse is (heads, total_q) for varlen. `out`, if given, receives
     the result (a copy: the op itself is functional, as torch.compile needs).
     A gradient through it raises BackwardUnavailable: the backward kernels are issue 17's.

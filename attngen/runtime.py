@@ -589,7 +589,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
     score = q . k * softmax_scale (FlashAttention-3's name; `scale`, SDPA's and FlexAttention's, is
     the same argument; both given and different is an InputError); None gives 1 / sqrt(D). It is a
-    run-time argument of the kernel (one build serves every scale); it must be finite and positive.
+    run-time argument of the kernel (one build serves every scale); it must be a positive normal float32.
 
     Causal masks and windows align bottom-right (query i sees keys j <= i + Skv - Sq).
     Variants (docs/variants.md): `window=(left, right)`, `softcap`, `alibi_slopes` (float32
