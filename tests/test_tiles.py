@@ -230,7 +230,9 @@ def render_problems(draw):
 @given(render_problems())
 def test_hypothesis_drawn_kernels_emit_exact_ranges(drawn):
     fields, q_len, kv_len = drawn
-    assert render_mismatches(make_plan(Spec(**fields)), q_len, kv_len) == []
+    # The ranges do not depend on registers: a drawn block_n the register budget refuses (3
+    # consumers, 128 keys, a diagonal mask) still emits ranges worth checking.
+    assert render_mismatches(make_plan(Spec(**fields), check_registers=False), q_len, kv_len) == []
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(100, 300), (128, 128), (300, 100)])
