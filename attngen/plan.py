@@ -459,9 +459,11 @@ def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
     n = spec.consumers
     fits = [bn for bn in BLOCK_N_CANDIDATES if regs_needed(spec, bn) <= consumer_regs]
     if not fits:
-        elem = hw.DTYPES[spec.dtype].bytes
-        ok = [c for c, (_, regs) in hw.REG_SPLIT.items()
-              if hw.consumer_regs_needed(head_dim_v(spec), BLOCK_N_CANDIDATES[-1], c, elem) + variant_regs(spec) <= regs]
+        def fits_with(c: int) -> bool:  # the same estimate and split as this spec's, at c consumers
+            other = dataclasses.replace(spec, consumers=c, block_m=hw.WGMMA_M * c, pingpong=None)
+            return regs_needed(other, BLOCK_N_CANDIDATES[-1]) <= reg_split(other)[1]
+
+        ok = [c for c in hw.REG_SPLIT if fits_with(c)]
         # O's accumulator, the term that does not shrink with block_n, is head_dim_v wide
         dv = head_dim_v(spec)
         what = f"head_dim {dv}" if dv == spec.head_dim else f"head_dim_v {dv} (the width of O's accumulator)"

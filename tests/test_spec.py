@@ -92,6 +92,31 @@ def test_the_register_error_blames_head_dim_v_when_it_is_the_wide_one():
     assert "head_dim 256" in str(err) and "head_dim_v" not in str(err)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(head_dim=64, head_dim_v=256, consumers=3),
+    dict(head_dim=256, consumers=3),
+    dict(head_dim=256, consumers=3, causal=True, window=[64, -1], softcap=30.0),
+    dict(head_dim=256, consumers=3, layout="varlen", mask_mod="q_idx >= kv_idx", lse=True),
+    dict(head_dim=192, head_dim_v=256, consumers=3, dtype="bfloat16", alibi=True),
+])
+def test_the_consumers_the_register_error_suggests_are_exactly_the_ones_that_plan(fields):
+    """The suggestion uses the plan's own estimate and setmaxnreg split (mask, varlen and
+    variant shares included), so every count it names plans and every other count does not."""
+    import re
+
+    err = error_for(**fields)
+    assert err.field == "consumers"
+    suggested = [int(c) for c in re.search(r"use consumers in \[([0-9, ]*)\]", str(err)).group(1).split(",") if c.strip()]
+    for c in (1, 2, 3):
+        other = Spec(**{**fields, "consumers": c, "block_n": 16})
+        try:
+            make_plan(other)
+            planned = True
+        except SpecError:
+            planned = False
+        assert planned == (c in suggested), (c, suggested, str(err))
+
+
 def test_three_consumers_get_fewer_registers():
     err = error_for(consumers=3, head_dim=128, block_n=128)
     assert err.field == "block_n" and "160" in str(err)
