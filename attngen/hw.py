@@ -40,6 +40,13 @@ CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 # causal at block_n 128 (accumulators 128) spilled 24 bytes with 32 spare, hd128 causal at 80
 # (124) fits with 36 (bench/plan_sweep.py; docs/spec-reference.md, "Register budget").
 DIAGONAL_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 4}
+# ...and more when the mask is a band, a left edge (window left) beside a right one (causal or
+# window right): both edges' indices are live, and their share grows with block_n. On the merged
+# template of 2026-12-01 the sweep saw hd64 causal window [127, -1] at 192x112 (158 used) spill
+# 180 bytes and hd96 at 192x96 spill 128; with 16 here hd64 at 192x96 still spilled 12, at 192x80
+# it fits, and hd96 fits at 192x80. 28, the element-wise variants' share, is an upper bound that
+# keeps every band spill-free (hd96 then gets 64 where 80 fits: docs/spec-reference.md).
+BAND_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 28}
 # ...and with packed sequences (layout "varlen"): the sequence's start and length, read from
 # cu_seqlens before the warpgroups split, stay live to the row-by-row epilogue. hd256 with a
 # mask_mod at block_n 48 (estimate 240 of 240) spilled both (8 B stack); hd128 with three

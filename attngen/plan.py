@@ -223,8 +223,13 @@ def variant_regs(spec: Spec) -> int:
 def mask_regs(spec: Spec) -> int:
     """Extra registers per consumer thread for a diagonal mask (causal or a window). The element-wise
     variants' overhead was measured on a causal windowed kernel, so it already covers the mask."""
+    if variant_regs(spec):
+        return 0
+    left, right = spec.window
+    if left >= 0 and (spec.causal or right >= 0):  # a band: both edges' indices live
+        return hw.BAND_MASK_REG_OVERHEAD[spec.consumers]
     diagonal = spec.causal or spec.window != (-1, -1)
-    return hw.DIAGONAL_MASK_REG_OVERHEAD[spec.consumers] if diagonal and not variant_regs(spec) else 0
+    return hw.DIAGONAL_MASK_REG_OVERHEAD[spec.consumers] if diagonal else 0
 
 
 def sequence_regs(spec: Spec) -> int:

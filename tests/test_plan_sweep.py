@@ -20,6 +20,7 @@ import plan_sweep  # noqa: E402
 
 VARLEN_EDGE = dict(head_dim=256, dtype="bfloat16", gqa_group=16, consumers=2, k_stages=1, v_stages=3,
                    mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]", layout="varlen")
+BAND_EDGE = dict(head_dim=64, gqa_group=4, consumers=3, causal=True, window=[127, -1])
 # (fields, the block_n the plan must choose or accept); each within 8 registers of its cap
 EDGES = {
     "issue21_hd64_c3_causal": (plan_sweep.REPRODUCER, 112),
@@ -27,6 +28,8 @@ EDGES = {
     "hd128_c3_causal": (dict(head_dim=128, consumers=3, causal=True), 80),
     # packed sequences at the 240 edge: block_n 48 (estimate 240 without the varlen share) spilled 8 B
     "hd256_c2_varlen_mask_mod": (VARLEN_EDGE, 32),
+    # a band (causal with a left edge): 192x112 spilled 180 B and 192x96 12 B on the merged template
+    "hd64_c3_causal_band": (BAND_EDGE, 80),
 }
 # The rest of the 240-register edge is in tests/test_build.py's presets: hd192_f16_full (240 of
 # 240) and the variant presets (236 of 240).
@@ -46,6 +49,16 @@ def test_the_refused_neighbour_of_the_reproducer_spills(build_cache):
     """The estimate refuses block_n 128 for the reproducer, naming 112; ptxas agrees: 128 spills."""
     spec = attngen.Spec(**plan_sweep.REPRODUCER, block_n=128)
     with pytest.raises(SpecError, match=r"block_n <= 112 fits"):
+        attngen.make_plan(spec)
+    report = build(attngen.make_plan(spec, check_registers=False), cache_dir=build_cache).report
+    assert plan_sweep.spills_of(report) > 0
+
+
+def test_the_refused_neighbour_of_the_band_spills(build_cache):
+    """A band's larger share refuses 192x96 for hd64 causal window [127, -1], naming 80; ptxas
+    agrees: 96 spills (12 B measured), so the share is not refusing a tile that fits."""
+    spec = attngen.Spec(**BAND_EDGE, block_n=96)
+    with pytest.raises(SpecError, match=r"block_n <= 80 fits"):
         attngen.make_plan(spec)
     report = build(attngen.make_plan(spec, check_registers=False), cache_dir=build_cache).report
     assert plan_sweep.spills_of(report) > 0
