@@ -1,5 +1,6 @@
 """The marks of the GPU-only test modules: `pytest -m gpu` selects them, and without a compute
-capability 9.0 device they skip cleanly (CI, this machine, a CPU-only torch build)."""
+capability 9.0 device they skip cleanly (CI, this machine, a CPU-only torch build). Also the mark
+of the tests that build a kernel for the GPU runtime and need a CUDA toolkit, not a device."""
 
 import pytest
 import torch
@@ -16,3 +17,16 @@ GPU_ONLY = [
     pytest.mark.gpu,
     pytest.mark.skipif(not has_sm90(), reason="needs a CUDA device of compute capability 9.0 (H100/H200)"),
 ]
+
+
+def has_toolkit() -> bool:
+    from attngen import toolchain
+
+    try:
+        toolchain.current()
+    except toolchain.ToolchainError:
+        return False
+    return True
+
+
+NEEDS_TOOLKIT = pytest.mark.skipif(not has_toolkit(), reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")

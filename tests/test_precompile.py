@@ -21,6 +21,7 @@ from attngen import runtime
 from attngen.cache import RUNTIME
 from attngen.cli import main
 from attngen.spec import Spec
+from gpu_marks import NEEDS_TOOLKIT
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -78,16 +79,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def _no_toolkit() -> bool:
-    from attngen import toolchain
-
-    try:
-        toolchain.current()
-    except toolchain.ToolchainError:
-        return True
-    return False
-
-
 def child(mode: str, cache: Path, tilelang_cache: Path) -> dict:
     env = dict(os.environ, ATTNGEN_CACHE=str(cache), TILELANG_CACHE_DIR=str(tilelang_cache), PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, timeout=900)
@@ -96,7 +87,7 @@ def child(mode: str, cache: Path, tilelang_cache: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_no_toolkit(), reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")
+@NEEDS_TOOLKIT
 def test_a_copied_precompiled_cache_is_hit_with_no_lowering_and_no_nvcc(tmp_path):
     built_in, shipped = tmp_path / "built", tmp_path / "elsewhere" / "cache"
     cold = child("precompile", built_in, tmp_path / "tilelang-1")

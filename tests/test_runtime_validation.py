@@ -24,6 +24,7 @@ from attngen import runtime
 from attngen.plan import Shape, make_plan
 from attngen.runtime import InputError, check_device, check_tensors, check_written, spec_for
 from attngen.spec import Spec
+from gpu_marks import NEEDS_TOOLKIT
 
 SPEC = Spec()  # head_dim 128, float16, gqa_group 1, block 128 x 128
 GQA = Spec(head_dim=64, dtype="bfloat16", gqa_group=4)
@@ -349,18 +350,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def _no_toolkit() -> bool:
-    from attngen import toolchain
-
-    try:
-        toolchain.current()
-    except toolchain.ToolchainError:
-        return True
-    return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_no_toolkit(), reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")
+@NEEDS_TOOLKIT
 def test_second_process_loads_from_disk_cache(tmp_path):
     env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tlcache"), ATTNGEN_CACHE=str(tmp_path / "cache"))
 
