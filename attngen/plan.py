@@ -607,7 +607,7 @@ def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
             "dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * d * 4}
 
 
-def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
+def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True) -> BackwardPlan:
     """The backward kernels' plan: FlashAttention-3's tile for the head dim, brought to this
     formulation (Q tile rows a multiple of the wgmma M of the dQ GEMM; one 64-key slice of the KV
     tile per consumer) and shrunk until the register and shared-memory budgets hold."""
@@ -628,10 +628,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
     producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
     block_n = hw.WGMMA_M * consumers
     block_m = max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
-    while block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
+    while check_registers and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
         block_m -= hw.WGMMA_M
     needed = bwd_regs_needed(rspec, block_m)
-    if needed > consumer_regs:
+    if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
                         f"the generated backward keeps dK and dV of 64 keys per warpgroup in registers: about {needed} "
                         f"registers per thread at head_dim {rspec.head_dim} / head_dim_v {head_dim_v(rspec)}, more than "

@@ -218,6 +218,8 @@ def template_context(bp: BackwardPlan) -> dict:
         "ds_bar": bp.ds_bar,
         "dq_bar": bp.dq_bar,
         "pre_rows": PRE_ROWS,
+        # the preprocess's O * dO tile: TileLang 0.1.15 finds no fragment layout for 96 columns
+        "pre_cols": 0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
         "pre_threads": PRE_THREADS,
         "compile_flags": bp.compile_flags,
         "dims": dims,
