@@ -645,7 +645,6 @@ class TLang:
         src = as_region(value) if isinstance(value, (Buffer, Region)) else None
         if src is not None and not same_shape(src.shape, dst.shape):
             raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
-        rt.trace and rt.trace.event("atomic_add", self._site(), src=src, dst=dst)
         if use_tma:
             self._reduce_add(src, dst)
             return None
