@@ -48,7 +48,7 @@ BASE = [  # head_dim, causal, dtype, q_len, kv_len, heads
     (64, True, "float16", 70, 90, 2),
     (64, True, "bfloat16", 200, 90, 1),  # q_len > kv_len: the first 110 rows see no key
     (64, True, "float16", 5, 1, 2),
-    (128, False, "float16", 1, 1, 1),
+    (128, False, "float16", 1, 2, 1),  # one query; rows that see one key have dS = 0 exactly, which the rule cannot judge (test_fuzz_backward)
     (128, True, "float16", 130, 300, 2),
     (128, False, "bfloat16", 257, 129, 1),
     (128, True, "bfloat16", 64, 128, 2),  # whole tiles
