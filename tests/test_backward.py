@@ -273,7 +273,7 @@ def test_emulate_backward_is_exported_and_takes_torch():
 
 
 # -- deterministic = true ----------------------------------------------------------------------
-DET = [dict(causal=True), dict(gqa_group=2, causal=True), dict(gqa_group=3, window=(20, 10)),
+DET = [dict(causal=True), dict(gqa_group=2, causal=True), dict(gqa_group=3, window=(20, 10)), dict(sinks=True, causal=True),
        dict(softcap=3.0, score_mod="score + log(abs(score) + 1)", sinks=True),
        dict(alibi=True, mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]")]
 
@@ -290,7 +290,7 @@ def test_deterministic_gradients_pass_the_fp64_reference(fields):
     assert bp.kv_accum is False
 
 
-@pytest.mark.parametrize("fields", DET[:3], ids=[",".join(d) for d in DET[:3]])
+@pytest.mark.parametrize("fields", DET[:4], ids=[",".join(d) for d in DET[:4]])
 def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
     spec = Spec(head_dim=64, deterministic=True, **fields)
     plan = make_plan(spec)
