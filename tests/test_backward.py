@@ -16,7 +16,7 @@ from attngen import tiles
 from attngen.emulator import HazardError, emulate_backward
 from attngen.emulator.driver import variant_inputs
 from attngen.plan import make_plan, plan_backward
-from attngen.reference import variant_of
+from attngen.reference import InputError, variant_of
 from attngen.reference_bwd import check_grads
 from attngen.render import render_source
 from attngen.render_bwd import q_range, render_backward_source
@@ -371,3 +371,29 @@ def test_a_column_split_dq_added_into_the_wrong_columns_fails():
     assert old in text
     _, checks = run_case(spec, 70, 90, source=text.replace(old, "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, 0:DK_COLS]"))
     assert not checks["dq"].ok and checks["dk"].ok
+
+
+def test_given_out_and_lse_skip_the_forward_with_the_same_result():
+    spec = Spec(head_dim=64, causal=True)
+    plan = plan_backward(spec)
+    q, k, v, _ = variant_inputs(plan.forward, 1, 2, 2, 90, 120, 0)
+    dout = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+    out, lse = attngen.emulate(plan.forward, q, k, v)
+    given = emulate_backward(spec, q, k, v, dout, out=out, lse=lse)
+    for a, b in zip(given, emulate_backward(spec, q, k, v, dout)):
+        assert np.array_equal(a, b)
+    with pytest.raises(InputError, match="lse"):
+        emulate_backward(spec, q, k, v, dout, out=out)
+    with pytest.raises(InputError, match="dout"):
+        emulate_backward(spec, q, k, v, dout[:, :-1], out=out, lse=lse)
+
+
+def test_a_score_mod_tensor_that_requires_grad_is_refused():
+    torch = pytest.importorskip("torch")
+    spec = Spec(head_dim=64, score_mod="score + rel_bias[h, min(max(q_idx - kv_idx, -255), 255) + 255]")
+    plan = make_plan(spec)
+    q, k, v, tensors = variant_inputs(plan, 1, 2, 2, 40, 40, 0)
+    dout = np.ones(q.shape, np.float32)
+    bias = torch.from_numpy(tensors["rel_bias"]).requires_grad_()
+    with pytest.raises(InputError, match="rel_bias.*requires grad"):
+        emulate_backward(spec, q, k, v, dout, rel_bias=bias)
