@@ -297,11 +297,23 @@ def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
     heads = 2 * spec.gqa_group
     q, k, v, tensors = variant_inputs(plan, 1, heads, 2, 150, 170, 0)
     dout = np.random.default_rng(9).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
-    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, **tensors)
-            for s, p in [(0, "random"), (5, "random"), (1, "producer-first"), (2, "consumers-first")]]
+    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, block_order=o, **tensors)
+            for s, p, o in [(0, "random", "grid"), (5, "random", "shuffled"), (1, "producer-first", "shuffled"),
+                            (2, "consumers-first", "shuffled")]]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert np.array_equal(a, b)
+
+
+def test_without_deterministic_the_dq_bits_depend_on_the_block_order():
+    """The check above can fail: the reduce-adds of dQ sum in the order the blocks run."""
+    spec = Spec(head_dim=64, causal=True)
+    q, k, v, _ = variant_inputs(make_plan(spec), 1, 2, 2, 300, 300, 0)
+    dout = np.random.default_rng(9).standard_normal(q.shape).astype(np.float32)
+    grid = emulate_backward(spec, q, k, v, dout, seed=0)
+    shuffled = emulate_backward(spec, q, k, v, dout, seed=5, block_order="shuffled")
+    assert not np.array_equal(grid[0], shuffled[0])
+    assert np.array_equal(grid[1], shuffled[1]) and np.array_equal(grid[2], shuffled[2])  # dK, dV: one block each
 
 
 def test_deterministic_leaves_the_forward_kernel_and_hash_alone():
