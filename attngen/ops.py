@@ -25,12 +25,13 @@ a sequence length.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 
 from attngen import runtime, serving, tuning_table
-from attngen.emulator.driver import estimate_seconds, emulate
+from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
 from attngen.plan import Plan, as_plan
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
@@ -338,6 +339,49 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
+
+APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor block_table, "
+                 "Tensor cache_seqlens) -> ()")
+
+
+def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
+    compiled append kernel (runtime.append_kv); on CPU the same emitted kernel on the CPU model,
+    whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
+    ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
+    given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+             "cache_seqlens": cache_seqlens}
+    if k_cache.device.type == "cpu":
+        _one_device(given)
+        call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        est = SECONDS_PER_RUN + SECONDS_PER_CTA * math.prod(call.grid)
+        if est > cpu_max_seconds():
+            raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "
+                                                       f"this one would take about {est:.0f} s; run it on CUDA tensors")
+        new_k, new_v = emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        if call.empty:
+            return
+        slots = call.slots()
+        pages, rows = (torch.from_numpy(a) for a in slots)
+        with torch.no_grad():  # an in-place write of the caller's cache, as FA3's
+            k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
+            v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
+    elif k_cache.device.type == "cuda":
+        runtime.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    else:
+        raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+
+
+append_kv = torch.library.custom_op(f"{NAMESPACE}::append_kv", _append_kv, mutates_args=("k_cache", "v_cache"),
+                                    schema=APPEND_SCHEMA)
+
+
+@append_kv.register_fake
+def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    return None
+
+
 # -- attngen.attention ---------------------------------------------------------------------------------
 
 
@@ -413,4 +457,4 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     return args, asked_lse
 
 
-__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "append_kv", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
