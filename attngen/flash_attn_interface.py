@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from attngen.ops import append_kv, attention
+from attngen.ops import append_kv, attention, check_attention
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
 
@@ -188,13 +188,17 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
         raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
                          f"an int or an int32 tensor [{batch}]")
+    s_new = int(k.shape[1])
     if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
-        s_cache, s_new = int(k_cache.shape[1]), int(k.shape[1])
-        lens = cache_seqlens.cpu().tolist()
-        for b, n in enumerate(lens):
-            if n < 0 or n + s_new > s_cache:
-                raise InputError(f"cache_seqlens[{b}]", n, f"0 to {s_cache - s_new}: {s_new} new keys must fit the "
-                                                           f"dense cache's seqlen_cache = {s_cache} rows")
+        capacity = int(k_cache.shape[1])
+        room = f"the dense cache's seqlen_cache = {capacity} rows"
+    else:
+        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
+        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
+    for b, n in enumerate(cache_seqlens.cpu().tolist()):
+        if n < 0 or n + s_new > capacity:
+            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {s_new} new keys must fit {room}")
+    if page_table is None:
         if cache_batch_idx is not None:
             rows = cache_batch_idx.cpu().tolist()
             if len(set(rows)) != len(rows):
@@ -269,9 +273,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         k_pages, v_pages, table = _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx)
         if cache_seqlens is None:
             cache_seqlens = torch.full((batch,), int(k_cache.shape[1]), dtype=torch.int32, device=k_cache.device)
-    if k is not None or v is not None:
+    appending = k is not None or v is not None
+    if appending:
         _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
-        append_kv(k_pages, v_pages, k, v, table, cache_seqlens)  # in place: k_pages views k_cache
+        old_seqlens = cache_seqlens
         cache_seqlens = cache_seqlens + int(k.shape[1])  # what the attention reads (an int32 tensor stays int32)
     serving = {}
     if table is not None:
@@ -289,6 +294,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         serving.update(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     elif max_seqlen_q is not None:
         raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
+    if appending:  # every check of the attention first: a refused call leaves the cache as it was
+        check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
     return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
 
 

@@ -232,8 +232,10 @@ def check_cpu_time(plan: Plan, call, q, k) -> None:
 # -- the forward op --------------------------------------------------------------------------------
 
 
-def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+def _checked(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+             cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits) -> tuple:
+    """The op's checks, before anything runs: (plan, scale, named tensors, serving keywords, the
+    serving call or None, the extra tensors, the tensors that must share a device)."""
     plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
                    num_splits)
     scale = check_scale(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
@@ -248,6 +250,22 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k)
+    return plan, scale, named, keywords, call, extra, devices
+
+
+def check_attention(q, k, v, **kwargs) -> None:
+    """Every check attngen.attention(q, k, v, **kwargs) makes before its kernel runs, running nothing
+    (the kvcache door checks its attention so before the append writes the cache)."""
+    args, _ = fwd_arguments(q, k, v, **kwargs)
+    _checked(*args)
+
+
+def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    plan, scale, named, keywords, call, extra, devices = _checked(
+        q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
+    if q.device.type == "cpu":
         result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
         runtime.check_device(devices)  # one sm_90 device
@@ -457,4 +475,4 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     return args, asked_lse
 
 
-__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "append_kv", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]

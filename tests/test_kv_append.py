@@ -25,6 +25,7 @@ from attngen.emulator import driver
 from attngen.plan import append_plan
 from attngen.reference import InputError, check_close
 from attngen.render import render_append_source, render_source
+from attngen.spec import SpecError
 from gpu_marks import GPU_ONLY, NEEDS_TOOLKIT
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,13 +145,13 @@ def check_case(c: Case, causal: bool):
         assert verdict.ok, (b, c.lens, str(verdict))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(paged=False), st.booleans())
 def test_a_dense_cache_append_is_byte_exact_and_the_attention_reads_it(c, causal):
     check_case(c, causal)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(paged=True), st.booleans())
 def test_a_paged_cache_append_through_a_shuffled_table_is_byte_exact_and_the_attention_reads_it(c, causal):
     check_case(c, causal)
@@ -183,6 +184,24 @@ def test_an_int_cache_seqlens_a_head_dim_v_and_the_lse():
     assert lse.shape == (2, 2, 2) and torch.isfinite(lse).all()
     for b in range(2):
         assert check_close(out[b:b + 1], c.q[b:b + 1], c.keys[b][None], c.values[b][None], True).ok
+
+
+def test_packed_queries_append_too():
+    """Varlen q (cu_seqlens_q: 2 and 3 queries) with 3 new keys per sequence into a dense cache."""
+    gen = torch.Generator().manual_seed(7)
+    kc, vc = normal((2, 32, 1, 64), torch.float16, gen), normal((2, 32, 1, 64), torch.float16, gen)
+    q, cu = normal((5, 2, 64), torch.float16, gen), torch.tensor([0, 2, 5], dtype=torch.int32)
+    k, v = normal((2, 3, 1, 64), torch.float16, gen), normal((2, 3, 1, 64), torch.float16, gen)
+    lens = [4, 20]
+    expect_k = kc.clone()
+    for b, n in enumerate(lens):
+        expect_k[b, n:n + 3] = k[b]
+    out = fa.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                     cu_seqlens_q=cu, max_seqlen_q=3, causal=True)
+    assert same_bytes(kc, expect_k)
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        assert check_close(out[rows][None], q[rows][None], kc[b:b + 1, :n + 3], vc[b:b + 1, :n + 3], True).ok
 
 
 # -- the emitted kernel on the CPU model, directly ---------------------------------------------------
@@ -336,6 +355,20 @@ def test_a_bad_append_is_one_line_naming_the_argument(what, make, name):
     msg = str(info.value)
     assert msg.startswith(f"{name} = ") and "\n" not in msg, msg
     assert same_bytes(kw["k_cache"], before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("what, over", [
+    ("a window with a split count (SpecError)", {"window_size": (4, 0), "num_splits": 2}),
+    ("a bad softmax_scale", {"softmax_scale": -1.0}),
+    ("a page table one row short", {"page_table": paged()["page_table"][:, :2]}),
+])
+def test_an_attention_the_forward_refuses_writes_nothing(what, over):
+    """The attention's own checks run before the append: a refused call leaves the cache untouched."""
+    kw = paged(**over)
+    before_k, before_v = kw["k_cache"].clone(), kw["v_cache"].clone()
+    with pytest.raises((InputError, SpecError)):
+        fa.flash_attn_with_kvcache(**kw)
+    assert same_bytes(kw["k_cache"], before_k) and same_bytes(kw["v_cache"], before_v)
 
 
 def test_the_op_refuses_what_the_door_would_and_names_the_kernel_argument():
