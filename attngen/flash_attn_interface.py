@@ -8,6 +8,8 @@ attngen.attention's keywords (docs/interfaces.md has the table); the op resolves
 the spec per call signature (attngen.ops.resolve) and the runtime memoizes the compiled kernel
 per spec, so a repeated call plans nothing new. An FA3 argument attngen cannot serve raises an
 InputError naming it and why, unless it has FA3's default; none is silently ignored.
+flash_attn_with_kvcache's k=, v= are written into the cache in place by a generated append
+kernel (torch.ops.attngen.append_kv) before the attention reads the grown cache.
 
 Returns as FA3 does: `out`, or `(out, softmax_lse)` with return_attn_probs (flash_attn_func,
 flash_attn_varlen_func) or return_softmax_lse (flash_attn_with_kvcache); softmax_lse is float32

@@ -4,13 +4,15 @@
     torch.compile(f, fullgraph=True)(q, k, v)              # no graph break: the ops have fake kernels
     torch.export.export(module, (q, k, v))                 # the graph holds torch.ops.attngen.fwd
 
-Two ops (docs/torch.md):
+The ops (docs/torch.md):
 - `attngen::fwd` runs the forward kernel the call's spec names. On CUDA tensors it is
   runtime's compiled kernel; on CPU tensors the SAME emitted kernel on the CPU model
   (attngen.emulate), never the fp64 reference, so compile, export and opcheck are tested for
   real without a GPU. A CPU run estimated past CPU_MAX_SECONDS is refused before it starts.
 - `attngen::bwd` is the backward's slot: its schema, fake and autograd wiring are here, its
   kernels are not (issue 17), so calling it raises BackwardUnavailable.
+- `attngen::append_kv` writes new keys and values into a paged KV cache in place (the append
+  companion kernel of flash_attn_with_kvcache's k=, v=; its schema marks the caches mutated).
 
 What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
 JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
