@@ -259,7 +259,11 @@ def check_attention(q, k, v, **kwargs) -> None:
     """Every check attngen.attention(q, k, v, **kwargs) makes before its kernel runs, running nothing
     (the kvcache door checks its attention so before the append writes the cache)."""
     args, _ = fwd_arguments(q, k, v, **kwargs)
-    _checked(*args)
+    *_, devices = _checked(*args)
+    if q.device.type == "cuda":
+        runtime.check_device(devices)  # one sm_90 device
+    elif q.device.type != "cpu":
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
 
 def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
