@@ -4,13 +4,15 @@
     torch.compile(f, fullgraph=True)(q, k, v)              # no graph break: the ops have fake kernels
     torch.export.export(module, (q, k, v))                 # the graph holds torch.ops.attngen.fwd
 
-Two ops (docs/torch.md):
+The ops (docs/torch.md):
 - `attngen::fwd` runs the forward kernel the call's spec names. On CUDA tensors it is
   runtime's compiled kernel; on CPU tensors the SAME emitted kernel on the CPU model
   (attngen.emulate), never the fp64 reference, so compile, export and opcheck are tested for
   real without a GPU. A CPU run estimated past CPU_MAX_SECONDS is refused before it starts.
 - `attngen::bwd` is the backward's slot: its schema, fake and autograd wiring are here, its
   kernels are not (issue 17), so calling it raises BackwardUnavailable.
+- `attngen::append_kv` writes new keys and values into a paged KV cache in place (the append
+  companion kernel of flash_attn_with_kvcache's k=, v=; its schema marks the caches mutated).
 
 What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
 JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
@@ -25,12 +27,13 @@ a sequence length.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 
 from attngen import runtime, serving, tuning_table
-from attngen.emulator.driver import estimate_seconds, emulate
+from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
 from attngen.plan import Plan, as_plan
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
@@ -231,8 +234,10 @@ def check_cpu_time(plan: Plan, call, q, k) -> None:
 # -- the forward op --------------------------------------------------------------------------------
 
 
-def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+def _checked(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+             cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits) -> tuple:
+    """The op's checks, before anything runs: (plan, scale, named tensors, serving keywords, the
+    serving call or None, the extra tensors, the tensors that must share a device)."""
     plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
                    num_splits)
     scale = check_scale(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
@@ -247,6 +252,26 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k)
+    return plan, scale, named, keywords, call, extra, devices
+
+
+def check_attention(q, k, v, **kwargs) -> None:
+    """Every check attngen.attention(q, k, v, **kwargs) makes before its kernel runs, running nothing
+    (the kvcache door checks its attention so before the append writes the cache)."""
+    args, _ = fwd_arguments(q, k, v, **kwargs)
+    *_, devices = _checked(*args)
+    if q.device.type == "cuda":
+        runtime.check_device(devices)  # one sm_90 device
+    elif q.device.type != "cpu":
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+
+
+def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    plan, scale, named, keywords, call, extra, devices = _checked(
+        q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
+    if q.device.type == "cpu":
         result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
         runtime.check_device(devices)  # one sm_90 device
@@ -338,6 +363,49 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
+
+APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor block_table, "
+                 "Tensor cache_seqlens) -> ()")
+
+
+def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
+    compiled append kernel (runtime.append_kv); on CPU the same emitted kernel on the CPU model,
+    whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
+    ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
+    given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+             "cache_seqlens": cache_seqlens}
+    if k_cache.device.type == "cpu":
+        _one_device(given)
+        call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        est = SECONDS_PER_RUN + SECONDS_PER_CTA * math.prod(call.grid)
+        if est > cpu_max_seconds():
+            raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "
+                                                       f"this one would take about {est:.0f} s; run it on CUDA tensors")
+        new_k, new_v = emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        if call.empty:
+            return
+        slots = call.slots()
+        pages, rows = (torch.from_numpy(a) for a in slots)
+        with torch.no_grad():  # an in-place write of the caller's cache, as FA3's
+            k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
+            v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
+    elif k_cache.device.type == "cuda":
+        runtime.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    else:
+        raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+
+
+append_kv = torch.library.custom_op(f"{NAMESPACE}::append_kv", _append_kv, mutates_args=("k_cache", "v_cache"),
+                                    schema=APPEND_SCHEMA)
+
+
+@append_kv.register_fake
+def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    return None
+
+
 # -- attngen.attention ---------------------------------------------------------------------------------
 
 
@@ -413,4 +481,4 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     return args, asked_lse
 
 
-__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]

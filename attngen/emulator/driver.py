@@ -339,6 +339,60 @@ def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int, ser
     return owner
 
 
+def append_ownership(call, rows_per_block: int):
+    """The ownership rule of the KV-cache append kernel: block (x, y, z) owns, in K_cache and V_cache,
+    the cache rows of new keys [x R, x R + R) (below seqlen_new) of sequence z at KV head y, found
+    through the block table at positions cache_seqlens[z] + those rows (serving.cache_slots). It may
+    write nothing else: not another row, head or page, not K_new, V_new or the int tensors."""
+    from attngen.serving import cache_slots
+
+    shape = (call.dims["num_pages"], call.page_size, call.kv_heads, 1)
+
+    def owner(index, name):
+        if name not in ("K_cache", "V_cache"):
+            return np.False_
+        x, y, z = index
+        new = np.arange(x * rows_per_block, min((x + 1) * rows_per_block, call.seqlen_new))
+        pages, rows = cache_slots(call.block_table[z], call.cache_seqlens[z] + new, call.page_size)
+        mask = np.zeros(shape, bool)
+        mask[pages, rows, y] = True
+        return mask
+
+    return owner
+
+
+def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: int = 0, policy: str = "random",
+                   source: str | None = None, stats: Stats | None = None):
+    """Run the KV-cache append kernel (render.render_append_source) on the CPU model: k, v
+    [batch, seqlen_new, kv_heads, D(v)] into the paged caches [num_pages, page_size, kv_heads, D(v)]
+    at cache_seqlens[b] through block_table. Returns the caches as the kernel left them (float32
+    numpy arrays holding the cache dtype's values; the caller copies them back for in-place
+    semantics). Every store is held to append_ownership: a write outside the block's appended rows
+    is a KernelError. Inputs are checked first (serving.check_append, inputs.check_append_tensors)."""
+    from attngen.plan import append_plan
+    from attngen.render import render_append_source
+    from attngen.serving import check_append
+
+    seed = check_seed(seed)
+    if policy not in POLICIES:
+        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    dtype = call_checks.check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, cpu=True)
+    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+    caches = [_host_array(x) for x in (k_cache, v_cache)]
+    if call.empty:  # no new key: nothing to launch
+        return caches[0], caches[1]
+    text = render_append_source(plan) if source is None else source
+    stats = stats if stats is not None else Stats()
+    inputs = caches + [_host_array(x) for x in (k, v)] + [call.block_table, call.cache_seqlens.astype(np.int32)]
+    t0 = time.perf_counter()
+    rt = Runtime(text, f"<emitted {plan.name}>", call.dims)
+    rt.run(inputs, seed=seed, policy=policy, stats=stats, entry="build_append_kernel",
+           owner=append_ownership(call, plan.rows))
+    stats.seconds += time.perf_counter() - t0
+    return rt.tensors["K_cache"], rt.tensors["V_cache"]
+
+
 # -- public API ----------------------------------------------------------------------------
 def _host_array(x) -> np.ndarray:
     """A checked input (inputs.py) as the float32 array the emulator's buffers take."""
