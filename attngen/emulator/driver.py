@@ -47,6 +47,8 @@ class Stats:
     handovers: int = 0  # scheduler decisions: one per synchronization point reached
     wgmma: int = 0
     tma: int = 0
+    k_tiles: int = 0  # TMA loads from the kernel's K tensor: the K tiles the blocks loaded
+    k_tiles_by_cta: dict = dataclasses.field(default_factory=dict)  # (x, y, z) -> K tiles that block loaded
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
@@ -208,7 +210,7 @@ class Runtime:
                 c += 1
 
         digest = hashlib.sha1()
-        counters = {"wgmma": 0, "tma": 0}
+        counters = {"wgmma": 0, "tma": 0, "k_tiles": 0}
         gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
         for bz in range(gz):
             for by in range(gy):
@@ -227,6 +229,7 @@ class Runtime:
                     tracker.proxy_fences = proxy_fences
                     tracker.context = sched.context = self.context
                     sched.on_finish = self._finish_agent
+                    k_before = counters["k_tiles"]
                     self.cta = CTA(index, tuple(grid), threads, tracker, counters)
                     self.sched = sched
                     sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
@@ -234,11 +237,13 @@ class Runtime:
                         raise HazardError("HAZARD: TMA loads still in flight when the block exited "
                                           "(their mbarrier phase never completed)\n"
                                           f"{tracker.pending_report()}\n  where: {self.context}")
+                    stats.k_tiles_by_cta[index] = counters["k_tiles"] - k_before
                     digest.update(repr(sched.trace).encode())
                     stats.ctas += 1
                     stats.handovers += len(sched.trace)
         stats.wgmma += counters["wgmma"]
         stats.tma += counters["tma"]
+        stats.k_tiles += counters["k_tiles"]
         stats.schedule = digest.hexdigest()[:16]
         self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]
@@ -380,6 +385,8 @@ def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
 
 
 def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
+    from attngen.plan import BLOCK_MASK_AXES
+
     """`args` + the LSE output and the checked call-time tensors (docs/variants.md), in parameter
     order; a free axis's extent joins `dims` (its T.dynamic)."""
     given = iter(extra)
@@ -388,8 +395,9 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
             if not plan.split_kv:  # a split kernel's LSE_partial is already in; the combine writes the LSE
                 args.append(None)
             continue
-        x = _host_array(next(given))
-        dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
+        x = next(given)
+        x = np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+        dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None or a in BLOCK_MASK_AXES})
         args.append(x)
     return args
 

@@ -358,6 +358,13 @@ class TLang:
         name = rt.alloc_name(self._site())
         return Buffer(name, shape, dtype, "fragment", owner=rt.agent, tracker=rt.cta.tracker)
 
+    def alloc_local(self, shape, dtype, scope="local"):
+        """Per-thread registers (a block mask's cursors): every thread of a warpgroup holds the same
+        values here (they are written with uniform values only), so one buffer per warpgroup."""
+        rt = self._rt
+        name = rt.alloc_name(self._site())
+        return Buffer(name, shape, dtype, "fragment", owner=rt.agent, tracker=rt.cta.tracker)
+
     def alloc_barrier(self, arrive_count):
         counts = list(arrive_count) if isinstance(arrive_count, (list, tuple)) else [arrive_count]
         cta = self._rt.cta
@@ -520,6 +527,8 @@ class TLang:
             if bar.complete_tx(nbytes):
                 self._land(bar)
             rt.cta.stats["tma"] += 1
+            if src.buf.name == "K":  # a K tile: what a block mask's skipped tiles save (Stats.k_tiles)
+                rt.cta.stats["k_tiles"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
