@@ -255,7 +255,8 @@ def sequence_regs(spec: Spec) -> int:
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
     return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
-            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
+            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec)
+            + (hw.BLOCK_MASK_REG_OVERHEAD if spec.block_mask else 0))
 
 
 def reg_split(spec: Spec) -> tuple:
@@ -263,7 +264,7 @@ def reg_split(spec: Spec) -> tuple:
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
     n = spec.consumers
     producer, consumer = hw.REG_SPLIT[n]
-    if spec.paged_kv or spec.splits != 1:
+    if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
         producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
         pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
         consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8

@@ -342,9 +342,8 @@ def visit_init(plan: Plan) -> list[str]:
     """An agent's cursors into the two lists, before its first visit."""
     if not plan.block_mask:
         return []
-    return ['bm_next = T.alloc_local([2], "int32")  # the next unvisited entry of KV_indices [0] and Full_kv_indices [1]',
-            "bm_next[0] = 0",
-            "bm_next[1] = 0"]
+    return ['bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of KV_indices (partial tiles)',
+            'bm_next_f = T.alloc_var("int32", 0)  # and of Full_kv_indices (full tiles)']
 
 
 def visit_lines(plan: Plan) -> list[str]:
@@ -352,14 +351,14 @@ def visit_lines(plan: Plan) -> list[str]:
     if not plan.block_mask:
         return []
     row = "bm_b, bm_h, q_block"
-    return [f"bm_p = T.if_then_else(bm_next[0] < bm_partial_n, KV_indices[{row}, T.min(bm_next[0], bm_kv_tiles - 1)], bm_kv_tiles)"
+    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, KV_indices[{row}, T.min(bm_next_p, bm_kv_tiles - 1)], bm_kv_tiles)"
             "  # the next partial tile (bm_kv_tiles: none left)",
-            f"bm_f = T.if_then_else(bm_next[1] < bm_full_n, Full_kv_indices[{row}, T.min(bm_next[1], bm_kv_tiles - 1)], bm_kv_tiles)"
+            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, Full_kv_indices[{row}, T.min(bm_next_f, bm_kv_tiles - 1)], bm_kv_tiles)"
             "  # the next full tile",
             "kv_tile = T.min(T.min(bm_p, bm_f), bm_kv_tiles - 1)  # the lower of the two: tiles in ascending order",
             "partial = bm_p <= bm_f  # equal only when both lists are spent: a Q tile with no tile runs one masked visit",
-            "bm_next[0] = bm_next[0] + T.if_then_else(partial, 1, 0)",
-            "bm_next[1] = bm_next[1] + T.if_then_else(partial, 0, 1)"]
+            "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
+            "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
 
 
 def visit_comments(plan: Plan) -> tuple[str, str]:

@@ -444,3 +444,38 @@ def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = selected.sum(axis=-1).astype(np.int32)
     order = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
     return counts, order
+
+
+def retile_states(states: np.ndarray, block: tuple, kernel: tuple, lengths: tuple) -> np.ndarray:
+    """Tile states [..., nq, nk] of a block mask's (bq, bk) tiles as states of (block_m, block_n)
+    tiles, per axis a whole multiple or a whole divisor of the mask's block. A larger tile is EMPTY
+    when every block in it is, FULL when every one is (a block past the grid counts EMPTY: it
+    runs past a length), else PARTIAL. A smaller tile takes its block's state, except that a
+    FULL block's piece past a length is PARTIAL; a PARTIAL block's pieces stay PARTIAL (some may be
+    empty or full: masked anyway, so exact, only less is skipped)."""
+    st = states
+    for axis, (b, t, n) in enumerate(zip(block, kernel, lengths)):
+        ax = st.ndim - 2 + axis
+        tiles_needed = ceildiv(n, t)
+        if t >= b:
+            f = t // b
+            pad = [(0, 0)] * st.ndim
+            pad[ax] = (0, tiles_needed * f - st.shape[ax])
+            fine = np.pad(st, pad, constant_values=EMPTY)
+            fine = fine.reshape(*fine.shape[:ax], tiles_needed, f, *fine.shape[ax + 1:])
+            empty, full = (fine == EMPTY).all(axis=ax + 1), (fine == FULL).all(axis=ax + 1)
+            st = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        else:
+            st = np.take(np.repeat(st, b // t, axis=ax), np.arange(tiles_needed), axis=ax)
+    kq, kk = kernel
+    q_len, kv_len = lengths
+    if q_len % kq:  # a tile past a length is never FULL
+        st[..., -1, :] = np.where(st[..., -1, :] == FULL, PARTIAL, st[..., -1, :])
+    if kv_len % kk:
+        st[..., :, -1] = np.where(st[..., :, -1] == FULL, PARTIAL, st[..., :, -1])
+    return st
+
+
+def retiles(block: int, kernel: int) -> bool:
+    """Can a block mask's block be seen as kernel tiles (one a whole multiple of the other)?"""
+    return kernel % block == 0 or block % kernel == 0
