@@ -405,15 +405,12 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     tr = translate(mask_mod, "mask_mod")
     e = expr.parse(tr.text, "mask_mod")
     arrays = {n: t.cpu().numpy() for n, t in tr.tensors.items()}
-    states = []
-    for q0 in range(0, Q_LEN, bm):  # one row of tiles at a time: memory B*H*bm*KV_LEN
+
+    def rows(q0, q1):
         env = {"b": np.arange(B)[:, None, None, None], "h": np.arange(H)[None, :, None, None],
-               "q_idx": np.arange(q0, min(q0 + bm, Q_LEN))[None, None, :, None],
-               "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
-        shape = (B, H, min(q0 + bm, Q_LEN) - q0, KV_LEN)
-        vis = np.broadcast_to(expr.evaluate(e, env, arrays), shape)
-        states.append(tiles.tile_states(vis, bm, bn))
-    st = np.concatenate(states, axis=2)
+               "q_idx": np.arange(q0, q1)[None, None, :, None], "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
+        return np.broadcast_to(expr.evaluate(e, env, arrays), (B, H, q1 - q0, KV_LEN))
+    st = tiles.mask_states(rows, Q_LEN, bm, bn)
     dev = torch.device("cpu") if device is None else torch.device(device)
     return _block_mask((Q_LEN, KV_LEN), (bm, bn), st, mask_mod, tr.text, tr.tensors, dev)
 

@@ -437,6 +437,13 @@ def tile_states(visible: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     return np.where(seen == 0, EMPTY, np.where(seen == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
 
 
+def mask_states(visible_rows, q_len: int, block_m: int, block_n: int) -> np.ndarray:
+    """tile_states of a mask given one row of tiles at a time (memory: one row of tiles):
+    visible_rows(q0, q1) is the boolean mask of query rows q0..q1-1, [..., q1 - q0, kv_len]."""
+    return np.concatenate([tile_states(visible_rows(q0, min(q0 + block_m, q_len)), block_m, block_n)
+                           for q0 in range(0, q_len, block_m)], axis=-2)
+
+
 def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of tiles [..., rows, cols] of booleans: (counts [..., rows], indices [..., rows, cols]),
     each row's selected columns ascending, then padded with the remaining columns ascending (as

@@ -23,6 +23,7 @@ from attngen.plan import make_plan
 from attngen.reference import InputError, check_close, random_inputs
 from attngen.render import render_source
 from attngen.spec import Spec, SpecError
+from gpu_marks import NEEDS_TOOLKIT
 
 D = 64
 BM_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
@@ -228,3 +229,30 @@ def test_the_spec_field_is_checked_and_off_by_default():
         Spec(block_mask="yes", mask_mod="q_idx >= kv_idx")
     plan = make_plan(Spec(mask_mod="q_idx >= kv_idx", block_mask=True))
     assert plan.name.endswith("_bmask") and plan.hash != make_plan(Spec(mask_mod="q_idx >= kv_idx")).hash
+
+
+def test_the_cli_emulates_a_block_mask_spec_with_the_lists_of_its_own_mask(tmp_path, capsys):
+    from attngen import cli
+    from attngen.emulator.driver import block_mask_lists
+    spec = tmp_path / "bm.toml"
+    spec.write_text('head_dim = 64\nmask_mod = "(q_idx >= kv_idx) and (q_idx - kv_idx < 100)"\nblock_mask = true\n')
+    assert cli.main(["emulate", str(spec), "--q-len", "300", "--kv-len", "300"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    plan = make_plan(attngen.load_spec(spec))
+    lists = block_mask_lists(plan, 1, 1, 300, 300, {})
+    ours = flex.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), None, None,
+                                  300, 300, BLOCK_SIZE=(plan.spec.block_m, plan.spec.block_n))
+    for name in BM_NAMES:  # the CLI's lists are create_block_mask's
+        assert np.array_equal(lists[name], getattr(ours, name).numpy()), name
+
+
+@NEEDS_TOOLKIT
+@pytest.mark.parametrize("fields", [dict(head_dim=128, mask_mod="doc[q_idx] == doc[kv_idx] and q_idx >= kv_idx"),
+                                    dict(head_dim=64, dtype="bfloat16", consumers=3, mask_mod="q_idx >= kv_idx")],
+                         ids=["hd128-document", "hd64-bf16-c3"])
+def test_the_block_mask_kernel_builds_for_sm90a_without_spills(fields, build_cache):
+    from attngen.build import build
+    spec = Spec(**fields, block_mask=True)
+    r = build(spec, cache_dir=build_cache).report
+    assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["stack_frame_bytes"] == 0, r
+    assert r["setmaxnreg_applied"] and r["sass"]["HGMMA_A_FROM_REGISTERS"] > 0 and r["sass"]["UTMALDG"] > 0

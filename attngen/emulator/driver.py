@@ -513,7 +513,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
     tensors = {}
     for t in plan.extra:
-        if t.output:
+        if t.output or t.dtype == "int32":  # a block mask's lists: from the mask_mod, below
             continue
         if t.name == "alibi_slopes":
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
@@ -522,7 +522,26 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.float32)
+    if plan.block_mask:
+        tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
     return q, k, v, tensors
+
+
+def block_mask_lists(plan, batch: int, heads: int, q_len: int, kv_len: int, tensors: dict) -> dict:
+    """A block-mask kernel's four int32 lists for its own mask_mod over these lengths and tensors
+    (what attngen.create_block_mask computes: tiles.mask_states, tiles.tile_lists)."""
+    from attngen import expr, tiles
+
+    def rows(q0, q1):
+        env = {"b": np.arange(batch)[:, None, None, None], "h": np.arange(heads)[None, :, None, None],
+               "q_idx": np.arange(q0, q1)[None, None, :, None], "kv_idx": np.arange(kv_len)[None, None, None, :]}
+        return np.broadcast_to(expr.evaluate(plan.mask_expr, env, tensors), (batch, heads, q1 - q0, kv_len))
+    st = tiles.mask_states(rows, q_len, plan.spec.block_m, plan.spec.block_n)
+    out = {}
+    for prefix, state in (("", tiles.PARTIAL), ("full_", tiles.FULL)):
+        counts, idx = tiles.tile_lists(st == state)
+        out[f"{prefix}kv_num_blocks"], out[f"{prefix}kv_indices"] = counts, idx
+    return out
 
 
 def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
