@@ -363,6 +363,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     `block_mask`: an attngen BlockMask (attngen.create_block_mask): the kernel (spec block_mask =
     true) visits only its listed KV tiles and runs its mask_mod on the partial ones only; its
     BLOCK_SIZE sets the kernel's tiles (consumers = BLOCK_SIZE[0] / 64, block_n = BLOCK_SIZE[1]).
+    A bool is the spec field itself, with kv_num_blocks, kv_indices, full_kv_num_blocks and
+    full_kv_indices passed by name.
     A gradient through it raises BackwardUnavailable: the backward kernels are issue 17's.
     """
     args, asked_lse = fwd_arguments(
@@ -387,7 +389,9 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     asked for the LSE. Checks what the op's schema would otherwise reject with a TypeError."""
     overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
     tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
-    if block_mask is not None:
+    if isinstance(block_mask, bool):  # the spec field itself: the four lists come by name
+        overrides["block_mask"] = block_mask
+    elif block_mask is not None:
         block_mask_arguments(block_mask, q, k, overrides, tensors)
     # a keyword that is neither a spec field nor a tensor is a typo: named before any tensor is looked at
     check_keys({n: x for n, x in tensors.items() if not isinstance(x, torch.Tensor)}, "attngen.attention(...)")

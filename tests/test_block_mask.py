@@ -256,3 +256,16 @@ def test_the_block_mask_kernel_builds_for_sm90a_without_spills(fields, build_cac
     r = build(spec, cache_dir=build_cache).report
     assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["stack_frame_bytes"] == 0, r
     assert r["setmaxnreg_applied"] and r["sass"]["HGMMA_A_FROM_REGISTERS"] > 0 and r["sass"]["UTMALDG"] > 0
+
+
+def test_block_mask_true_as_a_spec_field_takes_the_four_lists_by_name():
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    q = rand(1, 130, 1, D, seed=4)
+    bm = flex.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=(128, 64))
+    lists = {n: getattr(bm, n) for n in BM_NAMES}
+    out = attngen.attention(q, q, q, block_mask=True, mask_mod="q_idx >= kv_idx", block_n=64, **lists)
+    assert torch.equal(out, attngen.attention(q, q, q, block_mask=bm))
+    with pytest.raises(InputError, match="full_kv_indices"):
+        attngen.attention(q, q, q, block_mask=True, mask_mod="q_idx >= kv_idx", block_n=64,
+                          **{n: t for n, t in lists.items() if n != "full_kv_indices"})
