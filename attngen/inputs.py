@@ -65,9 +65,9 @@ def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool 
     if cpu and torch_ok and t.device.type == "meta":
         raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them; a meta tensor has only a shape)")
     kind = dtype_name(t)
-    if kind == dtype or (cpu and kind in HOLDERS):
+    if kind == dtype or (cpu and kind in HOLDERS and dtype != "int32"):  # indices are not rounded
         return
-    if cpu:
+    if cpu and dtype != "int32":
         origin = ", the spec's dtype" if spec_dtype else ""
         want = f"{dtype}{origin} (or float32/float64 holding values to round)"
     else:
@@ -173,6 +173,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     (extra_dims for a serving call)."""
     batch, heads, kv_heads, q_len, kv_len = dims
     extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    if getattr(plan, "block_mask", False):  # (a stand-in plan of a test may lack the field)
+        extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
     unknown = sorted(set(tensors) - {t.name for t in wanted})
     if unknown:
@@ -183,8 +185,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
         x = tensors.get(t.name)
         if x is None:
-            raise InputError(t.name, None, f"a float32 tensor of shape {shape_text}: the spec uses it")
-        check_kind(t.name, x, "float32", cpu=cpu)
+            raise InputError(t.name, None, f"a {t.dtype} tensor of shape {shape_text}: the spec uses it")
+        check_kind(t.name, x, t.dtype, cpu=cpu)
         if len(x.shape) != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
                 or math.prod(x.shape) == 0:
             raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
@@ -195,6 +197,20 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
             _check_finite(t.name, x)
         ordered.append(x)
     return ordered
+
+
+def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
+    """The extents a block mask's tensors must have (plan.BLOCK_MASK_TENSORS): its Q and KV tiles are
+    the kernel's (block_m x block_n), and its batch and heads are 1 (broadcast) or the call's."""
+    batch, heads, _, q_len, kv_len = dims
+    spec = plan.spec
+    first = tensors.get("kv_indices")
+    shape = tuple(int(n) for n in first.shape) if first is not None and len(first.shape) == 4 else (batch, heads)
+    for axis, (name, full) in enumerate((("batch", batch), ("heads", heads))):
+        if shape[axis] not in (1, full):
+            raise InputError(f"kv_indices.shape[{axis}] ({name})", shape[axis], f"1 (broadcast) or {full}, the call's {name}")
+    return {"bm_batch": shape[0], "bm_heads": shape[1], "bm_q_tiles": -(-q_len // spec.block_m),
+            "bm_kv_tiles": -(-kv_len // spec.block_n)}
 
 
 def _check_finite(name: str, x) -> None:

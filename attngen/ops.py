@@ -32,9 +32,9 @@ import os
 
 import torch
 
-from attngen import runtime, serving, tuning_table
+from attngen import expr, runtime, serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
-from attngen.plan import Plan, as_plan
+from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
 
@@ -411,7 +411,8 @@ def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
 
 def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
               return_lse: bool = False, out=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **kwargs):
+              block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None, block_mask=None,
+              **kwargs):
     """FlashAttention-3 forward: q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV] -> [B, Sq, H, DV].
 
     score = q . k * softmax_scale (FlashAttention-3's name; `scale`, SDPA's and FlexAttention's, is
@@ -427,13 +428,18 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     docs/serving.md); the op validates them the same way.
     The output is packed like q; lse is (heads, total_q) for varlen. `out`, if given, receives
     the result (a copy: the op itself is functional, as torch.compile needs).
+    `block_mask`: an attngen BlockMask (attngen.create_block_mask): the kernel (spec block_mask =
+    true) visits only its listed KV tiles and runs its mask_mod on the partial ones only; its
+    BLOCK_SIZE sets the kernel's tiles (consumers = BLOCK_SIZE[0] / 64, block_n = BLOCK_SIZE[1]).
+    A bool is the spec field itself, with kv_num_blocks, kv_indices, full_kv_num_blocks and
+    full_kv_indices passed by name.
     A gradient through it raises BackwardUnavailable: the backward kernels are issue 17's.
     """
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
-        scale=scale, **kwargs)
+        scale=scale, block_mask=block_mask, **kwargs)
     result, lse = fwd(*args)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
@@ -445,11 +451,16 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
                   return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, block_table=None,
-                  seqused_k=None, num_splits=None, softmax_scale=None, scale=None, **kwargs) -> tuple[tuple, bool]:
+                  seqused_k=None, num_splits=None, softmax_scale=None, scale=None, block_mask=None,
+                  **kwargs) -> tuple[tuple, bool]:
     """attngen.attention's keywords as torch.ops.attngen.fwd's arguments, and whether the caller
     asked for the LSE. Checks what the op's schema would otherwise reject with a TypeError."""
     overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
     tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
+    if isinstance(block_mask, bool):  # the spec field itself: the four lists come by name
+        overrides["block_mask"] = block_mask
+    elif block_mask is not None:
+        block_mask_arguments(block_mask, q, k, overrides, tensors)
     # a keyword that is neither a spec field nor a tensor is a typo: named before any tensor is looked at
     check_keys({n: x for n, x in tensors.items() if not isinstance(x, torch.Tensor)}, "attngen.attention(...)")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -479,6 +490,47 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     args = (q, k, v, encode_fields(chosen), left, right, softcap, softmax_scale, ",".join(names), [extra[n] for n in names],
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, splits)
     return args, asked_lse
+
+
+def block_mask_arguments(bm, q, k, overrides: dict, tensors: dict) -> None:
+    """An attngen BlockMask as spec fields (block_mask, its mask_mod, the tiles of its BLOCK_SIZE)
+    and call-time tensors (its four lists, and its mask_mod's tensors unless the call gives them)."""
+    names = [n for n, _, _ in BLOCK_MASK_TENSORS]
+    if not all(hasattr(bm, a) for a in names + ["BLOCK_SIZE", "seq_lengths", "mask_text"]):
+        raise InputError("block_mask", type(bm).__name__, "a BlockMask from attngen.create_block_mask "
+                                                          "(attngen.flex_attention also takes torch's)")
+    for name in names:
+        if name in tensors:
+            raise InputError(name, "a tensor", "no such keyword with block_mask= (the block mask brings its own)")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        raise InputError("block_mask", "with q, k not [B, S, H, D] tensors", "dense q [B, Sq, H, D] and k [B, Skv, HKV, D]")
+    lengths = (int(q.shape[1]), int(k.shape[1]))
+    if tuple(bm.seq_lengths) != lengths:
+        raise InputError("block_mask.seq_lengths", tuple(bm.seq_lengths), f"{lengths}, q's and k's lengths")
+    given = overrides.get("mask_mod")
+    if given is not None:
+        try:
+            same = isinstance(given, str) and expr.parse(given, "mask_mod").canonical == bm.mask_text
+        except expr.ExprError as e:
+            raise SpecError("mask_mod", given, str(e)) from None
+        if not same:
+            raise InputError("mask_mod", given, f"the block mask's own mask_mod `{bm.mask_text}` (the block mask "
+                                                f"lists that mask's tiles), or none")
+    bq, bk = (int(x) for x in bm.BLOCK_SIZE)
+    if bq % 64 or not 1 <= bq // 64 <= 3:
+        raise InputError("block_mask.BLOCK_SIZE", (bq, bk), "a Q block of 64, 128 or 192 rows, the kernel's Q tile "
+                                                             "(64 per consumer warpgroup): create the block mask with one")
+    for field, want, why in (("consumers", bq // 64, f"the block mask's Q block {bq} = 64 x consumers"),
+                             ("block_m", bq, f"the block mask's Q block (BLOCK_SIZE[0])"),
+                             ("block_n", bk, f"the block mask's KV block (BLOCK_SIZE[1])")):
+        if overrides.get(field) is not None and overrides[field] != want:
+            raise InputError(field, overrides[field], f"{want}, {why}; or create the block mask with the kernel's "
+                                                      f"tiles, BLOCK_SIZE=(block_m, block_n)")
+    overrides.update(block_mask=True, mask_mod=bm.mask_text, consumers=bq // 64, block_n=bk)
+    for name, t in (bm.mask_tensors or {}).items():
+        tensors.setdefault(name, t)
+    for name in names:
+        tensors[name] = getattr(bm, name).to(q.device)
 
 
 __all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]

@@ -64,6 +64,17 @@ class Shape:
 # then takes 64); vLLM and FlashInfer default to 16, which here would force 16-key tiles.
 DEFAULT_PAGE_SIZE = 128
 
+# A block mask's call-time tensors (FlexAttention's BlockMask fields), int32, in parameter order.
+# Axes "bm_batch" and "bm_heads" are 1 (broadcast) or the call's batch and heads; "bm_q_tiles" is
+# ceildiv(q_len, block_m) and "bm_kv_tiles" ceildiv(kv_len, block_n) (attngen/inputs.py checks them).
+BLOCK_MASK_TENSORS = (
+    ("kv_num_blocks", "KV_num_blocks", ("bm_batch", "bm_heads", "bm_q_tiles")),
+    ("kv_indices", "KV_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
+    ("full_kv_num_blocks", "Full_kv_num_blocks", ("bm_batch", "bm_heads", "bm_q_tiles")),
+    ("full_kv_indices", "Full_kv_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
+)
+BLOCK_MASK_AXES = ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")
+
 SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the hand-written seed kernel's static shape (docs/seed-parity.md)
 
 
@@ -81,8 +92,9 @@ class ExtraTensor:
 
     name: str  # the call-time keyword (alibi_slopes, sinks, a score_mod/mask_mod tensor) or "lse"
     param: str  # the prim_func parameter
-    shape: tuple  # per axis: "batch", "heads", "q_len", "kv_len", or None (any extent >= 1)
+    shape: tuple  # per axis: "batch", "heads", "q_len", "kv_len", a block mask's "bm_*", or None (any extent >= 1)
     output: bool = False
+    dtype: str = "float32"  # int32: a block mask's counts and indices
 
     def dim(self, axis: int) -> str:
         """The kernel's name for an axis extent (a T.dynamic for a free axis)."""
@@ -124,6 +136,7 @@ class Plan:
     page_size: int = 0  # keys per page of the paged K/V cache; 0: K and V are dense
     split_kv: bool = False  # each block also takes a split of the K tiles; a combine kernel merges the splits
     pack_gqa: bool = False  # the query heads of one KV head are rows of one tile (decode: 1 query still fills M)
+    block_mask: bool = False  # the kernel visits the KV tiles of a call-time block mask (BLOCK_MASK_TENSORS)
 
     @property
     def smem_bytes(self) -> int:
@@ -186,6 +199,8 @@ def variant_tags(spec: Spec) -> list:
             tags.append(tag + hashlib.sha256(text.strip().encode()).hexdigest()[:6])
     if spec.lse:
         tags.append("lse")
+    if spec.block_mask:
+        tags.append("bmask")
     return tags
 
 
@@ -240,7 +255,8 @@ def sequence_regs(spec: Spec) -> int:
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
     return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
-            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
+            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec)
+            + (hw.BLOCK_MASK_REG_OVERHEAD if spec.block_mask else 0))
 
 
 def reg_split(spec: Spec) -> tuple:
@@ -248,7 +264,7 @@ def reg_split(spec: Spec) -> tuple:
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
     n = spec.consumers
     producer, consumer = hw.REG_SPLIT[n]
-    if spec.paged_kv or spec.splits != 1:
+    if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
         producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
         pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
         consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
@@ -433,6 +449,8 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     if per_sequence:  # no kernel-wide q_len/kv_len to size a mod's tensor by: those axes are free
         used = {name: (field, tuple(None if a in ("q_len", "kv_len") else a for a in axes)) for name, (field, axes) in used.items()}
     extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
+    if spec.block_mask:
+        extra += [ExtraTensor(name, param, axes, dtype="int32") for name, param, axes in BLOCK_MASK_TENSORS]
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
     if mask_expr is not None or left is not None or per_sequence or spec.splits != 1:
@@ -457,6 +475,7 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         # consumers TileLang 0.1.15's codegen fails on the paged varlen form ("Let cannot bind
         # the same var to two different values"), and more rows only add empty ones.
         "pack_gqa": spec.splits != 1 and spec.gqa_group > 1 and spec.consumers == 1,
+        "block_mask": spec.block_mask,
     }
 
 

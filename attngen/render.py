@@ -19,7 +19,7 @@ import jinja2
 
 from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.plan import AppendPlan, Plan, Shape, as_plan, masks_some_tile
+from attngen.plan import AppendPlan, BLOCK_MASK_AXES, Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
@@ -81,6 +81,8 @@ def row_head(plan: Plan) -> str:
 
 def key_tile(plan: Plan, tile: str) -> str:
     """The K tile index of visit `tile` (the loop variable, or "0" for the prologue)."""
+    if plan.block_mask:
+        return "kv_tile"  # bound by visit_lines from the block mask's lists
     if not has_first_tile(plan):
         return tile
     return "first_tile" if tile == "0" else f"(first_tile + {tile})"
@@ -262,6 +264,8 @@ def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     with a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows
     with the square of a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4
     times slower (docs/build.md)."""
+    if plan.block_mask:
+        return BLOCK_MASK_TEST
     if plan.mask_expr is not None:
         return "", ""  # a custom mask_mod masks every visit, unconditionally
     if lead_tiles_expr(plan):
@@ -280,7 +284,7 @@ def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
     (docs/build.md)."""
     spec = plan.spec
     if spec.steady_loop == "one":  # also every spec with nothing to split (make_plan resolves it to "one")
-        mask = "always" if plan.mask_expr is not None else "test" if masks_some_tile(spec) else "never"
+        mask = "always" if plan.mask_expr is not None and not plan.block_mask else "test" if masks_some_tile(spec) else "never"
         return [], [{"start": "1", "end": "n_tiles", "comment": "", "mask": mask}]
     masked = {"end": "n_tiles", "comment": "diagonal and partial tiles: masked", "mask": "always"}
     if not lead_tiles_expr(plan):
@@ -303,6 +307,9 @@ def first_tile_expr(plan: Plan) -> str:
 def n_tiles_expr(plan: Plan) -> str:
     """K tiles a block of query rows visits (with its comment): the window's or the diagonal's, and
     at least one (a block whose rows see no key runs one fully masked tile)."""
+    if plan.block_mask:
+        return (tiles.text(tiles.at_least_one(tiles.add(tiles.Sym("bm_partial_n", 0), tiles.Sym("bm_full_n", 0))))
+                + "  # the block mask's partial and full tiles of this Q tile; >= 1: a Q tile with none runs one masked visit")
     stop = tile_frame(plan).kv_stop(block_rows(plan))
     windowed_first = windowed(plan) and has_first_tile(plan)
     visits = _visits(plan, stop) if windowed_first else stop
@@ -312,6 +319,56 @@ def n_tiles_expr(plan: Plan) -> str:
     if n != visits:  # the clamp is not proven redundant: say why it is there
         return tiles.text(n) + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
     return tiles.text(n)
+
+
+# -- a call-time block mask (FlexAttention's BlockMask): the visits are its listed tiles -------------
+# Each agent (the producer warp, every consumer warpgroup) walks the two ascending lists of its Q
+# tile, partial (KV_indices) and full (Full_kv_indices), with a cursor per list, and visits the lower
+# head first: the tiles in ascending order, the dense kernel's order, so that skipping the empty
+# tiles (which add exactly 0 and rescale by exactly 1 there) leaves every bit of the result as it was.
+BLOCK_MASK_TEST = ("partial", "a partial tile of the block mask: masked (a full tile needs no mask)")
+
+
+def block_mask_setup(plan: Plan) -> list[str]:
+    """The block's row of the block mask (a batch or head extent of 1 broadcasts) and its counts."""
+    if not plan.block_mask:
+        return []
+    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
+            "bm_h = T.min(head, bm_heads - 1)",
+            "bm_partial_n = KV_num_blocks[bm_b, bm_h, q_block]  # KV tiles of this Q tile that the mask cuts",
+            "bm_full_n = Full_kv_num_blocks[bm_b, bm_h, q_block]  # KV tiles it sees whole"]
+
+
+def visit_init(plan: Plan) -> list[str]:
+    """An agent's cursors into the two lists, before its first visit."""
+    if not plan.block_mask:
+        return []
+    return ['bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of KV_indices (partial tiles)',
+            'bm_next_f = T.alloc_var("int32", 0)  # and of Full_kv_indices (full tiles)']
+
+
+def visit_lines(plan: Plan) -> list[str]:
+    """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
+    if not plan.block_mask:
+        return []
+    row = "bm_b, bm_h, q_block"
+    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, KV_indices[{row}, T.min(bm_next_p, bm_kv_tiles - 1)], bm_kv_tiles)"
+            "  # the next partial tile (bm_kv_tiles: none left)",
+            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, Full_kv_indices[{row}, T.min(bm_next_f, bm_kv_tiles - 1)], bm_kv_tiles)"
+            "  # the next full tile",
+            "kv_tile = T.min(T.min(bm_p, bm_f), bm_kv_tiles - 1)  # the lower of the two: tiles in ascending order",
+            "partial = bm_p <= bm_f  # equal only when both lists are spent: a Q tile with no tile runs one masked visit",
+            "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
+            "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
+
+
+def visit_comments(plan: Plan) -> tuple[str, str]:
+    """What the prologue's and the steady loop's visits are, for their comments."""
+    if plan.block_mask:
+        return "the block mask's first listed tile", "visit k (the block mask's k-th listed tile, kv_tile)"
+    if has_first_tile(plan):
+        return "the first visited tile", "visit k (K tile first_tile + k)"
+    return "tile 0", "tile k"
 
 
 def split_exprs(plan: Plan) -> dict:
@@ -426,7 +483,7 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
         if t.output and plan.split_kv:
             continue  # the combine kernel writes the LSE
         dims = [t.dim(a) for a in range(len(t.shape))]
-        lines.append(_tensor(t.param, dims, '"float32"',
+        lines.append(_tensor(t.param, dims, f'"{t.dtype}"',
                              "output: log-sum-exp per row, natural log" if t.output else f"call time: {t.name}"))
     if plan.varlen:
         lines.append(_tensor("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"))
@@ -472,7 +529,7 @@ def block_setup(plan: Plan) -> list[str]:
                   "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
     if per_sequence(plan) and has_offset(plan):
         lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
-    return lines
+    return lines + block_mask_setup(plan)
 
 
 def has_offset(plan: Plan) -> bool:
@@ -489,6 +546,8 @@ def q_box(plan: Plan, g: int) -> str:
 
 
 def kv_tile_setup(plan: Plan, tile: str) -> list[str]:
+    if plan.block_mask:
+        return visit_lines(plan)
     if not plan.page_size:
         return []
     t = key_tile(plan, tile)
@@ -528,6 +587,8 @@ def consumer_args(plan: Plan) -> str:
         names.append("q_start")
     if plan.split_kv:
         names.append("split_idx")
+    if plan.block_mask:
+        names += ["q_block", "bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
     names.append("softmax_scale")
     return ", ".join(names)
 
@@ -627,10 +688,13 @@ def header_lines(plan: Plan) -> list[str]:
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
     ]
-    inputs = [t for t in plan.extra if not t.output]
+    inputs = [t for t in plan.extra if not t.output and t.dtype == "float32"]
     if inputs:  # a free axis takes any extent >= 1
         lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
                      + " (float32, passed by name at call time)")
+    if plan.block_mask:
+        lines.append("block mask: " + ", ".join(f"{t.name} [{', '.join(t.shape)}]" for t in plan.extra if t.dtype == "int32")
+                     + " (int32, by name at call time; bm_batch, bm_heads: 1 or the call's)")
     lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
@@ -643,6 +707,8 @@ def template_context(plan: Plan) -> dict:
     has_masked = masks_some_tile(spec)
     dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
+    if plan.block_mask:
+        free_dims += list(BLOCK_MASK_AXES)
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     return {
@@ -692,7 +758,12 @@ def template_context(plan: Plan) -> dict:
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),
-        "visits_from_first_tile": has_first_tile(plan),
+        "first_visit_comment": visit_comments(plan)[0],
+        "visit_comment": visit_comments(plan)[1],
+        "block_mask": plan.block_mask,
+        "first_visit_mask": BLOCK_MASK_TEST if plan.block_mask else ("", ""),
+        "visit_init": visit_init(plan),
+        "visit_setup": visit_lines(plan),
         "grid": grid(plan),
         "block_vars": block_vars(plan),
         "block_setup": block_setup(plan),
