@@ -57,7 +57,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     if softcap != 0:
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = float(softmax_scale)
+        kw["softmax_scale"] = softmax_scale  # not float(): a SymFloat under torch.compile stays symbolic
     return kw
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -43,7 +44,7 @@ SPLITS_SPEC, SPLITS_AUTO = -1, 0
 CPU_MAX_SECONDS = 60.0
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_right, float softcap, "
-         "float? softmax_scale, str tensor_names, Tensor[] tensors, "
+         "Tensor? softmax_scale, str tensor_names, Tensor[] tensors, "
          "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
@@ -87,16 +88,36 @@ def _json(field: str, x) -> str:
 
 def scale_argument(softmax_scale, scale, head_dim: int):
     """The op's softmax_scale from attngen.attention's two names for it (FlashAttention-3's and
-    SDPA's): None when neither is given (the op then uses 1/sqrt(head_dim)); a number is checked
-    here (reference.resolve_scale), a SymFloat (a graph input under torch.compile) when the op runs."""
+    SDPA's): None when neither is given (the op then uses 1/sqrt(head_dim)), else a 0-d float64
+    CPU tensor. A tensor, not a float: dynamo specializes a custom op's float argument (a guard
+    `s == 0.3` per value, so one graph per scale), where a tensor made by arithmetic on the
+    number (`ones * s`, which dynamo's tensorify pass keeps symbolic) is a graph input like q.
+    A number is checked here (reference.resolve_scale); a SymFloat (a graph input under
+    torch.compile) and a 0-d tensor when the op runs."""
     if softmax_scale is None and scale is None:
         return None
-    if isinstance(softmax_scale, torch.SymFloat) or isinstance(scale, torch.SymFloat):
+    symbolic = (torch.SymFloat, torch.Tensor)
+    if isinstance(softmax_scale, symbolic) or isinstance(scale, symbolic):
         if softmax_scale is not None and scale is not None:
             raise InputError("softmax_scale, scale", f"{softmax_scale!r}, {scale!r}",
                              "one of them (they name the same argument)")
-        return softmax_scale if scale is None else scale
-    return resolve_scale(softmax_scale, scale, head_dim=head_dim)
+        value, name = (softmax_scale, "softmax_scale") if scale is None else (scale, "scale")
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0 or not value.is_floating_point():
+                raise InputError(name, f"a {value.dtype} tensor of shape {list(value.shape)}",
+                                 "a number, or a 0-d floating tensor")
+            if value.requires_grad:
+                raise InputError(name, "a tensor that requires grad",
+                                 "a constant: the kernels have no gradient for the softmax scale")
+            return value.detach().to(device="cpu", dtype=torch.float64)
+    else:
+        value = resolve_scale(softmax_scale, scale, head_dim=head_dim)
+    return torch.ones((), dtype=torch.float64) * value
+
+
+def _scale_value(softmax_scale, head_dim: int) -> float:
+    """The op's softmax_scale slot as the kernel's float (None: 1/sqrt(head_dim)), checked."""
+    return check_scale(None if softmax_scale is None else float(softmax_scale), head_dim)
 
 
 def window_arguments(window) -> tuple:
@@ -155,10 +176,33 @@ MAX_PLANS = 1024
 
 
 def _table_stamp():
-    try:
-        return tuning_table.TABLE.stat().st_mtime_ns
-    except OSError:
-        return None
+    """The tuned table file's mtime, looked at no more than every STAMP_SECONDS (a stat per call
+    was a tenth of the op's own Python time): an edit of the table is seen within that."""
+    now, table = time.monotonic(), tuning_table.TABLE
+    if now - _stamp[0] >= STAMP_SECONDS or table is not _stamp[2]:  # another table file is looked at at once
+        try:
+            _stamp[1] = table.stat().st_mtime_ns
+        except OSError:
+            _stamp[1] = None
+        _stamp[0], _stamp[2] = now, table
+    return _stamp[1]
+
+
+STAMP_SECONDS = 1.0
+_stamp = [float("-inf"), None, None]  # (when looked at, the mtime seen, the table's path)
+
+
+def serving_of(plan: Plan) -> serving.Serving:
+    """serving.serving_fields(plan), memoized per plan object (the op asks twice per call)."""
+    hit = _serving.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        if len(_serving) >= MAX_PLANS:
+            _serving.clear()
+        hit = _serving[id(plan)] = (plan, serving.serving_fields(plan))
+    return hit[1]
+
+
+_serving: dict[int, tuple] = {}
 
 
 def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block_table, num_splits) -> Plan:
@@ -184,7 +228,7 @@ def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block
 def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
     """Every check of runtime's launch path but the device's (the serving call, or None, and the
     extra tensors in kernel order)."""
-    if serving.serving_fields(plan).uses_serving or any(x is not None for x in keywords.values()):
+    if serving_of(plan).uses_serving or any(x is not None for x in keywords.values()):
         ints = {n: keywords[n] for n in runtime.INT_TENSORS}
         call = serving.check_serving(plan, q, k, v, **keywords)
         runtime.check_serving_tensors(plan, call, q, k, v, None, ints)
@@ -235,10 +279,10 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
          cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
     plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
                    num_splits)
-    scale = check_scale(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
+    scale = _scale_value(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
     named = dict(zip(_names(tensor_names), tensors))
     splits = decode_splits(num_splits)
-    if not serving.serving_fields(plan).split and splits == 1:
+    if not serving_of(plan).split and splits == 1:
         splits = None  # one split is the kernel without splits
     keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     block_table=block_table, seqused_k=seqused_k, num_splits=splits)
