@@ -9,8 +9,10 @@ Two ops (docs/torch.md):
   runtime's compiled kernel; on CPU tensors the SAME emitted kernel on the CPU model
   (attngen.emulate), never the fp64 reference, so compile, export and opcheck are tested for
   real without a GPU. A CPU run estimated past CPU_MAX_SECONDS is refused before it starts.
-- `attngen::bwd` is the backward's slot: its schema, fake and autograd wiring are here, its
-  kernels are not (issue 17), so calling it raises BackwardUnavailable.
+- `attngen::bwd` runs the backward kernels of that spec (preprocess, main, postprocess) from the
+  forward's out and LSE: on CUDA runtime's compiled backward, on CPU the CPU model
+  (attngen.emulate_backward). register_autograd wires fwd to it, so attngen.attention is
+  differentiable in q, k, v and sinks.
 
 What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
 JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
@@ -48,11 +50,10 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_
          "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
-BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor)"  # (dq, dk, dv)
-
-
-class BackwardUnavailable(NotImplementedError):
-    """attngen has no backward kernels yet (issue 17): a gradient through attngen::fwd cannot be had."""
+# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks
+BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)"
+# the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
+BACKWARD_WORK = 2.5
 
 
 # -- from the op's arguments to a plan -------------------------------------------------------------
@@ -225,6 +226,15 @@ def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block
                                     num_splits=decode_splits(num_splits), **{**derived, **chosen}))
 
 
+def serving_keywords(plan: Plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits) -> dict:
+    """The op's serving arguments as the runtime's and the CPU model's keywords."""
+    splits = decode_splits(num_splits)
+    if not serving_of(plan).split and splits == 1:
+        splits = None  # one split is the kernel without splits
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                block_table=block_table, seqused_k=seqused_k, num_splits=splits)
+
+
 def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
     """Every check of runtime's launch path but the device's (the serving call, or None, and the
     extra tensors in kernel order)."""
@@ -254,8 +264,10 @@ def cpu_max_seconds() -> float:
         raise InputError("ATTNGEN_CPU_MAX_SECONDS", repr(text), "a number of seconds") from None
 
 
-def check_cpu_time(plan: Plan, call, q, k) -> None:
-    """Refuse a CPU-model run estimated past cpu_max_seconds(), naming the estimate."""
+def check_cpu_time(plan: Plan, call, q, k, *, work: float = 1.0, what: str = "") -> None:
+    """Refuse a CPU-model run estimated past cpu_max_seconds(), naming the estimate. `work`: the
+    run's cost in forwards (the forward alone 1; its backward BACKWARD_WORK; a forward whose
+    backward will follow 1 + BACKWARD_WORK, refused before either starts)."""
     if call is None:
         batch, q_len, heads, _ = q.shape
         _, kv_len, kv_heads, _ = k.shape
@@ -263,13 +275,15 @@ def check_cpu_time(plan: Plan, call, q, k) -> None:
     else:
         est = estimate_seconds(plan, call.batch, call.heads, call.kv_heads, call.q_lens, call.kv_lens,
                                call.num_splits, max_seqlen_q=call.max_seqlen_q, total_q=call.total_q)
+    seconds = est.seconds * work
     limit = cpu_max_seconds()
-    if est.seconds > limit:
+    if seconds > limit:
+        scaled = "" if work == 1.0 else f" {work:g}x a forward's"
         raise InputError(
             "q.shape", list(q.shape),
-            f"a problem the CPU model runs within {limit:g} s: this one would take about {est.seconds:.0f} s "
-            f"({est.wgmma} wgmma in {est.ctas} blocks); run it on a CUDA tensor, shrink it, or raise "
-            f"ATTNGEN_CPU_MAX_SECONDS")
+            f"a problem the CPU model runs within {limit:g} s: this {what or 'one'} would take about {seconds:.0f} s "
+            f"({scaled.strip() + ' ' if scaled else ''}{est.wgmma} wgmma in {est.ctas} blocks); run it on a CUDA tensor, "
+            f"shrink it, or raise ATTNGEN_CPU_MAX_SECONDS")
 
 
 # -- the forward op --------------------------------------------------------------------------------
@@ -281,11 +295,7 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
                    num_splits)
     scale = _scale_value(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
     named = dict(zip(_names(tensor_names), tensors))
-    splits = decode_splits(num_splits)
-    if not serving_of(plan).split and splits == 1:
-        splits = None  # one split is the kernel without splits
-    keywords = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    block_table=block_table, seqused_k=seqused_k, num_splits=splits)
+    keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
     call, extra = _check(plan, q, k, v, named, keywords)
     devices = {"q": q, "k": k, "v": v} | named | {n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
     if q.device.type == "cpu":
@@ -343,22 +353,67 @@ def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-# -- the backward op (its kernels are issue 17's) ---------------------------------------------------
+# -- the backward op ---------------------------------------------------------------------------------
 
 
 def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors,
          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
-    raise BackwardUnavailable(
-        "attngen: no backward kernels yet (issue 17): attngen::fwd has no gradient; call attngen.attention "
-        "under torch.no_grad() (or on tensors that do not require grad) for inference")
+    """(dq, dk, dv, dsinks) of the forward kernel the same arguments name, from the forward's out
+    and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
+    tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks."""
+    plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
+                   num_splits)
+    scale = _scale_value(softmax_scale, plan.spec.head_dim)
+    named = dict(zip(_names(tensor_names), tensors))
+    keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
+    call, extra = _check(plan, q, k, v, named, keywords)
+    _check_saved(plan, dout, out, lse, q, v)
+    devices = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse} | named | {
+        n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
+    if q.device.type == "cpu":
+        _one_device(devices)
+        check_cpu_time(plan, call, q, k, work=BACKWARD_WORK, what="backward")
+        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **keywords)
+    elif q.device.type == "cuda":
+        runtime.check_device(devices)
+        grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
+                                                   softmax_scale=scale)
+    else:
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+    dq, dk, dv, *rest = grads
+    dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
+    return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks)
+
+
+def _check_saved(plan: Plan, dout, out, lse, q, v) -> None:
+    """dout is shaped and typed like out (what the forward returned), lse like the forward's LSE."""
+    want = tuple(out.shape)
+    if tuple(dout.shape) != want or dout.dtype != out.dtype:
+        raise InputError("dout", f"{dout.dtype} {list(dout.shape)}", f"a {out.dtype} tensor of shape {list(want)}, "
+                                                                     f"the output's")
+    if not plan.spec.lse or lse.dim() == 1 and lse.numel() == 0:
+        raise InputError("lse", f"shape {list(lse.shape)}", "the forward's LSE: the backward reads it (call the "
+                                                            "forward with lse true, as autograd does)")
+
+
+def emulate_backward(*args, **kwargs):
+    """attngen.emulate_backward (the backward kernels on the CPU model), looked up at call time."""
+    from attngen import emulator
+
+    return emulator.emulate_backward(*args, **kwargs)
 
 
 bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema=BWD_SCHEMA)
 
 
 @bwd.register_fake
-def _bwd_fake(dout, out, lse, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
+              tensors, *args):
+    dsinks = [q.shape[-2]] if "sinks" in _names(tensor_names) else [0]  # one per query head
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks, dtype=torch.float32)
+
+
+CONSTANTS = "alibi_slopes and the score_mod/mask_mod tensors"
 
 
 def _setup_context(ctx, inputs, output):
@@ -366,17 +421,26 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     # what the backward kernels read: q, k, v, out and the forward's LSE (FA3's preprocess
     # takes dPsum = rowsum(dO * O) and LSE), plus every tensor the forward took
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, table, used, *tensors)
-    ctx.args = (fields, left, right, softcap, softmax_scale, tensor_names, max_q, splits)
+    ctx.save_for_backward(q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors)
+    ctx.args = (fields, left, right, softcap, tensor_names, max_q, splits)
+    # a tensor without a gradient in the kernels that asks for one is refused in the backward,
+    # never given a silent None (issue 17: ALiBi slopes and mod tensors are constants)
+    ctx.constants = [n for n, t in zip(_names(tensor_names), tensors) if n != "sinks" and t.requires_grad]
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
-    fields, left, right, softcap, softmax_scale, tensor_names, max_q, splits = ctx.args
-    dq, dk, dv = bwd(dout, out, lse, q, k, v, fields, left, right, softcap, softmax_scale, tensor_names, tensors, cu_q,
-                     cu_k, max_q, table, used, splits)
-    # nothing else has a gradient yet (the sinks' is issue 17's too); the list input gets a list
-    return dq, dk, dv, None, None, None, None, None, None, [None] * len(tensors), None, None, None, None, None, None
+    if ctx.constants:
+        raise InputError(ctx.constants[0], "a tensor that requires grad",
+                         f"a constant: attngen's backward has no gradient for {CONSTANTS} (detach it, or "
+                         f"set requires_grad=False); q, k, v and sinks have gradients")
+    q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
+    fields, left, right, softcap, tensor_names, max_q, splits = ctx.args
+    # autograd may hand a strided view (flex_attention returns out.transpose(1, 2)); the kernels take packed
+    dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
+                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits)
+    # the LSE output has no gradient (as in FlashAttention-3); the sinks' gradient goes to its slot
+    grads = [dsinks if n == "sinks" else None for n in _names(tensor_names)]
+    return dq, dk, dv, None, None, None, None, None, None, grads, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -403,13 +467,18 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     docs/serving.md); the op validates them the same way.
     The output is packed like q; lse is (heads, total_q) for varlen. `out`, if given, receives
     the result (a copy: the op itself is functional, as torch.compile needs).
-    A gradient through it raises BackwardUnavailable: the backward kernels are issue 17's.
+    Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
+    gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
+    asked of them is an InputError), and the LSE output has none (as in FlashAttention-3).
     """
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
         scale=scale, **kwargs)
+    if q.device.type == "cpu" and not _compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, *args[9])):
+        check_training_time(args)
     result, lse = fwd(*args)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
@@ -417,6 +486,22 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
             raise InputError("out", got, f"a {result.dtype} tensor of shape {list(result.shape)}")
         result = out.copy_(result)
     return (result, lse) if asked_lse else result
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def check_training_time(args: tuple) -> None:
+    """A CPU call whose backward will follow is refused for both passes before the forward runs
+    (the op itself runs under autograd's no-grad and cannot tell). Eager only: under
+    torch.compile each op refuses its own pass."""
+    q, k, v, fields, left, right, softcap, _, tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits = args
+    plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
+    keywords = serving_keywords(plan, cu_q, cu_k, max_q, table, used, splits)
+    call, _ = _check(plan, q, k, v, dict(zip(_names(tensor_names), tensors)), keywords)
+    check_cpu_time(plan, call, q, k, work=1.0 + BACKWARD_WORK, what="forward and its backward")
 
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -446,15 +531,15 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     chosen = {"causal": causal, "lse": return_lse}
     chosen.update(overrides)  # a spec field given by name (lse=, splits=) wins over the one derived from the call
     asked_lse = bool(chosen["lse"])  # return_lse, or lse=True as a field: the caller gets (out, lse)
-    # the backward reads the forward's LSE (issue 17): a call that needs a gradient asks for it
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        chosen["lse"] = True
     extra = {n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
     extra.update((n, tensors[n]) for n in sorted(tensors))  # sorted by name: one text per set of tensors
+    # the backward reads the forward's LSE (issue 17): a call that needs a gradient asks for it
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *extra.values())):
+        chosen["lse"] = True
     names = [n for n in extra]  # torch 2.4's dynamo joins a list of names, not a dict
     args = (q, k, v, encode_fields(chosen), left, right, softcap, softmax_scale, ",".join(names), [extra[n] for n in names],
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, splits)
     return args, asked_lse
 
 
-__all__ = ["BackwardUnavailable", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BACKWARD_WORK", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]

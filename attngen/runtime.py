@@ -437,20 +437,29 @@ def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | Non
     """Build (under the entry's lock: one build per entry across processes) and store the entry;
     returns (jit, combine jit, origin). `require`: a kernel whose entry cannot be stored is an error
     (precompile's whole point), where a first call would still run it."""
+    parts = {"main": "build_kernel"}
+    if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
+        parts["combine"] = "build_combine_kernel"
+    jits, origin = _built_parts(plan, source, entry, parts, module_name=module_name, require=require)
+    return jits["main"], jits.get("combine"), origin
+
+
+def _built_parts(plan, source: str, entry: Path, parts: dict, *, module_name: str | None = None,
+                 require: bool = False) -> tuple[dict, str]:
+    """Build each prim_func of the emitted module (`parts`: part -> its builder, e.g. main ->
+    build_kernel) and store them as one entry; returns ({part: jit}, origin). `plan` is a forward
+    Plan or a BackwardPlan (name, shape, compile_flags)."""
     with locked(entry.parent / f".{entry.name}.lock"):
         if (entry / "meta.json").exists():  # another process built it while we waited
-            return (*_load_entry(entry, plan), "disk")
+            return _load_parts(entry, plan), "disk"
         import tilelang
         from tvm.target import Target
 
         name = plan.name if plan.shape is None else f"{plan.name}_static"
         module = load_module(source, module_name or name)
         target = Target(TARGET)
-        kernels = {"main": "build_kernel"}
-        if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
-            kernels["combine"] = "build_combine_kernel"
         built, start = {}, time.time()
-        for part, builder in kernels.items():
+        for part, builder in parts.items():
             with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
                 prim_func = getattr(module, builder)()
             # out_idx=None (not [3]): the caller's `out` buffer is passed in, so tests can poison it;
@@ -463,9 +472,10 @@ def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | Non
             raise RuntimeError(f"{name}: TileLang wrote no kernel-cache entry to copy into {entry.parent} "
                                "(is TileLang's cache disabled? unset TILELANG_DISABLE_CACHE)")
         # TileLang's entry appears by an atomic rename during its build: one older than this call was loaded
-        tl_entry = getattr(built["main"][1], "_tilelang_cache_path", None)
+        first = next(iter(parts))
+        tl_entry = getattr(built[first][1], "_tilelang_cache_path", None)
         origin = "disk" if tl_entry and os.path.isdir(tl_entry) and os.stat(tl_entry).st_mtime < start else "compiled"
-        return built["main"][1], built.get("combine", (None, None))[1], origin
+        return {part: jit for part, (_, jit) in built.items()}, origin
 
 
 def _store_entry(entry: Path, built: dict, pass_configs: dict) -> bool:
@@ -510,6 +520,12 @@ LIBRARIES = ("executable.so", "kernel_lib.so")  # TileLang's library file, by ex
 def _load_entry(entry: Path, plan: Plan) -> tuple:
     """(jit, combine jit or None) from a runtime entry, the way TileLang loads its own disk cache:
     no lowering, no nvcc, no emitted code run."""
+    jits = _load_parts(entry, plan)
+    return jits["main"], jits.get("combine")
+
+
+def _load_parts(entry: Path, plan) -> dict:
+    """{part: jit} of a runtime entry (a forward Plan's or a BackwardPlan's compile flags)."""
     import tilelang  # noqa: F401  (first: it puts its bundled tvm on the path)
     import tvm
     from tilelang.engine.param import load_kernel_params
@@ -530,7 +546,106 @@ def _load_entry(entry: Path, plan: Plan) -> tuple:
             target=Target(TARGET), target_host=None, out_idx=None, execution_backend=info["execution_backend"],
             pass_configs=meta["pass_configs"], compile_flags=list(plan.compile_flags),
         )
-    return jits["main"], jits.get("combine")
+    return jits
+
+
+# -- the backward kernels (docs/backward.md): preprocess, main, postprocess --------------------------
+
+BACKWARD_PARTS = {"preprocess": "build_preprocess_kernel", "main": "build_kernel",
+                  "postprocess": "build_postprocess_kernel"}
+BACKWARD_KV_PART = ("postprocess_kv", "build_postprocess_kv_kernel")  # GQA/MQA: dK and dV from float32 accumulators
+
+
+@dataclasses.dataclass(eq=False)
+class BackwardKernel:
+    """The compiled backward module of a spec: its preprocess, main and postprocess kernels (and,
+    for GQA/MQA, the dK/dV postprocess). `run` launches them in order on CUDA tensors."""
+
+    plan: object  # plan.BackwardPlan
+    jits: dict  # part -> tilelang JITKernel
+    cache_path: str | None
+    origin: str
+    compile_seconds: float
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def run(self, q, k, v, out, lse, dout, *, extra=(), softmax_scale: float, call=None) -> tuple:
+        """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) for the
+        forward (out, lse [B, H, Sq]) that the plan's forward kernel returned. `extra` are the
+        forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
+        the caller (attngen.ops: the forward's checks, dout and lse against out)."""
+        if call is not None:
+            raise InputError("call", "a serving call", "a dense bshd call: the backward takes no serving layout")
+        torch = _torch()
+        bp = self.plan
+        names = [t.name for t in bp.forward.extra if not t.output]
+        tensors = dict(zip(names, extra))
+        b, sq, h, d = (int(x) for x in q.shape)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dpsum, lse2 = torch.empty((b, h, sq), **f32), torch.empty((b, h, sq), **f32)
+        dq_accum = torch.empty((b, sq, h, d), **f32)  # zeroed by the preprocess
+        pre = [out, dout, lse, dpsum, lse2, dq_accum]
+        dsinks = None
+        if bp.spec.sinks:
+            dsinks = torch.zeros((h,), **f32)  # the preprocess subtracts each row's share
+            pre += [tensors["sinks"], dsinks]
+        if bp.kv_accum:  # summed over each KV head's query heads by atomics: start at zero
+            dk_main, dv_main = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
+        else:
+            dk_main, dv_main = torch.empty_like(k), torch.empty_like(v)
+        main = [q, k, v, dout, lse2, dpsum, dq_accum, dk_main, dv_main]
+        main += [tensors[n] for n in names if n != "sinks"] + [float(softmax_scale)]
+        dq = torch.empty_like(q)
+        with torch.cuda.device(q.device):
+            self.jits["preprocess"](*(_detach(a) for a in pre))
+            self.jits["main"](*(_detach(a) for a in main))
+            self.jits["postprocess"](dq_accum, _detach(dq), float(softmax_scale))
+            if bp.kv_accum:
+                dk, dv = torch.empty_like(k), torch.empty_like(v)
+                self.jits[BACKWARD_KV_PART[0]](dk_main, dv_main, _detach(dk), _detach(dv))
+            else:
+                dk, dv = dk_main, dv_main
+        return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
+
+
+_bwd_memo: dict = {}
+
+
+def compile_backward(spec_or_plan) -> BackwardKernel:
+    """The backward module of a spec (or forward Plan, or BackwardPlan), JIT-built for sm_90a
+    through the attngen cache (a runtime entry of its own) and memoized per process. A spec the
+    backward refuses (paged KV, split-KV, ...) is the backward plan's SpecError."""
+    from attngen.render_bwd import as_backward_plan, render_backward_source
+
+    if isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward"):
+        bp = as_backward_plan(spec_or_plan)
+    else:
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    key = (bp.spec, bp.shape)
+    with _memo_lock:
+        if key in _bwd_memo:
+            return _bwd_memo[key]
+        lock = _key_locks.setdefault(("bwd",) + key, threading.Lock())
+    with lock:
+        if key in _bwd_memo:
+            return _bwd_memo[key]
+        text = render_backward_source(bp)
+        entry = runtime_entry(bp, text)
+        parts = dict(BACKWARD_PARTS, **(dict([BACKWARD_KV_PART]) if bp.kv_accum else {}))
+        start = time.time()
+        try:
+            if (entry / "meta.json").exists():
+                jits, origin = _load_parts(entry, bp), "disk"
+            else:
+                jits, origin = _built_parts(bp, text, entry, parts)
+        except Exception as e:
+            raise KernelBuildError(_failure_message(bp, e)) from None
+        kernel = BackwardKernel(bp, jits, str(entry), origin, time.time() - start)
+        with _memo_lock:
+            _bwd_memo[key] = kernel
+        return kernel
 
 
 def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
@@ -645,7 +760,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 
 __all__ = [
-    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
+    "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "compile_backward", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
     "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
     "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]
