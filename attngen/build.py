@@ -388,3 +388,23 @@ def format_summary(outcomes: list) -> str:
         else:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
+
+
+BACKWARD_ENTRIES = (("preprocess", "build_preprocess_kernel", "_preprocess"), ("main", "build_kernel", ""),
+                    ("postprocess", "build_postprocess_kernel", "_postprocess"))
+
+
+def build_backward(spec, shape: Shape | None = None, cache_dir=None) -> dict:
+    """Build every kernel of the spec's backward module (docs/backward.md): {part: BuildResult},
+    parts preprocess, main, postprocess (and postprocess_kv with GQA)."""
+    from attngen.render_bwd import as_backward_plan, render_backward_source
+
+    bp = as_backward_plan(spec, shape)
+    source = render_backward_source(bp)
+    entries = BACKWARD_ENTRIES + ((("postprocess_kv", "build_postprocess_kv_kernel", "_postprocess_kv"),) if bp.kv_accum else ())
+    out = {}
+    for part, builder, suffix in entries:
+        extra = {"spec_hash": bp.hash, "shape": str(bp.shape) if bp.shape else "dynamic", "pass": "backward", "part": part}
+        out[part] = build_source(source, bp.name + suffix, bp.compile_flags, plan_smem=bp.smem_bytes if part == "main" else None,
+                                 cache_dir=cache_dir, extra=extra, builder=builder)
+    return out

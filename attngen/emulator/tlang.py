@@ -552,6 +552,34 @@ class TLang:
         tracker.add(op)
         agent.stores.append(op)
 
+    def atomic_add(self, dst, value, memory_order=None, return_prev=False, use_tma=False, annotations=None):
+        """Tile-region atomic add into global memory (TileLang's `tl.tileop.atomicadd`): `use_tma`
+        is the TMA reduce-add (cp.reduce.async.bulk) from shared memory, which the lowering waits
+        for (tma_store_wait<0>) like a T.copy store; otherwise per-element atomics from a fragment or
+        shared memory. Elements outside the tensor are dropped. The minimal model until the
+        cross-CTA race rules arrive (docs/emulator.md): adds commute, nothing else is checked."""
+        if return_prev:
+            raise UnsupportedConstruct("T.atomic_add(return_prev=True) on a tile region")
+        dst, src = as_region(dst), as_region(value)
+        if dst.buf.scope != "global":
+            raise UnsupportedConstruct(f"T.atomic_add into {dst.buf.scope} {dst}: only global destinations are modeled")
+        if not same_shape(src.shape, dst.shape):
+            raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
+        tracker = self._rt.cta.tracker
+        if use_tma:
+            if src.buf.scope != "shared":
+                raise KernelError(f"T.atomic_add(use_tma=True) reads shared memory; {src} is {src.buf.scope}")
+            tracker.check(src.buf, src.box, False, by="TMA reduce-add")
+            tracker.check_async_read(src, "TMA reduce-add", self._rt.agent)
+        full = tuple(c - a for a, c in zip(dst.lo, dst.hi))
+        add = np.asarray(src.read(check=not use_tma), np.float32).reshape(full)
+        dst.check_owned()
+        cl = dst._clipped()
+        if cl is not None:
+            cur = dst.buf.data[cl[0]].astype(np.float32)
+            dst.buf.data[cl[0]] = dst.buf.convert(cur + add[cl[1]])
+        self._rt.trace and self._rt.trace.event("copy", self._site(), src=src, dst=dst)
+
     def tma_store_arrive(self):
         return None  # commits the bulk group; T.tma_copy and T.copy imply it
 
