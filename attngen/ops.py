@@ -373,7 +373,8 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k, work=BACKWARD_WORK, what="backward")
-        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **keywords)
+        serving_given = {n: x for n, x in keywords.items() if x is not None}  # none: the backward refuses serving
+        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **serving_given)
     elif q.device.type == "cuda":
         runtime.check_device(devices)
         grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,

@@ -1,0 +1,409 @@
+"""Autograd through the torch ops (attngen/ops.py, docs/torch.md) on the CPU backend: the forward
+kernel and the emitted backward kernels (preprocess, main, postprocess) on the CPU model.
+
+Gradients against reference_bwd's fp64 ones under its tolerance rule, torch.compile of forward
+plus backward (0 graph breaks, eager's values, one compilation over three lengths), opcheck of
+both ops with autograd, the backward op's fake against the real gradients (every preset the
+backward takes, hypothesis-drawn specs and shapes), the constants' refusal, the inference
+layouts' refusal, the CPU-time refusal, and the front doors. Shapes stay tiny: a backward on the
+CPU model costs about 2.5 forwards.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attngen
+from attngen import ops
+from attngen.emulator.driver import variant_inputs
+from attngen.plan import make_plan, plan_backward
+from attngen.reference import InputError, variant_of
+from attngen.reference_bwd import check_grads
+from attngen.render_bwd import render_backward_source
+from attngen.spec import SpecError, load
+
+from gpu_marks import GPU_ONLY
+from strategies import valid_specs
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "examples").glob("*.toml"))
+DERIVED = ("head_dim", "dtype", "gqa_group", "head_dim_v", "alibi", "sinks", "layout", "paged_kv", "page_size", "lse")
+
+
+def qkv(q_len=40, kv_len=None, heads=2, kv_heads=2, head_dim=64, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv_len = kv_len or q_len
+    q = torch.randn(1, q_len, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(1, kv_len, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(1, kv_len, kv_heads, head_dim, generator=g).to(dtype)
+    return tuple(t.requires_grad_() for t in (q, k, v))
+
+
+def cotangent(out, seed=7):
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+
+
+def grads_of(*tensors):
+    return {"dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad} | (
+        {"dsinks": tensors[3].grad} if len(tensors) > 3 else {})
+
+
+def failures(checks):
+    return {n: str(c) for n, c in checks.items() if not c.ok}
+
+
+def metadata(t):
+    return tuple(t.shape), t.dtype, t.device, t.stride()
+
+
+# -- eager autograd: the emitted backward on the CPU model against the fp64 reference -------------
+
+CASES = {  # name: (q_len, kv_len, heads, kv_heads, attention keywords)
+    "non-causal": (33, 57, 2, 2, {}),
+    "causal, q_len > kv_len": (50, 20, 2, 2, {"causal": True}),
+    "GQA causal": (40, 40, 4, 2, {"causal": True}),
+    "sinks and a scale": (24, 40, 2, 2, {"sinks": True, "softmax_scale": 0.2}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_gives_the_reference_gradients(name):
+    sq, skv, heads, kv_heads, kw = CASES[name]
+    q, k, v = qkv(sq, skv, heads, kv_heads)
+    kw = dict(kw)
+    sinks = None
+    if kw.pop("sinks", False):
+        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        kw["sinks"] = sinks
+    out = attngen.attention(q, k, v, **kw)
+    dout = cotangent(out)
+    out.backward(dout)
+    leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
+    got = grads_of(*leaves)
+    assert all(g is not None and g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got.values(), leaves))
+    checks = check_grads(got, q.detach(), k.detach(), v.detach(), dout, kw.get("causal", False), dtype="float16",
+                         scale=kw.get("softmax_scale"), sinks=None if sinks is None else sinks.detach())
+    assert set(checks) == {"dq", "dk", "dv"} | ({"dsinks"} if sinks is not None else set())
+    assert not failures(checks), failures(checks)
+    if name == "non-causal":  # the op's gradients are the emitted kernels' own, schedule seed 0
+        plan = ops.resolve(q, k, v, ops.encode_fields({"causal": False, "lse": True}))
+        direct = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout)
+        assert all(torch.equal(a, b) for a, b in zip(direct, got.values()))
+
+
+def test_a_broken_backward_kernel_shows_through_the_op(monkeypatch):
+    """The op runs the emitted backward: a mutated text (dPsum not subtracted) fails the check."""
+    q, k, v = qkv(33, 40)
+    real = ops.emulate_backward
+
+    def mutated(plan, *a, **kw):
+        text = render_backward_source(plan)
+        old = "(acc_dp[i, j] - dPsum_shared[stage, j])"
+        assert old in text
+        return real(plan, *a, **dict(kw, source=text.replace(old, "acc_dp[i, j]", 1)))
+
+    monkeypatch.setattr(ops, "emulate_backward", mutated)
+    out = attngen.attention(q, k, v)
+    dout = cotangent(out)
+    out.backward(dout)
+    checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, False, dtype="float16")
+    assert "dq" in failures(checks)
+
+
+def test_only_inputs_that_require_grad_get_one_and_the_lse_output_is_not_differentiated():
+    q, k, v = qkv(20)
+    k.requires_grad_(False)
+    out, lse = attngen.attention(q, k, v, causal=True, return_lse=True)
+    assert lse.shape == (1, 2, 20) and lse.grad_fn is not None
+    (out.float().sum() + lse.sum() * 0).backward()
+    assert q.grad is not None and v.grad is not None and k.grad is None
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"alibi_slopes": torch.tensor([0.5, 0.25])}, "alibi_slopes"),
+    ({"score_mod": "score + bias[h]", "bias": torch.tensor([0.1, -0.2])}, "bias"),
+])
+def test_a_constant_that_requires_grad_is_refused_not_given_none(kw, name):
+    q, k, v = qkv(20)
+    kw = {n: x.clone().requires_grad_() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    out = attngen.attention(q, k, v, **kw)  # the forward runs; the gradient is what cannot be had
+    with pytest.raises(InputError, match=rf"^{name} = a tensor that requires grad: expected a constant: "
+                                         r"attngen's backward has no gradient for alibi_slopes"):
+        out.float().sum().backward()
+    q.grad = None  # the same call with the constant detached differentiates
+    attngen.attention(q, k, v, **{n: x.detach() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+                      ).float().sum().backward()
+    assert q.grad is not None and q.grad.abs().max() > 0
+
+
+def test_an_inference_layout_has_no_backward():
+    """A paged cache: the forward runs, its gradient is the backward plan's SpecError."""
+    from attngen import serving
+
+    x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
+    q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
+    k, v = (torch.from_numpy(np.array(t)).half() for t in (x.k, x.v))
+    keywords = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
+    out = attngen.attention(q, k, v, **keywords)
+    with pytest.raises(SpecError, match="paged_kv.*inference layout"):
+        out.float().sum().backward()
+
+
+def test_the_cpu_time_refusal_covers_the_backward(monkeypatch):
+    q, k, v = qkv(70, 90)
+    args = ops.fwd_arguments(q, k, v, causal=True)[0]
+    plan = ops.resolve(q, k, v, args[3])
+    from attngen.emulator.driver import estimate_seconds
+
+    forward = estimate_seconds(plan, 1, 2, 2, [70], [90]).seconds
+    # a limit the forward fits and forward + backward (3.5 forwards) does not: refused before either runs
+    monkeypatch.setenv("ATTNGEN_CPU_MAX_SECONDS", f"{forward * 2:.6f}")
+    monkeypatch.setattr(ops, "emulate", lambda *a, **kw: pytest.fail("ran a refused training call"))
+    with pytest.raises(InputError, match=r"this forward and its backward would take about .* \(3.5x a forward's"):
+        attngen.attention(q, k, v, causal=True)
+    monkeypatch.undo()
+    with torch.no_grad():  # inference alone fits under the same limit
+        monkeypatch.setenv("ATTNGEN_CPU_MAX_SECONDS", f"{forward * 2:.6f}")
+        attngen.attention(q, k, v, causal=True)
+    # the backward op checks its own pass (2.5 forwards), as under torch.compile
+    monkeypatch.setenv("ATTNGEN_CPU_MAX_SECONDS", f"{forward * 2:.6f}")
+    out, lse = ops.fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    monkeypatch.setattr(ops, "emulate_backward", lambda *a, **kw: pytest.fail("ran a refused backward"))
+    with pytest.raises(InputError, match=r"this backward would take about .* \(2.5x a forward's"):
+        ops.bwd(cotangent(out), out, lse, *(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+
+
+# -- torch.compile of forward and backward ----------------------------------------------------------
+
+
+def loss_fn(q, k, v):
+    return attngen.attention(q, k, v, causal=True).float().square().sum()
+
+
+def test_compiled_forward_and_backward_have_no_graph_break_and_match_eager():
+    import torch._dynamo
+
+    q, k, v = qkv(30, 45, heads=4, kv_heads=2)
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(loss_fn)(q, k, v)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
+    loss_fn(q, k, v).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    targets = []
+
+    def backend(gm, example_inputs):  # AOT autograd's forward and backward graphs, what they call
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(g, _):
+            targets.extend(n.target for n in g.graph.nodes if n.op == "call_function")
+            return g
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    value = torch.compile(loss_fn, fullgraph=True, backend=backend)(q, k, v)
+    value.backward()
+    assert torch.ops.attngen.fwd.default in targets and torch.ops.attngen.bwd.default in targets
+    assert torch.equal(value, loss_fn(q, k, v).detach())
+    assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), eager))
+
+
+def test_compiled_backward_with_inductor_matches_eager():
+    q, k, v = qkv(20)
+    loss_fn(q, k, v).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch._dynamo.reset()
+    torch.compile(loss_fn, fullgraph=True)(q, k, v).backward()
+    assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), eager))
+
+
+def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_with_one_compilation():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True, backend=counter)
+    for n in (17, 33, 50):
+        q, k, v = qkv(n, n + 5, seed=n)
+        compiled(q, k, v).backward()
+        dout = 2 * attngen.attention(q.detach(), k.detach(), v.detach(), causal=True).float()  # d(sum out^2)/d out
+        checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout.half(), True, dtype="float16")
+        assert not failures(checks), (n, failures(checks))
+    assert counter.frame_count == 1
+
+
+# -- opcheck ---------------------------------------------------------------------------------------
+
+
+def bwd_arguments(q, k, v, **kw):
+    """The backward op's arguments after a real forward: (dout, out, lse, the forward's arguments)."""
+    args = ops.fwd_arguments(q, k, v, **kw)[0]  # q requires grad: lse true in fields
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    out, lse = ops.fwd(*args)
+    return (cotangent(out), out, lse) + args
+
+
+def test_opcheck_backward_op():
+    q, k, v = qkv(16, 24, heads=2, kv_heads=1)
+    result = torch.library.opcheck(ops.bwd, bwd_arguments(q, k, v, causal=True, sinks=torch.ones(2)))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_opcheck_forward_with_autograd():
+    """All four of opcheck's checks on inputs that need a gradient, the AOT dispatch one running
+    forward and backward through the op's autograd formula."""
+    q, k, v = qkv(16, 20)
+    sinks = torch.zeros(2, requires_grad=True)
+    args = ops.fwd_arguments(q, k, v, causal=True, sinks=sinks)[0]
+    result = torch.library.opcheck(ops.fwd, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+# -- the backward op's fake against the real gradients -----------------------------------------------
+
+
+def fake_bwd(args):
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor)
+                else [mode.from_tensor(x) for x in a] if isinstance(a, list) else a for a in args]
+        return ops.bwd(*fake)
+
+
+def check_bwd_fake(args):
+    real = ops.bwd(*args)
+    assert [metadata(t) for t in fake_bwd(args)] == [metadata(t) for t in real]
+    return real
+
+
+def backward_presets():
+    for path in PRESETS:
+        try:
+            plan_backward(load(path))
+        except SpecError:
+            continue
+        yield path
+
+
+@pytest.mark.parametrize("path", list(backward_presets()), ids=lambda p: p.stem)
+def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path):
+    spec = load(path)
+    plan = make_plan(spec)
+    kw = {n: x for n, x in spec.to_dict().items() if n not in DERIVED}
+    heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
+    n = spec.block_m if spec.aligned else 21
+    q, k, v, tensors = variant_inputs(plan, 1, heads, kv_heads, n, n if spec.aligned else 2 * n)
+    dtype = getattr(torch, spec.dtype)
+    q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (q, k, v))
+    named = {t: torch.from_numpy(np.array(x)) for t, x in tensors.items()}
+    args = bwd_arguments(q, k, v, **kw, **named)
+    assert ops.resolve(q, k, v, args[6], args[7:9], args[9], args[11]).spec.lse
+    dq, dk, dv, dsinks = check_bwd_fake(args)
+    assert (dsinks.numel() > 0) == spec.sinks
+    variant = variant_of(spec, named.get("alibi_slopes"), named.get("sinks"),
+                         {n: x for n, x in named.items() if n not in ("alibi_slopes", "sinks")})
+    got = {"dq": dq, "dk": dk, "dv": dv} | ({"dsinks": dsinks} if spec.sinks else {})
+    checks = check_grads(got, q.detach(), k.detach(), v.detach(), args[0], spec.causal, dtype=spec.dtype, **variant)
+    assert not failures(checks), failures(checks)
+
+
+@settings(max_examples=6, deadline=None)
+@given(spec=valid_specs(head_dims=(64, 128)), data=st.data())
+def test_backward_fake_matches_the_real_gradients_for_drawn_specs_and_shapes(spec, data):
+    try:
+        plan_backward(spec)
+    except SpecError:
+        return  # the backward refuses it (its own tests cover the refusals)
+    step_q, step_k = (spec.block_m, spec.block_n) if spec.aligned else (1, 1)
+    q_len = step_q * data.draw(st.integers(1, max(1, 48 // step_q)))
+    kv_len = step_k * data.draw(st.integers(1, max(1, 48 // step_k)))
+    kv_heads = data.draw(st.integers(1, 2))
+    q, k, v = qkv(q_len, kv_len, heads=kv_heads * spec.gqa_group, kv_heads=kv_heads, head_dim=spec.head_dim,
+                  dtype=getattr(torch, spec.dtype))
+    schedule = {n: getattr(spec, n) for n in ("consumers", "k_stages", "v_stages", "block_n", "pingpong", "aligned")}
+    sinks = {"sinks": torch.randn(q.shape[2])} if data.draw(st.booleans()) else {}
+    check_bwd_fake(bwd_arguments(q, k, v, causal=spec.causal, **schedule, **sinks))
+
+
+def test_a_wrong_backward_fake_is_caught():
+    """The comparison can fail: a dk with q's shape (as a fake that forgot GQA would give)."""
+    q, k, v = qkv(16, 16, heads=2, kv_heads=1)
+    real = ops.bwd(*bwd_arguments(q, k, v))
+    with FakeTensorMode() as mode:
+        wrong = [mode.from_tensor(real[0]), mode.from_tensor(real[0]), mode.from_tensor(real[2]),
+                 mode.from_tensor(real[3])]
+    assert [metadata(t) for t in wrong] != [metadata(t) for t in real]
+
+
+# -- the front doors ---------------------------------------------------------------------------------
+
+
+def test_flash_attn_func_is_differentiable():
+    from attngen.flash_attn_interface import flash_attn_func
+
+    q, k, v = qkv(30, 40, heads=4, kv_heads=2)
+    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.15)
+    dout = cotangent(out)
+    out.backward(dout)
+    checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, True, dtype="float16", scale=0.15)
+    assert not failures(checks), failures(checks)
+
+
+def test_flash_attn_varlen_func_backward_is_refused_by_the_backward_plan():
+    """FA3's varlen door is differentiable there; attngen's backward kernels are bshd only so far
+    (issue 17): the forward runs, and its gradient is the backward plan's SpecError naming the layout."""
+    from attngen.flash_attn_interface import flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(30, 2, 64, generator=g).half().requires_grad_()
+    k, v = (torch.randn(50, 2, 64, generator=g).half().requires_grad_() for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 20, 50], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 30, causal=True)
+    with pytest.raises(SpecError, match="layout.*varlen"):
+        out.float().sum().backward()
+
+
+def test_flex_attention_is_differentiable_through_its_transposes():
+    """[B, H, S, D] in and out: the gradient reaching the op is a transposed view (made packed there)."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv(24, 36))  # [B, H, S, D]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    out = attngen.flex_attention(q, k, v, score_mod=score_mod, scale=0.2)
+    dout = cotangent(out)
+    out.backward(dout)
+    bshd = [t.detach().transpose(1, 2) for t in (q, k, v)]
+    got = {n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), (q, k, v))}
+    checks = check_grads(got, *bshd, dout.transpose(1, 2), False, dtype="float16", scale=0.2, score_mod="score * 0.5")
+    assert not failures(checks), failures(checks)
+
+
+# -- CUDA (an sm_90 GPU): the same autograd over runtime's compiled backward ---------------------------
+
+
+@GPU_ONLY[0]
+@GPU_ONLY[1]
+def test_cuda_backward_matches_the_reference_and_the_cpu_model():
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(300, 517, heads=4, kv_heads=2, head_dim=128))
+    sinks = torch.randn(4, device="cuda").requires_grad_()
+    out = attngen.attention(q, k, v, causal=True, sinks=sinks)
+    dout = cotangent(out.cpu()).cuda()
+    out.backward(dout)
+    got = {n: g.cpu() for n, g in grads_of(q, k, v, sinks).items()}
+    assert all(torch.isfinite(g).all() for g in got.values())
+    checks = check_grads(got, q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(), True,
+                         dtype="float16", sinks=sinks.detach().cpu())
+    assert not failures(checks), failures(checks)
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    for t in (q, k, v):
+        t.grad = None
+    compiled(q, k, v).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
