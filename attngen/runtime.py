@@ -613,27 +613,48 @@ class BackwardKernel:
 _bwd_memo: dict = {}
 
 
+def _backward_build(spec_or_plan):
+    """(backward plan, its emitted module, its runtime entry, its parts)."""
+    from attngen.render_bwd import as_backward_plan, render_backward_source
+
+    if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    bp = as_backward_plan(spec_or_plan)
+    text = render_backward_source(bp)
+    parts = dict(BACKWARD_PARTS, **(dict([BACKWARD_KV_PART]) if bp.kv_accum else {}))
+    return bp, text, parts
+
+
+def precompile_backward(spec_or_plan, *, cache_dir=None) -> Precompiled:
+    """precompile() for the spec's backward module: every part into one runtime entry, so that
+    compile_backward (and autograd through attngen.attention) in a later process only loads it."""
+    bp, text, parts = _backward_build(spec_or_plan)
+    start = time.time()
+    entry = runtime_entry(bp, text, cache_dir=cache_dir)
+    if (entry / "meta.json").exists():
+        return Precompiled(entry, True, time.time() - start)
+    _built_parts(bp, text, entry, parts, require=True)
+    return Precompiled(entry, False, time.time() - start)
+
+
 def compile_backward(spec_or_plan) -> BackwardKernel:
     """The backward module of a spec (or forward Plan, or BackwardPlan), JIT-built for sm_90a
     through the attngen cache (a runtime entry of its own) and memoized per process. A spec the
     backward refuses (paged KV, split-KV, ...) is the backward plan's SpecError."""
-    from attngen.render_bwd import as_backward_plan, render_backward_source
-
-    if isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward"):
-        bp = as_backward_plan(spec_or_plan)
-    else:
+    if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
-    key = (bp.spec, bp.shape)
+    # looked up before planning and rendering: a call of the op pays a dict lookup here
+    key = ("bwd", spec_or_plan.spec, getattr(spec_or_plan, "shape", None)) if not isinstance(spec_or_plan, Spec) \
+        else ("bwd", spec_or_plan, None)
     with _memo_lock:
         if key in _bwd_memo:
             return _bwd_memo[key]
-        lock = _key_locks.setdefault(("bwd",) + key, threading.Lock())
+        lock = _key_locks.setdefault(key, threading.Lock())
     with lock:
         if key in _bwd_memo:
             return _bwd_memo[key]
-        text = render_backward_source(bp)
+        bp, text, parts = _backward_build(spec_or_plan)
         entry = runtime_entry(bp, text)
-        parts = dict(BACKWARD_PARTS, **(dict([BACKWARD_KV_PART]) if bp.kv_accum else {}))
         start = time.time()
         try:
             if (entry / "meta.json").exists():
@@ -760,7 +781,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 
 __all__ = [
-    "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "compile_backward", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
+    "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "compile_backward", "precompile_backward", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
     "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
     "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]
