@@ -113,7 +113,9 @@ def scale_argument(softmax_scale, scale, head_dim: int):
             return value.detach().to(device="cpu", dtype=torch.float64)
     else:
         value = resolve_scale(softmax_scale, scale, head_dim=head_dim)
-    return torch.ones((), dtype=torch.float64) * value
+    if not _compiling():
+        return torch.full((), value, dtype=torch.float64)  # eager: the cheapest 0-d tensor (a third of ones * s)
+    return torch.ones((), dtype=torch.float64) * value  # dynamo specializes torch.full's and torch.tensor's number
 
 
 def _scale_value(softmax_scale, head_dim: int) -> float:
@@ -367,7 +369,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     named = dict(zip(_names(tensor_names), tensors))
     keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
     call, extra = _check(plan, q, k, v, named, keywords)
-    _check_saved(plan, dout, out, lse, q, v)
+    _check_saved(plan, dout, out, lse)
     devices = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse} | named | {
         n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
     if q.device.type == "cpu":
@@ -386,13 +388,13 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks)
 
 
-def _check_saved(plan: Plan, dout, out, lse, q, v) -> None:
+def _check_saved(plan: Plan, dout, out, lse) -> None:
     """dout is shaped and typed like out (what the forward returned), lse like the forward's LSE."""
     want = tuple(out.shape)
     if tuple(dout.shape) != want or dout.dtype != out.dtype:
         raise InputError("dout", f"{dout.dtype} {list(dout.shape)}", f"a {out.dtype} tensor of shape {list(want)}, "
                                                                      f"the output's")
-    if not plan.spec.lse or lse.dim() == 1 and lse.numel() == 0:
+    if not plan.spec.lse or (lse.dim() == 1 and lse.numel() == 0):
         raise InputError("lse", f"shape {list(lse.shape)}", "the forward's LSE: the backward reads it (call the "
                                                             "forward with lse true, as autograd does)")
 
