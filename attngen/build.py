@@ -390,21 +390,18 @@ def format_summary(outcomes: list) -> str:
     return "\n".join(lines)
 
 
-BACKWARD_ENTRIES = (("preprocess", "build_preprocess_kernel", "_preprocess"), ("main", "build_kernel", ""),
-                    ("postprocess", "build_postprocess_kernel", "_postprocess"))
-
-
 def build_backward(spec, shape: Shape | None = None, cache_dir=None) -> dict:
-    """Build every kernel of the spec's backward module (docs/backward.md): {part: BuildResult},
-    parts preprocess, main, postprocess (and postprocess_kv with GQA)."""
-    from attngen.render_bwd import as_backward_plan, render_backward_source
+    """Build every kernel of the spec's backward module (docs/backward.md): {part: BuildResult}, the
+    parts named by their builders (preprocess, main, postprocess or dq, postprocess_kv with GQA)."""
+    from attngen.render_bwd import as_backward_plan, entries, render_backward_source
 
     bp = as_backward_plan(spec, shape)
     source = render_backward_source(bp)
-    entries = BACKWARD_ENTRIES + ((("postprocess_kv", "build_postprocess_kv_kernel", "_postprocess_kv"),) if bp.kv_accum else ())
     out = {}
-    for part, builder, suffix in entries:
+    for builder in entries(bp):
+        part = "main" if builder == "build_kernel" else builder.removeprefix("build_").removesuffix("_kernel")
+        name = bp.name if part == "main" else f"{bp.name}_{part}"
         extra = {"spec_hash": bp.hash, "shape": str(bp.shape) if bp.shape else "dynamic", "pass": "backward", "part": part}
-        out[part] = build_source(source, bp.name + suffix, bp.compile_flags, plan_smem=bp.smem_bytes if part == "main" else None,
+        out[part] = build_source(source, name, bp.compile_flags, plan_smem=bp.smem_bytes if part == "main" else None,
                                  cache_dir=cache_dir, extra=extra, builder=builder)
     return out

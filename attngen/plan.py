@@ -571,6 +571,11 @@ class BackwardPlan:
     dq_bar: int  # ... and of its dQ staging: dq_bar + g
     kv_accum: bool  # GQA/MQA: dK and dV summed into float32 accumulators per KV head (a postprocess converts them)
     fa3_tile: tuple  # FlashAttention-3's (kBlockM, kBlockN, warpgroups) for this head dim, for the record
+    deterministic: bool = False  # dQ by the dq kernel (KV tiles in order, no atomics); GQA's heads looped in the CTA
+    dq_block_m: int = 0  # the dq kernel's Q tile rows (consumers x 64) ...
+    dq_block_n: int = 0  # ... its KV tile keys ...
+    dq_kv_stages: int = 0  # ... and K/V stages
+    dq_smem: dict = dataclasses.field(default_factory=dict)
     compile_flags: tuple = COMPILE_FLAGS
 
     @property
@@ -585,7 +590,8 @@ class BackwardPlan:
 def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int) -> str:
     parts = [f"fa3_bwd_hd{spec.head_dim}", hw.DTYPES[spec.dtype].tag, "causal" if spec.causal else "full",
              f"g{spec.gqa_group}", f"c{consumers}", f"q{q_stages}", f"m{block_m}n{block_n}"]
-    return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec))
+    tail = ["det"] if spec.deterministic else []
+    return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
 def bwd_regs_needed(spec: Spec, block_m: int) -> int:
@@ -602,12 +608,25 @@ def bwd_regs_needed(spec: Spec, block_m: int) -> int:
 def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int) -> dict:
     e = hw.DTYPES[spec.dtype].bytes
     d, dv = spec.head_dim, head_dim_v(spec)
-    return {"K": block_n * d * e, "V": block_n * dv * e, "Q": q_stages * block_m * d * e, "dO": q_stages * block_m * dv * e,
-            "LSE2": q_stages * block_m * 4, "dPsum": q_stages * block_m * 4,
-            "dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * d * 4}
+    smem = {"K": block_n * d * e, "V": block_n * dv * e, "Q": q_stages * block_m * d * e, "dO": q_stages * block_m * dv * e,
+            "LSE2": q_stages * block_m * 4, "dPsum": q_stages * block_m * 4}
+    if not spec.deterministic:  # dQ is the dq kernel's there
+        smem.update({"dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * d * 4})
+    return smem
 
 
-def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
+DQ_BLOCK_N = 64  # the deterministic dq kernel's KV tile (its S, dP and dQ tiles stay in registers beside each other)
+DQ_KV_STAGES = 2
+
+
+def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
+    e = hw.DTYPES[spec.dtype].bytes
+    d, dv = spec.head_dim, head_dim_v(spec)
+    return {"Q": block_m * d * e, "dO": block_m * dv * e, "LSE2": block_m * 4, "dPsum": block_m * 4,
+            "K": stages * block_n * d * e, "V": stages * block_n * dv * e}
+
+
+def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True) -> BackwardPlan:
     """The backward kernels' plan: FlashAttention-3's tile for the head dim, brought to this
     formulation (Q tile rows a multiple of the wgmma M of the dQ GEMM; one 64-key slice of the KV
     tile per consumer) and shrunk until the register and shared-memory budgets hold."""
@@ -619,8 +638,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.layout != "bshd":
         raise SpecError("layout", spec.layout, "the backward kernels are generated for bshd only so far (varlen: not yet)")
-    forward = make_plan(dataclasses.replace(spec, lse=True), shape)
-    rspec = forward.spec
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
+    forward_spec = forward.spec
+    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
@@ -628,10 +648,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
     producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
     block_n = hw.WGMMA_M * consumers
     block_m = max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
-    while block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
+    while check_registers and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
         block_m -= hw.WGMMA_M
     needed = bwd_regs_needed(rspec, block_m)
-    if needed > consumer_regs:
+    if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
                         f"the generated backward keeps dK and dV of 64 keys per warpgroup in registers: about {needed} "
                         f"registers per thread at head_dim {rspec.head_dim} / head_dim_v {head_dim_v(rspec)}, more than "
@@ -654,5 +674,7 @@ def plan_backward(spec: Spec, shape: Shape | None = None) -> BackwardPlan:
         block_m=block_m, block_n=block_n, wg_keys=hw.WGMMA_M, consumers=consumers, q_stages=q_stages,
         threads=threads, consumer_threads=hw.WARPGROUP_THREADS * consumers, warpgroup_threads=hw.WARPGROUP_THREADS,
         tma_threads=hw.WARP_THREADS, producer_regs=producer_regs, consumer_regs=consumer_regs,
-        consumer_regs_needed=needed, smem=smem, ds_bar=1, dq_bar=1 + consumers, kv_accum=rspec.gqa_group > 1,
-        fa3_tile=fa3)
+        consumer_regs_needed=needed, smem=smem, ds_bar=1, dq_bar=1 + consumers,
+        kv_accum=rspec.gqa_group > 1 and not rspec.deterministic, fa3_tile=fa3, deterministic=rspec.deterministic,
+        dq_block_m=hw.WGMMA_M * consumers, dq_block_n=DQ_BLOCK_N, dq_kv_stages=DQ_KV_STAGES,
+        dq_smem=dq_smem_layout(rspec, hw.WGMMA_M * consumers, DQ_BLOCK_N, DQ_KV_STAGES) if rspec.deterministic else {})

@@ -61,42 +61,74 @@ def masked_visit(bp: BackwardPlan) -> str:
     return " or ".join(parts)
 
 
-def mask_binding(bp: BackwardPlan) -> str:
+def mask_binding(bp: BackwardPlan, dq: bool = False) -> str:
     if not has_edges(bp):
         return ""
+    if dq:
+        return "diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag"
     return "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
 
 
-def mask_condition(bp: BackwardPlan) -> str:
-    """Does query row m0 + j see key key0 + i (the edges of tiles.visible, written for the
-    transposed tile), and is the row a real one (< q_len)?"""
+# The two orientations: (query row text, key text, the row's index name, the key's index name).
+MAIN = (_ROW, _KEY, "j", "i")  # the main kernel's transposed tile [keys, rows]
+DQ = ("q0 + row0 + i", "kv_tile * DQ_BLOCK_N + j", "i", "j")  # the dq kernel's [rows, keys], as the forward's
+
+
+def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
+    """Does the query row see the key (the edges of tiles.visible, with the diagonal bound per
+    tile), and, in the main kernel, is the row a real one (< q_len: its rows past q_len are loaded
+    as zeros, but a score_mod could make P infinite there)?"""
     f = bp.forward
+    row, key, ri, ki = DQ if dq else MAIN
     left, right = f.window_left, f.window_right
     parts = []
     if left is not None:
-        parts.append(f"i >= j + diag - {left}" if left else "i >= j + diag")
+        parts.append(f"{ki} >= {ri} + diag - {left}" if left else f"{ki} >= {ri} + diag")
     if right is not None:
-        parts.append(f"j + diag + {right} >= i" if right else "j + diag >= i")
+        parts.append(f"{ri} + diag + {right} >= {ki}" if right else f"{ri} + diag >= {ki}")
     if right != 0:  # right == 0 keeps a real row's keys below kv_len
-        parts.append(f"{_KEY} < kv_len")
-    parts.append(f"{_ROW} < q_len")
+        parts.append(f"{key} < kv_len")
+    if not dq:
+        parts.append(f"{row} < q_len")
     if f.mask_expr is not None:
-        parts.append(mod_at(f, f.mask_expr, _ROW, _KEY, "head", None))
+        parts.append(mod_at(f, f.mask_expr, row, key, "head", None))
     return " and ".join(f"({p})" if " and " in p or " or " in p else p for p in parts)
 
 
-def log2_score(bp: BackwardPlan) -> str:
-    """acc_s[i, j] (k . q) -> the forward's final score in base-2 units (what LSE2 is in)."""
+def dq_range(bp: BackwardPlan) -> dict:
+    """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
+    fr = tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", 1), offset=tiles.Sym("causal_offset"),
+                     edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("DQ_BLOCK_M", 1),
+                     block_n=tiles.Sym("DQ_BLOCK_N", 1))
+    q0, row0 = tiles.Sym("q0", 0), tiles.Sym("row0", 0)
+    block = tiles.Rows(q0, tiles.add(q0, tiles.Sym("DQ_BLOCK_M", 1), -1))
+    wg = tiles.Rows(tiles.add(q0, row0), tiles.add(q0, row0, tiles.Sym("WG_ROWS", 1), -1))
+    first = fr.kv_first(block)
+    full_first = fr.kv_full_first(wg)
+    masked = "True" if f.mask_expr is not None else " or ".join(
+        ([] if full_first == 0 else ["kv_tile < full_first"]) + ["kv_tile >= full_stop"])
+    return {"dq_kv_first": tiles.text(first),
+            "dq_n_kv": tiles.text(tiles.max_(tiles.sub(fr.kv_stop(block), tiles.Sym("kv_first", 0)), 0)),
+            "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
+            "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
+            "dq_masked_visit": masked}
+
+
+def log2_score(bp: BackwardPlan, dq: bool = False) -> str:
+    """acc_s[i, j] (the raw q . k) -> the forward's final score in base-2 units (what LSE2 is in)."""
+    f = bp.forward
+    row, key = (DQ if dq else MAIN)[:2]
     if not f.prescaled:
         return "acc_s[i, j] * scale_log2"
-    return f"({score_text(f, 'acc_s[i, j]', _ROW, _KEY, 'head')}) * LOG2E"
+    return f"({score_text(f, 'acc_s[i, j]', row, key, 'head')}) * LOG2E"
 
 
-def dz_ds(bp: BackwardPlan) -> str:
+def dz_ds(bp: BackwardPlan, dq: bool = False) -> str:
     """d(final score)/d(q . k * scale) at element (i, j) from the raw acc_s, or "" where it is 1:
     softcap's 1 - tanh^2 times the score_mod's derivative (expr.derivative) at the softcapped score."""
     f = bp.forward
+    row, key = (DQ if dq else MAIN)[:2]
     factors = []
     if f.spec.softcap:
         t = "T.tanh(acc_s[i, j] * softcap_scale)"
@@ -104,9 +136,38 @@ def dz_ds(bp: BackwardPlan) -> str:
     if f.score_expr is not None:
         d = expr.derivative(f.score_expr)
         if d.canonical.strip() != "1":
-            u = score_text(f, "acc_s[i, j]", _ROW, _KEY, "head", mods=False)
-            factors.append(f"({mod_at(f, d, _ROW, _KEY, 'head', u)})")
+            u = score_text(f, "acc_s[i, j]", row, key, "head", mods=False)
+            factors.append(f"({mod_at(f, d, row, key, 'head', u)})")
     return " * ".join(factors)
+
+
+def grouped_visits(bp: BackwardPlan) -> bool:
+    """Deterministic GQA: a block owns a KV head and visits its group's query heads in turn."""
+    return bp.deterministic and bp.spec.gqa_group > 1
+
+
+def visits(bp: BackwardPlan) -> dict:
+    if grouped_visits(bp):
+        return {"visit": "v", "n_visits": "GQA_GROUP * n_q",
+                "visit_comment": "  # each query head of the group in turn: dK and dV summed in registers, in order",
+                "visit_lines": ["head = kv_head * GQA_GROUP + v // n_q", "m = v % n_q"]}
+    return {"visit": "m", "n_visits": "n_q", "visit_comment": "", "visit_lines": []}
+
+
+def consumer_args(bp: BackwardPlan) -> str:
+    names = ["K_shared", "V_shared", "Q_shared", "dO_shared", "LSE_shared", "dPsum_shared"]
+    if not bp.deterministic:
+        names += ["dS_shared", "dQ_shared"]
+    names += ["kv_full", "q_full", "q_empty", "do_full", "do_empty"]
+    if not bp.deterministic:
+        names.append("dQ_accum")
+    names += ["dK_accum", "dV_accum"] if bp.kv_accum else ["dK", "dV"]
+    names += ["kv_block"] + ([] if grouped_visits(bp) else ["head"]) + ["kv_head", "batch_idx", "q_first", "n_q"]
+    if has_edges(bp):
+        names += ["full_first", "full_stop"]
+    names.append("kv_partial")
+    names += [t.param for t in call_tensors(bp)]
+    return ", ".join(names + ["softmax_scale"])
 
 
 def scale_setup(bp: BackwardPlan) -> list[str]:
@@ -141,28 +202,33 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     pre = [_tensor("O", q_shape(dv), "DTYPE", "the forward's output"), _tensor("dO", q_shape(dv), "DTYPE"),
            _tensor("LSE", ROWS, '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
            _tensor("dPsum", ROWS, '"float32"', "output: rowsum(dO * O)"),
-           _tensor("LSE2", ROWS, '"float32"', "output: LSE * log2(e), 0 where LSE is -inf"),
-           _tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "output: zeroed (the main kernel reduce-adds into it)")]
+           _tensor("LSE2", ROWS, '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
+    if not bp.deterministic:
+        pre.append(_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
     if bp.spec.sinks:
         pre += [_tensor("Sinks", ["heads"], '"float32"', "call time: sinks"),
                 _tensor("dSinks", ["heads"], '"float32"', "in/out: zeroed by the caller; -= sum_rows exp(sink - LSE) dPsum")]
     main = [_tensor("Q", q_shape("HEAD_DIM"), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM"), "DTYPE"),
             _tensor("V", kv_shape(dv), "DTYPE"), _tensor("dO", q_shape(dv), "DTYPE"),
-            _tensor("LSE2", ROWS, '"float32"'), _tensor("dPsum", ROWS, '"float32"'),
-            _tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "in/out: dS K reduce-added, unscaled"),
-            _tensor(kv_names[0], kv_shape("HEAD_DIM"), kv_out,
+            _tensor("LSE2", ROWS, '"float32"'), _tensor("dPsum", ROWS, '"float32"')]
+    if not bp.deterministic:
+        main.append(_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "in/out: dS K reduce-added, unscaled"))
+    main += [_tensor(kv_names[0], kv_shape("HEAD_DIM"), kv_out,
                     "in/out: zeroed by the caller; dK of the group's query heads atomically added, scaled" if bp.kv_accum
                     else "output: dK, scaled"),
             _tensor(kv_names[1], kv_shape(dv), kv_out,
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
-    for t in call_tensors(bp):
-        main.append(_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"', f"call time: {t.name}"))
+    calls = [_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"', f"call time: {t.name}") for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
-    main.append(scale)
+    main += calls + [scale]
+    dq = [_tensor("Q", q_shape("HEAD_DIM"), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM"), "DTYPE"),
+          _tensor("V", kv_shape(dv), "DTYPE"), _tensor("dO", q_shape(dv), "DTYPE"),
+          _tensor("LSE2", ROWS, '"float32"'), _tensor("dPsum", ROWS, '"float32"'),
+          _tensor("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + [scale]
     post = [_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"'), _tensor("dQ", q_shape("HEAD_DIM"), "DTYPE", "output"), scale]
     post_kv = [_tensor("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), _tensor("dV_accum", kv_shape(dv), '"float32"'),
                _tensor("dK", kv_shape("HEAD_DIM"), "DTYPE", "output"), _tensor("dV", kv_shape(dv), "DTYPE", "output")]
-    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv}
+    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq}
 
 
 def header_lines(bp: BackwardPlan) -> list[str]:
@@ -178,13 +244,21 @@ def header_lines(bp: BackwardPlan) -> list[str]:
         f"schedule:  1 TMA producer warpgroup + {bp.consumers} MMA warpgroup(s) of {bp.wg_keys} keys, {bp.threads} threads, "
         f"setmaxnreg {bp.producer_regs}/{bp.consumer_regs}; FA3's tile {bp.fa3_tile[0]}x{bp.fa3_tile[1]} ({bp.fa3_tile[2]} WGs)",
         f"smem:      {bp.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in bp.smem.items()) + ")",
-        "entries:   build_preprocess_kernel, build_kernel, build_postprocess_kernel"
-        + (", build_postprocess_kv_kernel" if bp.kv_accum else ""),
+        "entries:   " + ", ".join(entries(bp)),
         "spec:",
     ]
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
     return lines
+
+
+def entries(bp: BackwardPlan) -> list:
+    """The module's kernel builders, in launch order."""
+    out = ["build_preprocess_kernel", "build_kernel"]
+    out.append("build_dq_kernel" if bp.deterministic else "build_postprocess_kernel")
+    if bp.kv_accum:
+        out.append("build_postprocess_kv_kernel")
+    return out
 
 
 def template_context(bp: BackwardPlan) -> dict:
@@ -218,6 +292,8 @@ def template_context(bp: BackwardPlan) -> dict:
         "ds_bar": bp.ds_bar,
         "dq_bar": bp.dq_bar,
         "pre_rows": PRE_ROWS,
+        # the preprocess's O * dO tile: TileLang 0.1.15 finds no fragment layout for 96 columns
+        "pre_cols": 0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
         "pre_threads": PRE_THREADS,
         "compile_flags": bp.compile_flags,
         "dims": dims,
@@ -234,8 +310,21 @@ def template_context(bp: BackwardPlan) -> dict:
         "dz_ds": dz_ds(bp),
         "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
+        "consumer_args": consumer_args(bp),
+        "deterministic": bp.deterministic,
+        "grouped_visits": grouped_visits(bp),
+        "main_grid_heads": "kv_heads" if grouped_visits(bp) else "heads",
+        "main_head_var": "kv_head" if grouped_visits(bp) else "head",
+        **visits(bp),
+        **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
     }
+
+
+def dq_context(bp: BackwardPlan) -> dict:
+    return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
+            "dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
+            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp)}
 
 
 def as_backward_plan(spec_or_plan, shape=None) -> BackwardPlan:

@@ -161,9 +161,10 @@ class Agent:
         self.line = None
         self.stores = []  # in-flight asynchronous TMA stores (T.tma_copy to global), oldest first
         # happens-before state (hazards.Tracker sets the components)
-        self.comp = self.wg_comp = self.store_comp = -1
+        self.comp = self.wg_comp = self.store_comp = self.bulk_comp = -1
         self.vc = []
         self.wg_issued = self.store_issued = 0
+        self.bulk_issued = 0  # bulk groups committed (TMA stores, reduce-adds): their global writes' sequence
         self.selfsync = 0  # own clock covered by a synchronization this warpgroup acquired (proxy rule)
         self.unfenced = []  # generic shared writes not yet followed by T.fence_proxy_async()
 

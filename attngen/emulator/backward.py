@@ -67,19 +67,23 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences)
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
-        pre = [oa, do, la, None, None, None]
+        pre = [oa, do, la, None, None] + ([] if bp.deterministic else [None])
         if spec.sinks:
             pre += [_host_array(named["sinks"]), np.zeros(h, np.float32)]
         rt.run(pre, entry="build_preprocess_kernel", **run)
         t = rt.tensors
         dsinks = t.get("dSinks")
+        lse2, dpsum = t["LSE2"], t["dPsum"]
+        calls = [_host_array(named[x.name]) for x in extra] + [np.float32(sm_scale)]
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])
-        main = [qa, ka, va, do, t["LSE2"], t["dPsum"], t["dQ_accum"]] + kv_in
-        main += [_host_array(named[x.name]) for x in extra] + [np.float32(sm_scale)]
-        rt.run(main, **run)
+        main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
+        rt.run(main + calls, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
-        dq = rt.run([t["dQ_accum"], None, np.float32(sm_scale)], entry="build_postprocess_kernel", **run)
+        if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics
+            dq = rt.run([qa, ka, va, do, lse2, dpsum, None] + calls, entry="build_dq_kernel", **run)
+        else:
+            dq = rt.run([t["dQ_accum"], None, np.float32(sm_scale)], entry="build_postprocess_kernel", **run)
         if bp.kv_accum:
             dk, dv = rt.run([dk, dv, None, None], entry="build_postprocess_kv_kernel", **run)
     grads = [dq, dk, dv] + ([dsinks] if spec.sinks else [])

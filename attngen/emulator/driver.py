@@ -27,7 +27,7 @@ from attngen import inputs as call_checks
 from attngen.emulator import blas
 from attngen.emulator.agents import POLICIES, WARPGROUP, Agent, Scheduler
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
-from attngen.emulator.hazards import Tracker
+from attngen.emulator.hazards import Launch, Tracker
 from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
@@ -47,6 +47,8 @@ class Stats:
     handovers: int = 0  # scheduler decisions: one per synchronization point reached
     wgmma: int = 0
     tma: int = 0
+    atomics: int = 0  # T.atomic_add statements executed by a warpgroup (register and shared sources)
+    reduce_adds: int = 0  # TMA reduce-adds: T.atomic_add(..., use_tma=True)
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
@@ -208,7 +210,8 @@ class Runtime:
                 c += 1
 
         digest = hashlib.sha1()
-        counters = {"wgmma": 0, "tma": 0}
+        counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0}
+        launch = Launch()  # the blocks of this launch are unordered: their global accesses are checked across
         gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
         for bz in range(gz):
             for by in range(gy):
@@ -222,10 +225,13 @@ class Runtime:
                         b.owned = None if owner is None else Owned(functools.partial(owner, index, b.name), who)
                     agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
                     sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
-                    tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line)
+                    tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line, launch=launch)
                     tracker.describe_line = self.describe_line
                     tracker.proxy_fences = proxy_fences
                     tracker.context = sched.context = self.context
+                    launch.begin(who)
+                    for b in tensors:
+                        b.tracker = tracker
                     sched.on_finish = self._finish_agent
                     self.cta = CTA(index, tuple(grid), threads, tracker, counters)
                     self.sched = sched
@@ -234,11 +240,14 @@ class Runtime:
                         raise HazardError("HAZARD: TMA loads still in flight when the block exited "
                                           "(their mbarrier phase never completed)\n"
                                           f"{tracker.pending_report()}\n  where: {self.context}")
+                    launch.end()
                     digest.update(repr(sched.trace).encode())
                     stats.ctas += 1
                     stats.handovers += len(sched.trace)
         stats.wgmma += counters["wgmma"]
         stats.tma += counters["tma"]
+        stats.atomics += counters["atomic"]
+        stats.reduce_adds += counters["reduce_add"]
         stats.schedule = digest.hexdigest()[:16]
         self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]
@@ -771,7 +780,8 @@ def command(args, plan=None) -> int:
     except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
+    atomics = "".join(f", {n} {what}" for n, what in ((stats.atomics, "atomics"), (stats.reduce_adds, "TMA reduce-adds")) if n)
     print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
-          f"{stats.tma} TMA loads, {stats.seconds:.2f} s")
+          f"{stats.tma} TMA loads{atomics}, {stats.seconds:.2f} s")
     print(f"  {text} (bound = 2 x max|lowprec - ref| + ulp x max|ref|)")
     return 0 if ok else 1

@@ -36,13 +36,30 @@ ordered after a record iff its agent's clock (for an asynchronous access: the is
 clock at issue) has [comp] >= clock. Records that every agent still able to touch the
 buffer has already observed can never race again and are pruned.
 
-What counts as an access: ordinary code (the generic proxy) on shared buffers and
-fragments; TMA loads (writes) and TMA stores (reads) of shared buffers; wgmma operands
-(reads) and accumulators (read-modify-write). An element access under a per-element `if`
-covers the box around the elements its mask selects. Global tensors are not tracked (inputs
-are read-only; each CTA writes its own rows of the outputs, which the driver's ownership
-rule checks when it is given one: memory.Owned). Chained wgmmas of one warpgroup on the
-same accumulator are ordered by the hardware and exempt.
+What counts as an access: ordinary code (the generic proxy) on shared buffers, fragments
+and global tensors; TMA loads (writes of shared, reads of global) and TMA stores and
+reduce-adds (reads of shared, writes of global); wgmma operands (reads) and accumulators
+(read-modify-write); `T.atomic_add` (an atomic read-modify-write). An element access under a
+per-element `if` covers the box around the elements its mask selects. Chained wgmmas of one
+warpgroup on the same accumulator are ordered by the hardware and exempt, and so are two
+atomics: they commute (an atomic still races with a plain load or store of its bytes).
+
+A bulk store's global writes (a TMA store, a TMA reduce-add) complete at an unknown time:
+`T.tma_store_wait(n)` (`.read`, the default, and what T.copy and T.atomic_add(use_tma=True)
+emit) waits for the shared-memory read only; only `T.tma_store_wait(n, read=False)` orders
+the writes (a component per warpgroup: its bulk groups whose writes completed).
+
+One elected thread issues a TMA store or reduce-add that waits for its own read (T.copy to
+global, T.atomic_add(use_tma=True): TileLang 0.1.15 lowers both to store + commit +
+`tma_store_wait<0, read>` in that thread). Its read of shared memory is an *elected* record:
+the warpgroup's other threads are ordered after it only by a synchronization that includes
+the warpgroup's own release after the statement (a bar.sync of its threads), as for fences.
+
+Across CTAs (`Launch`): the CTAs of one launch are unordered, so two of them touching the
+same global element, at least one access a plain write (or a plain read against the other's
+atomic), race whatever order they run in. Each CTA's global accesses are checked against
+the elements earlier CTAs touched (a map per tensor and kind of access), and merged into
+those maps when the CTA ends; the pair is found whichever of the two runs first.
 
 Proxy fences (`proxy_fences=True`): shared memory written by ordinary code may be read by
 the async proxy (a TMA store, a wgmma operand) only if the writers then executed
@@ -54,11 +71,15 @@ synchronization that includes its own post-fence release (e.g. a bar.sync of its
 
 from __future__ import annotations
 
+import numpy as np
+
 from attngen.emulator.clocks import advance, get, join
 from attngen.emulator.errors import HazardError
 
 PRUNE_AT = 16  # a buffer's history is pruned when it grows past this (or twice what survived)
 ORDINARY = "ordinary code"
+ATOMIC = "atomic add"
+REDUCE_ADD = "TMA reduce-add"
 
 
 class Op:
@@ -76,15 +97,27 @@ class Op:
 class Access:
     """One access in a buffer's history."""
 
-    __slots__ = ("box", "write", "comp", "clock", "agent", "kind", "line", "op", "acc", "generic", "fence", "threads")
+    __slots__ = ("box", "write", "comp", "clock", "agent", "kind", "line", "op", "acc", "generic", "fence", "threads",
+                 "atomic", "elected")
 
-    def __init__(self, box, write, comp, clock, agent, kind, line, op=None, acc=False, generic=False, threads=0):
+    def __init__(self, box, write, comp, clock, agent, kind, line, op=None, acc=False, generic=False, threads=0,
+                 atomic=False, elected=False):
         self.box, self.write, self.comp, self.clock = box, write, comp, clock
         self.agent, self.kind, self.line, self.op = agent, kind, line, op  # agent: who made or issued it
         self.acc = acc  # a wgmma accumulator access (chained wgmmas on it are ordered)
         self.generic = generic  # an ordinary (generic-proxy) write to shared memory
         self.fence = None  # generic writes: the writer's clock at its next T.fence_proxy_async()
         self.threads = threads
+        self.atomic = atomic  # an atomic read-modify-write (write is True): atomics commute with each other
+        self.elected = elected  # made by one elected thread: its warpgroup's other threads need a bar.sync after it
+
+
+BULK = Op("bulk store", None, None, [], [], None)  # marks a bulk store's global writes (in flight until a non-.read wait)
+
+
+def box_index(box) -> tuple:
+    lo, hi = box
+    return tuple(slice(a, b) for a, b in zip(lo, hi))
 
 
 def overlap(a, b) -> bool:
@@ -111,15 +144,17 @@ class Tracker:
 
     enabled = True  # tests switch race detection off to see what the races do to the numbers
 
-    def __init__(self, agents, current, line):
+    def __init__(self, agents, current, line, launch=None):
         self.agents = agents
         self.current = current  # () -> the running agent
         self.line = line  # () -> the emitted line being executed
         self.describe_line = lambda line: f"line {line}"
         self.context = ""  # CTA and schedule, appended to reports
         self.proxy_fences = False
+        self.launch = launch  # the launch's cross-CTA record of global accesses (None: not checked)
         self.ops: list[Op] = []  # in flight (effects not applied yet)
         self.hist: dict = {}  # Buffer -> [Access] that some agent able to touch it has not observed
+        self.written: set = set()  # buffers with a write in their history (a read need not scan the others)
         self.limit: dict = {}
         self.components: list[str] = []
         for a in agents:
@@ -127,6 +162,7 @@ class Tracker:
         for a in agents:
             a.wg_comp = self.component(f"wgmmas of {a.name} retired")
             a.store_comp = self.component(f"TMA stores of {a.name} retired")
+            a.bulk_comp = self.component(f"global writes of the bulk stores of {a.name} completed")
         for a in agents:
             a.vc = [0] * len(self.components)
             a.vc[a.comp] = 1
@@ -172,12 +208,16 @@ class Tracker:
         self.ops.remove(op)
 
     # -- accesses ---------------------------------------------------------------------------
-    def check(self, buf, box, write: bool, by: str = ORDINARY):
-        """An access by the running agent's own threads: ordinary code, or a synchronous copy (`by`)."""
+    def check(self, buf, box, write: bool, by: str = ORDINARY, index=None, atomic: bool = False, elected: bool = False):
+        """An access by the running agent's own threads: ordinary code, a synchronous copy (`by`), an
+        atomic (`atomic`: a write that commutes with other atomics), or one elected thread's access
+        (`elected`). `index`: a global access's exact numpy index (default: the box), for the
+        cross-CTA check."""
         if not self.enabled:
             return
         hist = self.hist.get(buf)
-        if buf.scope != "shared":
+        scope = buf.scope
+        if scope == "fragment":
             # A fragment is touched only by its warpgroup, whose own accesses are in program
             # order: only its in-flight wgmmas (recorded) can race with them. Nothing to record.
             if hist:
@@ -186,14 +226,52 @@ class Tracker:
             return
         agent = self.current()
         line = self.line()
-        if hist:
-            self._against(hist, buf, box, write, agent.vc, agent, by, line, None)
-        generic = write and by == ORDINARY
-        rec = Access(box, write, agent.comp, agent.vc[agent.comp], agent, by, line, generic=generic, threads=agent.nthreads)
+        if hist and (write or buf in self.written):
+            self._against(hist, buf, box, write, agent.vc, agent, by, line, None, atomic=atomic)
+        generic = write and scope == "shared" and not elected  # generic-proxy writes (atomics too)
+        rec = Access(box, write, agent.comp, agent.vc[agent.comp], agent, by, line, generic=generic,
+                     threads=1 if elected else agent.nthreads, atomic=atomic, elected=elected)
         if not self._coalesce(buf, rec):
             self._record(buf, rec)
             if generic:
                 agent.unfenced.append(rec)
+        if scope == "global" and self.launch is not None:
+            self.launch.access(self, buf, box_index(box) if index is None else index, write, atomic, agent, by, line)
+
+    def bulk_write(self, region, agent, seq: int, kind: str, op=None, atomic: bool = False):
+        """The global writes of a bulk store (TMA store, reduce-add) by `agent`, its `seq`-th bulk
+        group: they complete only at a T.tma_store_wait(read=False) (the writes' component)."""
+        if not self.enabled:
+            return
+        cl = region.clipped_box()
+        if cl is None:
+            return
+        buf, line = region.buf, op.line if op is not None else self.line()
+        hist = self.hist.get(buf)
+        if hist:
+            self._against(hist, buf, cl, True, agent.vc, agent, kind, line, op, atomic=atomic)
+        self._record(buf, Access(cl, True, agent.bulk_comp, seq, agent, kind, line, op or BULK, atomic=atomic))
+        if self.launch is not None:
+            self.launch.access(self, buf, box_index(cl), True, atomic, agent, kind, line)
+
+    def global_read(self, region, agent, kind: str, op=None):
+        """A TMA load's read of global memory (the part inside the tensor): ordinary epoch, or the op's."""
+        if not self.enabled:
+            return
+        cl = region.clipped_box()
+        if cl is None:
+            return
+        buf = region.buf
+        line = op.line if op is not None else self.line()
+        hist = self.hist.get(buf)
+        if hist and buf in self.written:
+            self._against(hist, buf, cl, False, agent.vc, agent, kind, line, op)
+        comp, clock = (op.comp, op.clock) if op is not None else (agent.comp, agent.vc[agent.comp])
+        rec = Access(cl, False, comp, clock, agent, kind, line, op)
+        if op is not None or not self._coalesce(buf, rec):
+            self._record(buf, rec)
+        if self.launch is not None:
+            self.launch.access(self, buf, box_index(cl), False, False, agent, kind, line)
 
     def issue(self, op: Op, reads=(), writes=(), acc=None):
         """Check and record the accesses of an asynchronous operation issued now by op.agent."""
@@ -212,14 +290,17 @@ class Tracker:
                     self._against(hist, buf, r.box, write, vc, agent, op.kind, op.line, op, is_acc)
                 self._record(buf, Access(r.box, write, op.comp, op.clock, agent, op.kind, op.line, op, is_acc))
 
-    def _against(self, hist, buf, box, write, vc, agent, kind, line, op, acc=False):
+    def _against(self, hist, buf, box, write, vc, agent, kind, line, op, acc=False, atomic=False):
         n = len(vc)
         for r in hist:
             if not (write or r.write):
                 continue
+            if atomic and r.atomic:
+                continue  # atomics commute
             c = r.comp
             if c < n and vc[c] >= r.clock:
-                continue  # r happens-before this access
+                if not r.elected or agent is not r.agent or agent.selfsync >= r.clock:
+                    continue  # r happens-before this access
             if not overlap(box, r.box):
                 continue
             if acc and r.acc and op is not None and r.comp == op.comp:
@@ -236,12 +317,15 @@ class Tracker:
             return False
         last = hist[-1]
         if (last.agent is rec.agent and last.op is None and last.kind == rec.kind and last.box == rec.box
-                and last.fence is None and last.generic == rec.generic and (rec.write or not last.write)):
+                and last.fence is None and last.generic == rec.generic and (rec.write or not last.write)
+                and last.atomic == rec.atomic and last.elected == rec.elected):
             last.clock, last.line, last.write, last.threads = rec.clock, rec.line, rec.write, rec.threads
             return True
         return False
 
     def _record(self, buf, rec):
+        if rec.write:
+            self.written.add(buf)
         hist = self.hist.get(buf)
         if hist is None:
             self.hist[buf] = [rec]
@@ -269,6 +353,8 @@ class Tracker:
             if r.fence is None:
                 return False
             return all((a.selfsync if a is r.agent else get(a.vc, r.comp)) >= r.fence for a in who)
+        if r.elected:
+            return all((a.selfsync if a is r.agent else get(a.vc, r.comp)) >= r.clock for a in who)
         return all(get(a.vc, r.comp) >= r.clock for a in who)
 
     # -- generic proxy -> async proxy ---------------------------------------------------
@@ -313,7 +399,11 @@ class Tracker:
         else:
             other = f"{r.agent.name} ({r.kind})"
             other_line = f"  other:     {r.agent.name} ({r.kind}), {self.describe_line(r.line)}"
-            if op is not None:
+            if r.elected and r.agent is agent:
+                why = (f"one elected thread of {agent.name} made it (and waited for it); the warpgroup's other "
+                       f"threads are ordered after it only by a synchronization of the warpgroup after it "
+                       f"(a T.sync_threads of its threads); a T.tma_store_wait does not order them")
+            elif op is not None:
                 why = f"{r.agent.name}'s access does not happen-before the issue of this {kind}"
             else:
                 why = f"no synchronization orders {r.agent.name}'s access before this one"
@@ -330,6 +420,10 @@ class Tracker:
 
     @staticmethod
     def _pending(r) -> str:
+        if r.comp == r.agent.bulk_comp:
+            return (f"its global writes complete at an unknown time: only a T.tma_store_wait(n, read=False) of "
+                    f"{r.agent.name} orders them (T.tma_store_wait's default .read form, which T.copy and "
+                    f"T.atomic_add(use_tma=True) emit, waits for the shared-memory read only)")
         if r.kind == "wgmma":
             return f"not retired first: no T.wait_wgmma of {r.agent.name} that retires it happens-before this access"
         if r.kind == "TMA load":
@@ -345,3 +439,102 @@ class Tracker:
             regions = ", ".join(str(r) for r in op.writes + op.reads)
             lines.append(f"  {op.kind} of {op.agent.name} on {regions}, {self.describe_line(op.line)}")
         return "\n".join(lines)
+
+
+# -- across the CTAs of one launch ---------------------------------------------------------------
+READ, WRITE, ATOMIC_RMW = 0, 1, 2
+MODE_TEXT = ("reads", "writes", "atomically adds to")
+MODE_PAST = ("read", "wrote", "atomically added to")
+# The kinds of access by other CTAs that each kind races with: atomics commute only with atomics.
+CONFLICTS = ((WRITE, ATOMIC_RMW), (READ, WRITE, ATOMIC_RMW), (READ, WRITE))
+
+
+class _Touched:
+    """Which elements of one global tensor earlier CTAs of the launch touched, by kind of access:
+    an int32 map per kind holding the id of the last access (-1: none). Reads are kept as a log
+    and written into their map only when a write or an atomic needs it (inputs, only ever read,
+    never get one)."""
+
+    __slots__ = ("maps", "reads")
+
+    def __init__(self):
+        self.maps = [None, None, None]
+        self.reads = []  # (index, access id) not in maps[READ] yet
+
+    def get(self, buf, mode):
+        if mode == READ and self.reads:
+            self._put(buf, READ, self.reads)
+            self.reads = []
+        return self.maps[mode]
+
+    def _put(self, buf, mode, entries):
+        m = self.maps[mode]
+        if m is None:
+            m = self.maps[mode] = np.full(buf.shape, -1, np.int32)
+        for index, rid in entries:
+            m[index] = rid
+
+
+class Launch:
+    """Global accesses of the CTAs of one launch, which nothing orders with each other.
+
+    A CTA's access is checked against what earlier CTAs did to the same elements (CONFLICTS);
+    the CTA's own accesses join the maps when it ends, so accesses within a CTA are left to its
+    happens-before tracker. Every pair of CTAs is checked once, whichever runs first, so the
+    verdict does not depend on the order the driver runs them in."""
+
+    def __init__(self):
+        self.touched: dict = {}  # Buffer -> _Touched
+        self.accesses: list = []  # access id -> (block, agent name, kind, line)
+        self.pending: list = []  # this CTA's (Buffer, mode, index, access id)
+        self.block = ""
+
+    def begin(self, block: str):
+        self.block = block
+        self.pending = []
+
+    def access(self, tracker, buf, index, write, atomic, agent, kind, line):
+        mode = ATOMIC_RMW if atomic else WRITE if write else READ
+        t = self.touched.get(buf)
+        if t is not None:
+            for other in CONFLICTS[mode]:
+                m = t.get(buf, other)
+                if m is None:
+                    continue
+                if (m[index] >= 0).any():
+                    raise HazardError(self._report(tracker, buf, index, mode, other, m, agent, kind, line))
+        rid = len(self.accesses)
+        self.accesses.append((self.block, agent.name, kind, line))
+        self.pending.append((buf, mode, index, rid))
+
+    def end(self):
+        """The CTA finished: its accesses are what later CTAs are checked against."""
+        for buf, mode, index, rid in self.pending:
+            t = self.touched.get(buf)
+            if t is None:
+                t = self.touched[buf] = _Touched()
+            if mode == READ:
+                t.reads.append((index, rid))
+            else:
+                t._put(buf, mode, [(index, rid)])
+        self.pending = []
+
+    def _report(self, tracker, buf, index, mode, other, m, agent, kind, line) -> str:
+        hit = np.zeros(buf.shape, bool)
+        hit[index] = m[index] >= 0
+        first = tuple(int(i) for i in np.argwhere(hit)[0])
+        block, who, their_kind, their_line = self.accesses[int(m[first])]
+        element = f"{buf.name}[{', '.join(map(str, first))}]"
+        why = ("atomics commute only with atomics: a plain access of the same bytes in another block races with them"
+               if ATOMIC_RMW in (mode, other) else "a plain write races with any other block's access of the same bytes")
+        return "\n".join([
+            f"HAZARD: {self.block}, {agent.name} ({kind}) {MODE_TEXT[mode]} {element}, which {block}, {who} "
+            f"({their_kind}) {MODE_PAST[other]}",
+            f"  buffer:    {buf.label}; {int(hit.sum())} element(s) in common, first {element}",
+            f"  access:    {self.block}, {agent.name}, {tracker.describe_line(line)}",
+            f"  other:     {block}, {who}, {tracker.describe_line(their_line)}",
+            f"             (the blocks of one launch are unordered: nothing orders one block's global accesses with "
+            f"another's; {why})",
+            "             (a race whatever order the blocks run in)",
+            f"  where:     {tracker.context}",
+        ])

@@ -190,7 +190,7 @@ class Buffer:
             return self._load_masked(idx, mask)
         np_idx, shape, box = self._elements(idx)
         if self.tracker is not None:
-            self.tracker.check(self, box, write=False)
+            self.tracker.check(self, box, write=False, index=np_idx)
         got = self.data[np_idx]
         if shape is None and got.ndim == 0 and self.dtype == "int32":
             return int(got)  # an index or a bound (cu_seqlens_q[b]), not a numpy int32 that could overflow
@@ -209,10 +209,10 @@ class Buffer:
             self._store_masked(idx, value, mask)
             return
         np_idx, shape, box = self._elements(idx)
-        if self.tracker is not None:
-            self.tracker.check(self, box, write=True)
-        if self.owned is not None:
+        if self.owned is not None:  # first: a store outside the block's rows is the more precise report
             check_owned(self, np_idx)
+        if self.tracker is not None:
+            self.tracker.check(self, box, write=True, index=np_idx)
         value = self.convert(value)
         try:
             if shape is not None:
@@ -272,7 +272,7 @@ class Buffer:
                               f"{np.shape(mask)}") from None
         where, box = self._selected(arrays, shape, need)
         if box is not None and self.tracker is not None:
-            self.tracker.check(self, box, write=False)
+            self.tracker.check(self, box, write=False, index=tuple(where))
         got = np.zeros(shape, self.data.dtype)  # elements no selected iteration reads: never used
         got[need] = self.data[tuple(where)]
         if got.ndim == 0 and self.dtype == "int32":
@@ -291,11 +291,58 @@ class Buffer:
         if box is None:
             return
         index = tuple(where)
-        if self.tracker is not None:
-            self.tracker.check(self, box, write=True)
         if self.owned is not None:
             check_owned(self, index)
+        if self.tracker is not None:
+            self.tracker.check(self, box, write=True, index=index)
         self.data[index] = value[sel]
+
+    # -- atomics ---------------------------------------------------------------
+    def add_elements(self, idx, value, by: str) -> int:
+        """`T.atomic_add(buf[i, j], value)`: every iteration of the enclosing T.Parallel that the
+        element mask selects adds its value to its element (several iterations may name one
+        element: each adds). Only selected elements must be in bounds. Returns the adds made."""
+        mask = element_mask()
+        arrays, shape = self._index_arrays(idx)
+        try:
+            it = np.broadcast_shapes(shape, np.shape(value), () if mask is None else np.shape(mask))
+            sel = np.ones(it, bool) if mask is None else np.broadcast_to(mask, it)
+            vals = np.broadcast_to(self.convert(value), it)
+        except ValueError:
+            raise KernelError(f"T.atomic_add into {self.name}[...] indexed with shape {shape}: a value of shape "
+                              f"{np.shape(value)} under an `if` of shape {np.shape(mask)} does not broadcast") from None
+        where, box = self._selected(arrays, it, sel)
+        if box is None:
+            return 0
+        index = tuple(where)
+        if self.owned is not None:
+            check_owned(self, index)
+        if self.tracker is not None:
+            self.tracker.check(self, box, write=True, by=by, index=index, atomic=True)
+        self.add_at(index, vals[sel], unique=False)
+        return len(where[0])
+
+    def add_at(self, index, vals, unique: bool):
+        """data[index] += vals, in the buffer's dtype: float32 adds in float32, int32 wraps, a 16-bit
+        element rounds after each add. `unique`: index names each element at most once."""
+        if self.dtype in ("float32", "int32"):
+            if unique:
+                self.data[index] += vals
+            else:
+                np.add.at(self.data, index, vals)
+            return
+        if not unique:  # a 16-bit element named twice rounds twice: add the repeats one round at a time
+            flat = np.ravel_multi_index(index, self.shape)
+            order = np.argsort(flat, kind="stable")
+            flat = flat[order]
+            first = np.r_[True, flat[1:] != flat[:-1]]
+            rank = np.arange(len(flat)) - np.maximum.accumulate(np.where(first, np.arange(len(flat)), 0))
+            for r in range(int(rank.max()) + 1 if len(rank) else 0):
+                pick = order[rank == r]
+                sub = tuple(a[pick] for a in index)
+                self.data[sub] = round_to(self.data[sub] + vals[pick], self.dtype)
+            return
+        self.data[index] = round_to(self.data[index] + vals, self.dtype)
 
     def _check_span(self, axis, a, b, where=""):
         if a < 0 or b > self.shape[axis]:
@@ -413,10 +460,10 @@ class Region:
 
     def write(self, value, check=True):
         sl = self._slices()
-        if check and self.buf.tracker is not None:
-            self.buf.tracker.check(self.buf, self.box, write=True)
         if self.buf.owned is not None:
             check_owned(self.buf, sl)
+        if check and self.buf.tracker is not None:
+            self.buf.tracker.check(self.buf, self.box, write=True)
         full = tuple(c - a for a, c in zip(self.lo, self.hi))
         value = self.buf.convert(value)
         try:
@@ -444,6 +491,32 @@ class Region:
         if cl is not None:
             out[cl[1]] = self.buf.data[cl[0]]
         return out.reshape(self.shape)
+
+    def clipped_box(self):
+        """The box of the part inside the tensor, or None if empty."""
+        cl = self._clipped()
+        if cl is None:
+            return None
+        return tuple(x.start for x in cl[0]), tuple(x.stop for x in cl[0])
+
+    def add(self, value):
+        """An atomic add of value (broadcast to the region) into it, element by element; a global
+        region drops what lies beyond the tensor (TileLang predicates those elements off, TMA clips
+        them). The caller checks ownership and races first. Returns the box added to (None: nothing)."""
+        full = tuple(c - a for a, c in zip(self.lo, self.hi))
+        try:
+            value = np.broadcast_to(self.buf.convert(value), self.shape).reshape(full)
+        except ValueError:
+            raise KernelError(f"T.atomic_add: a value of shape {np.shape(value)} into {self} of shape {self.shape}") from None
+        if self.buf.scope == "global":
+            cl = self._clipped()
+            if cl is None:
+                return None
+            target, value = cl[0], value[cl[1]]
+        else:
+            target = self._slices()
+        self.buf.add_at(target, value, unique=True)
+        return tuple(x.start for x in target), tuple(x.stop for x in target)
 
     def check_owned(self):
         """A store to this region: its part inside the tensor must be the running CTA's own."""
@@ -473,6 +546,37 @@ def stored(x, dtype: str, name: str) -> np.ndarray:
     if x.dtype.kind not in "iub" or (x.size and (x.min() < np.iinfo(np.int32).min or x.max() > np.iinfo(np.int32).max)):
         raise KernelError(f"{name} is an int32 tensor: it needs integers within int32, got {x.dtype} values")
     return x.astype(np.int32)
+
+
+class ElementRef:
+    """`buf[i, j]` as T.atomic_add's destination: the element(s) named, not their values (the ast
+    rewrite passes the subscript this way, so that naming them is not a load)."""
+
+    __slots__ = ("buf", "idx")
+
+    def __init__(self, buf, idx):
+        self.buf, self.idx = buf, idx if isinstance(idx, tuple) else (idx,)
+
+    def __str__(self):
+        return f"{self.buf.name}[...]"
+
+
+class Target:
+    """`__rt__.target(buf)[idx]`: a region for a sliced subscript, else an ElementRef."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def __getitem__(self, idx):
+        buf = self.buf
+        if not isinstance(buf, Buffer):
+            return buf[idx]
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(x, slice) for x in idx):
+            return Region.of(buf, idx)
+        return ElementRef(buf, idx)
 
 
 def _as_int(x, buf):

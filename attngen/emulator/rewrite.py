@@ -12,7 +12,9 @@ The emitted module is ordinary Python; only four things need a different meaning
   Python. Subscripts in a test go through `__rt__.value`, so a test on per-element buffer
   values (not modeled) is told apart from one on the indices;
 - `and` / `or` / `not` and chained comparisons work element-wise on the index arrays of
-  `T.Parallel` and on thread masks (short-circuiting as usual on plain values).
+  `T.Parallel` and on thread masks (short-circuiting as usual on plain values);
+- the destination of `T.atomic_add(dst[i, j], value)` names elements, it does not load them:
+  the subscript becomes `__rt__.target(dst)[i, j]` (memory.Target).
 
 Line numbers are kept, so tracebacks and reports point at the emitted source.
 """
@@ -25,6 +27,7 @@ from attngen.emulator.errors import UnsupportedConstruct
 
 RT = "__rt__"  # helper object injected into the module namespace
 TL = "__tilelang__"  # the CPU stand-in for the `tilelang` package
+ATOMIC_CALLS = ("atomic_add",)  # T.<name>(dst, ...) whose dst subscript is an address
 
 
 def _at(new, node):
@@ -142,6 +145,25 @@ class _Rewriter(ast.NodeTransformer):
         if node.orelse:
             out.append(guarded("other", "not_taken", node.orelse))
         return [_at(n, node.test) for n in out]
+
+    # -- atomics: the destination subscript is an address, not a load ----------
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr in ATOMIC_CALLS and isinstance(f.value, ast.Name)
+                and f.value.id in self.t_aliases):
+            if node.args:
+                node.args[0] = self._target(node.args[0])
+            for kw in node.keywords:
+                if kw.arg == "dst":
+                    kw.value = self._target(kw.value)
+        return node
+
+    @staticmethod
+    def _target(expr):
+        if not isinstance(expr, ast.Subscript):
+            return expr
+        return _at(ast.Subscript(value=_call("target", [expr.value], expr), slice=expr.slice, ctx=ast.Load()), expr)
 
     # -- element-wise logic ----------------------------------------------------
     def visit_BoolOp(self, node):

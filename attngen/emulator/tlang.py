@@ -35,11 +35,16 @@ import numpy as np
 
 from attngen.emulator.agents import WARPGROUP, MBarrier, NamedBarrier
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
-from attngen.emulator.hazards import Op
-from attngen.emulator.memory import Buffer, Lanes, as_region, element_mask, parallel_indices, predicated, same_shape
+from attngen.emulator.hazards import ATOMIC, REDUCE_ADD, Op
+from attngen.emulator.memory import (
+    Buffer, ElementRef, Lanes, Region, Target, as_region, element_mask, parallel_indices, predicated, same_shape,
+)
 from attngen.reference import round_to
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}  # bytes per element, for TMA transaction counts
+MEMORY_ORDERS = ("relaxed", "consume", "acquire", "release", "acq_rel", "seq_cst")  # TileLang's names
+ATOMIC_DTYPES = ("float32", "float16", "bfloat16", "int32")  # atomicAdd's types among the model's buffers
+REDUCE_ADD_DTYPES = ("float16", "bfloat16", "float32", "int32")  # cp.reduce.async.bulk .add (src/cuda/op/atomic_add.cc)
 
 
 class GridProbe(BaseException):
@@ -229,6 +234,11 @@ class Helpers:
                                            "an `if` on the loop indices is modeled)")
             return _Elements(test)
         return _TAKEN if test else _SKIPPED
+
+    @staticmethod
+    def target(buf):
+        """T.atomic_add's destination subscript (rewrite.py): names elements without loading them."""
+        return Target(buf)
 
     @staticmethod
     def and_(a, b):
@@ -461,7 +471,9 @@ class TLang:
         if src.buf.scope == "global":  # a synchronous TMA load: zeros beyond the tensor
             if dst.buf.tracker is not None:
                 dst.check_bounds()
-                dst.buf.tracker.check(dst.buf, dst.box, True, by="TMA load (T.copy)")
+                kind = "TMA load (T.copy)" if dst.buf.scope == "shared" else "load"  # into registers: every thread loads
+                dst.buf.tracker.check(dst.buf, dst.box, True, by=kind)
+                dst.buf.tracker.global_read(src, self._rt.agent, kind)
             dst.write(src.load_zero_filled().reshape(dst.shape), check=False)
         elif dst.buf.scope == "global":  # a TMA store: elements beyond the tensor are dropped
             self._tma_store(src, dst)
@@ -504,13 +516,14 @@ class TLang:
             line = self._site()
             agent = rt.agent
             tracker = rt.cta.tracker
-            data = src.load_zero_filled().reshape(dst.shape)  # global inputs are read-only: read at issue
+            data = src.load_zero_filled().reshape(dst.shape)  # read at issue (a write racing with it is reported)
             # The box counts in full, rows beyond the tensor (zero-filled) included.
             nbytes = int(np.prod([b - a for a, b in zip(dst.lo, dst.hi)])) * ITEMSIZE[dst.buf.dtype]
             bar.expect_tx(nbytes)
             op = Op("TMA load", agent, line, [], [dst], lambda: dst.write(data, check=False))
             op.comp, op.clock, op.bar = bar.comp, bar.phase + 1, bar  # lands with the current phase
             tracker.issue(op, writes=(dst,))
+            tracker.global_read(src, agent, "TMA load", op)
             tracker.add(op)
             bar.loads.append((bar.phase, op))
             rt.trace and rt.trace.event("tma_issue", line, bar=bar, dst=dst)
@@ -538,8 +551,19 @@ class TLang:
         tracker = rt.cta.tracker
         agent = rt.agent
         if wait:
-            tracker.check(src.buf, src.box, False, by="TMA store")
+            dst.check_owned()  # first: a store outside the block's rows is the more precise report
+        if wait and src.buf.scope != "shared":  # from registers: every thread stores its elements
+            tracker.check(src.buf, src.box, False, by="store")
+            cl = dst.clipped_box()
+            if cl is not None:
+                tracker.check(dst.buf, cl, True, by="store")
+            dst.store_clipped(src.read(check=False).reshape(dst.shape))
+            return
+        agent.bulk_issued += 1
+        if wait:  # one elected thread issues it and waits for its read (tma_store_wait<0, read>)
+            tracker.check(src.buf, src.box, False, by="TMA store", elected=True)
             tracker.check_async_read(src, "TMA store", agent)
+            tracker.bulk_write(dst, agent, agent.bulk_issued, "TMA store")
             dst.store_clipped(src.read(check=False).reshape(dst.shape))
             return
         line = self._site()
@@ -549,36 +573,9 @@ class TLang:
         op.comp, op.clock = agent.store_comp, agent.store_issued
         tracker.issue(op, reads=(src,))
         tracker.check_async_read(src, "TMA store", agent)
+        tracker.bulk_write(dst, agent, agent.bulk_issued, "TMA store", op)
         tracker.add(op)
         agent.stores.append(op)
-
-    def atomic_add(self, dst, value, memory_order=None, return_prev=False, use_tma=False, annotations=None):
-        """Tile-region atomic add into global memory (TileLang's `tl.tileop.atomicadd`): `use_tma`
-        is the TMA reduce-add (cp.reduce.async.bulk) from shared memory, which the lowering waits
-        for (tma_store_wait<0>) like a T.copy store; otherwise per-element atomics from a fragment or
-        shared memory. Elements outside the tensor are dropped. The minimal model until the
-        cross-CTA race rules arrive (docs/emulator.md): adds commute, nothing else is checked."""
-        if return_prev:
-            raise UnsupportedConstruct("T.atomic_add(return_prev=True) on a tile region")
-        dst, src = as_region(dst), as_region(value)
-        if dst.buf.scope != "global":
-            raise UnsupportedConstruct(f"T.atomic_add into {dst.buf.scope} {dst}: only global destinations are modeled")
-        if not same_shape(src.shape, dst.shape):
-            raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
-        tracker = self._rt.cta.tracker
-        if use_tma:
-            if src.buf.scope != "shared":
-                raise KernelError(f"T.atomic_add(use_tma=True) reads shared memory; {src} is {src.buf.scope}")
-            tracker.check(src.buf, src.box, False, by="TMA reduce-add")
-            tracker.check_async_read(src, "TMA reduce-add", self._rt.agent)
-        full = tuple(c - a for a, c in zip(dst.lo, dst.hi))
-        add = np.asarray(src.read(check=not use_tma), np.float32).reshape(full)
-        dst.check_owned()
-        cl = dst._clipped()
-        if cl is not None:
-            cur = dst.buf.data[cl[0]].astype(np.float32)
-            dst.buf.data[cl[0]] = dst.buf.convert(cur + add[cl[1]])
-        self._rt.trace and self._rt.trace.event("copy", self._site(), src=src, dst=dst)
 
     def tma_store_arrive(self):
         return None  # commits the bulk group; T.tma_copy and T.copy imply it
@@ -597,6 +594,95 @@ class TLang:
             retired = op.clock
         if retired:
             rt.cta.tracker.retire(agent, agent.store_comp, retired)
+        if not read and agent.bulk_issued > keep:  # the writes of all but the `keep` newest bulk groups completed
+            rt.cta.tracker.retire(agent, agent.bulk_comp, agent.bulk_issued - keep)
+
+    # -- atomics ----------------------------------------------------------------------------
+    def atomic_add(self, dst, value, memory_order=None, return_prev=False, use_tma=False, annotations=None):
+        """TileLang 0.1.15's `T.atomic_add` (tilelang/cuda/language/atomic.py over language/atomic.py).
+
+        - `T.atomic_add(dst[i, j], value)`, an element form (inside T.Parallel, or scalar indices):
+          each iteration the element mask selects adds its value (atomicAdd, by every thread);
+        - `T.atomic_add(dst_region, src)`: src a fragment, shared or global region of dst's shape
+          (unit axes aside) or a value broadcast over it; each element adds (a tiled atomicAdd);
+          in a global dst, elements beyond the tensor are dropped;
+        - `use_tma=True`: src a shared region, dst a global region of the same dtype (float16,
+          bfloat16, float32, int32): one elected thread issues a TMA reduce-add (`tl::tma_store_add`)
+          and waits for its read of shared memory (`tma_store_arrive`, `tma_store_wait<0, read>`).
+        The add happens at issue, in the destination's dtype (float32 adds in float32).
+        """
+        rt = self._rt
+        ann = dict(annotations or {})
+        use_tma = bool(ann.pop("use_tma", use_tma))
+        if ann:
+            raise UnsupportedConstruct(f"T.atomic_add(annotations={sorted(ann)}): only use_tma is modeled")
+        if return_prev:
+            raise UnsupportedConstruct("T.atomic_add(return_prev=True): the previous value is not modeled")
+        if memory_order is not None and memory_order not in MEMORY_ORDERS:
+            raise KernelError(f"T.atomic_add(memory_order={memory_order!r}): expected one of {', '.join(MEMORY_ORDERS)}")
+        if memory_order not in (None, "relaxed"):
+            raise UnsupportedConstruct(f"T.atomic_add(memory_order={memory_order!r}): atomics that order other "
+                                       "memory accesses are not modeled (relaxed, the default, is)")
+        tracker = rt.cta.tracker
+        agent = rt.agent
+        if isinstance(dst, ElementRef):
+            if use_tma:
+                raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global destination region")
+            if isinstance(value, (Buffer, Region)):
+                raise KernelError(f"T.atomic_add({dst}, ...): an element destination takes a value, not a region")
+            if dst.buf.dtype not in ATOMIC_DTYPES:
+                raise KernelError(f"T.atomic_add into {dst.buf.name} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
+            if dst.buf.scope == "fragment":
+                raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst.buf.name} (atomics on shared or global memory are modeled)")
+            if dst.buf.add_elements(dst.idx, value, ATOMIC):
+                rt.cta.stats["atomic"] += 1
+            return None
+        dst = as_region(dst)
+        if dst.buf.scope == "fragment":
+            raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst} (atomics on shared or global memory are modeled)")
+        if dst.buf.dtype not in ATOMIC_DTYPES:
+            raise KernelError(f"T.atomic_add into {dst} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
+        src = as_region(value) if isinstance(value, (Buffer, Region)) else None
+        if src is not None and not same_shape(src.shape, dst.shape):
+            raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
+        if use_tma:
+            self._reduce_add(src, dst)
+            return None
+        vals = value if src is None else src.read()  # src loads by every thread (a fragment: its own)
+        if src is not None:
+            vals = vals.reshape(dst.shape)
+        if dst.buf.scope == "global":
+            dst.check_owned()
+            cl = dst.clipped_box()
+            if cl is not None:
+                tracker.check(dst.buf, cl, True, by=ATOMIC, atomic=True)
+        else:
+            dst.check_bounds()
+            tracker.check(dst.buf, dst.box, True, by=ATOMIC, atomic=True)
+        dst.add(vals)
+        rt.cta.stats["atomic"] += 1
+        return None
+
+    def _reduce_add(self, src, dst):
+        rt = self._rt
+        if src is None or src.buf.scope != "shared" or dst.buf.scope != "global":
+            raise KernelError(f"T.atomic_add(use_tma=True) reduces a shared source region into a global region; got "
+                              f"{'a value' if src is None else f'{src.buf.scope} {src}'} into {dst.buf.scope} {dst}")
+        if src.buf.dtype != dst.buf.dtype or dst.buf.dtype not in REDUCE_ADD_DTYPES:
+            raise KernelError(f"T.atomic_add(use_tma=True): {src} is {src.buf.dtype} and {dst} is {dst.buf.dtype}; a TMA "
+                              f"reduce-add needs one dtype of {', '.join(REDUCE_ADD_DTYPES)}")
+        src.check_bounds()
+        tracker = rt.cta.tracker
+        agent = rt.agent
+        line = self._site()
+        dst.check_owned()
+        agent.bulk_issued += 1
+        tracker.check(src.buf, src.box, False, by=REDUCE_ADD, elected=True)
+        tracker.check_async_read(src, REDUCE_ADD, agent)
+        tracker.bulk_write(dst, agent, agent.bulk_issued, REDUCE_ADD, atomic=True)
+        dst.add(src.read(check=False).reshape(dst.shape))
+        rt.cta.stats["reduce_add"] += 1
+        rt.sched.pause(line)
 
     # -- mbarriers -----------------------------------------------------------------------
     def _land(self, bar: MBarrier):
