@@ -551,15 +551,16 @@ def _load_parts(entry: Path, plan) -> dict:
 
 # -- the backward kernels (docs/backward.md): preprocess, main, postprocess --------------------------
 
-BACKWARD_PARTS = {"preprocess": "build_preprocess_kernel", "main": "build_kernel",
-                  "postprocess": "build_postprocess_kernel"}
-BACKWARD_KV_PART = ("postprocess_kv", "build_postprocess_kv_kernel")  # GQA/MQA: dK and dV from float32 accumulators
+def backward_part(builder: str) -> str:
+    """A backward module's part name from its builder: build_kernel -> main, build_dq_kernel -> dq, ..."""
+    return "main" if builder == "build_kernel" else builder.removeprefix("build_").removesuffix("_kernel")
 
 
 @dataclasses.dataclass(eq=False)
 class BackwardKernel:
-    """The compiled backward module of a spec: its preprocess, main and postprocess kernels (and,
-    for GQA/MQA, the dK/dV postprocess). `run` launches them in order on CUDA tensors."""
+    """The compiled backward module of a spec: its kernels by part (render_bwd.entries: preprocess,
+    main, then postprocess, or with deterministic = true the dq kernel, and for GQA/MQA the dK/dV
+    postprocess). `run` launches them in order on CUDA tensors."""
 
     plan: object  # plan.BackwardPlan
     jits: dict  # part -> tilelang JITKernel
@@ -575,7 +576,8 @@ class BackwardKernel:
         """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) for the
         forward (out, lse [B, H, Sq]) that the plan's forward kernel returned. `extra` are the
         forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
-        the caller (attngen.ops: the forward's checks, dout and lse against out)."""
+        the caller (attngen.ops: the forward's checks, dout and lse against out). The launches
+        and their arguments follow emulate_backward's (docs/backward.md, "The kernels' parameters")."""
         if call is not None:
             raise InputError("call", "a serving call", "a dense bshd call: the backward takes no serving layout")
         torch = _torch()
@@ -585,8 +587,10 @@ class BackwardKernel:
         b, sq, h, d = (int(x) for x in q.shape)
         f32 = dict(dtype=torch.float32, device=q.device)
         dpsum, lse2 = torch.empty((b, h, sq), **f32), torch.empty((b, h, sq), **f32)
-        dq_accum = torch.empty((b, sq, h, d), **f32)  # zeroed by the preprocess
-        pre = [out, dout, lse, dpsum, lse2, dq_accum]
+        # deterministic: the dq kernel computes dQ in order, no accumulator; else the preprocess zeroes it
+        dq_accum = None if bp.deterministic else torch.empty((b, sq, h, d), **f32)
+        accum = [] if dq_accum is None else [dq_accum]
+        pre = [out, dout, lse, dpsum, lse2] + accum
         dsinks = None
         if bp.spec.sinks:
             dsinks = torch.zeros((h,), **f32)  # the preprocess subtracts each row's share
@@ -595,16 +599,19 @@ class BackwardKernel:
             dk_main, dv_main = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
         else:
             dk_main, dv_main = torch.empty_like(k), torch.empty_like(v)
-        main = [q, k, v, dout, lse2, dpsum, dq_accum, dk_main, dv_main]
-        main += [tensors[n] for n in names if n != "sinks"] + [float(softmax_scale)]
+        calls = [tensors[n] for n in names if n != "sinks"] + [float(softmax_scale)]
+        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + calls
         dq = torch.empty_like(q)
         with torch.cuda.device(q.device):
             self.jits["preprocess"](*(_detach(a) for a in pre))
             self.jits["main"](*(_detach(a) for a in main))
-            self.jits["postprocess"](dq_accum, _detach(dq), float(softmax_scale))
+            if bp.deterministic:
+                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls))
+            else:
+                self.jits["postprocess"](dq_accum, _detach(dq), float(softmax_scale))
             if bp.kv_accum:
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
-                self.jits[BACKWARD_KV_PART[0]](dk_main, dv_main, _detach(dk), _detach(dv))
+                self.jits["postprocess_kv"](dk_main, dv_main, _detach(dk), _detach(dv))
             else:
                 dk, dv = dk_main, dv_main
         return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
@@ -615,14 +622,13 @@ _bwd_memo: dict = {}
 
 def _backward_build(spec_or_plan):
     """(backward plan, its emitted module, its runtime entry, its parts)."""
-    from attngen.render_bwd import as_backward_plan, render_backward_source
+    from attngen.render_bwd import as_backward_plan, entries, render_backward_source
 
     if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     bp = as_backward_plan(spec_or_plan)
     text = render_backward_source(bp)
-    parts = dict(BACKWARD_PARTS, **(dict([BACKWARD_KV_PART]) if bp.kv_accum else {}))
-    return bp, text, parts
+    return bp, text, {backward_part(builder): builder for builder in entries(bp)}
 
 
 def precompile_backward(spec_or_plan, *, cache_dir=None) -> Precompiled:

@@ -356,6 +356,24 @@ def test_flash_attn_func_is_differentiable():
     assert not failures(checks), failures(checks)
 
 
+def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
+    """deterministic=True (FA3's flag) is the spec field: the op's gradients are bit-identical to
+    the deterministic backward's under another schedule policy and seed (the atomic one's are not
+    promised to be), and still pass the reference."""
+    from attngen.flash_attn_interface import flash_attn_func
+
+    q, k, v = qkv(40, 50, heads=4, kv_heads=2)
+    out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    dout = cotangent(out)
+    out.backward(dout)
+    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "deterministic": True, "lse": True}))
+    assert plan.spec.deterministic
+    other = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout, seed=5, policy="producer-first")
+    assert all(torch.equal(a, b) for a, b in zip(other, (q.grad, k.grad, v.grad)))
+    checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, True, dtype="float16")
+    assert not failures(checks), failures(checks)
+
+
 def test_flash_attn_varlen_func_backward_is_refused_by_the_backward_plan():
     """FA3's varlen door is differentiable there; attngen's backward kernels are bshd only so far
     (issue 17): the forward runs, and its gradient is the backward plan's SpecError naming the layout."""
