@@ -119,8 +119,14 @@ def test_only_inputs_that_require_grad_get_one_and_the_lse_output_is_not_differe
     k.requires_grad_(False)
     out, lse = attngen.attention(q, k, v, causal=True, return_lse=True)
     assert lse.shape == (1, 2, 20) and lse.grad_fn is not None
-    (out.float().sum() + lse.sum() * 0).backward()
+    out.float().sum().backward(retain_graph=True)
     assert q.grad is not None and v.grad is not None and k.grad is None
+    first = q.grad.clone()
+    q.grad = None
+    (out.float().sum() + lse.sum()).backward()  # as in FlashAttention-3, the LSE's cotangent is dropped
+    assert torch.equal(q.grad, first)
+    sinks = torch.zeros(2, requires_grad=True)  # a sink alone that needs a gradient asks for the LSE too
+    assert '"lse": true' in ops.fwd_arguments(q.detach(), k, v.detach(), sinks=sinks)[0][3]
 
 
 @pytest.mark.parametrize("kw, name", [
