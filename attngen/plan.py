@@ -636,8 +636,6 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
-    if spec.layout != "bshd":
-        raise SpecError("layout", spec.layout, "the backward kernels are generated for bshd only so far (varlen: not yet)")
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
     forward_spec = forward.spec
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
