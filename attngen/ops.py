@@ -372,10 +372,14 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     _check_saved(plan, dout, out, lse)
     devices = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse} | named | {
         n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
-    if q.device.type == "cpu":
+    if call is not None and call.empty:  # no query row (as the forward): nothing to launch, every gradient 0
+        _one_device(devices) if q.device.type == "cpu" else None
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (
+            (torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device),) if "sinks" in named else ())
+    elif q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k, work=BACKWARD_WORK, what="backward")
-        serving_given = {n: x for n, x in keywords.items() if x is not None}  # none: the backward refuses serving
+        serving_given = {n: x for n, x in keywords.items() if x is not None}  # varlen's; the backward refuses the others
         grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **serving_given)
     elif q.device.type == "cuda":
         runtime.check_device(devices)

@@ -577,18 +577,27 @@ class BackwardKernel:
         forward (out, lse [B, H, Sq]) that the plan's forward kernel returned. `extra` are the
         forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
         the caller (attngen.ops: the forward's checks, dout and lse against out). The launches
-        and their arguments follow emulate_backward's (docs/backward.md, "The kernels' parameters")."""
-        if call is not None:
-            raise InputError("call", "a serving call", "a dense bshd call: the backward takes no serving layout")
+        and their arguments follow emulate_backward's (docs/backward.md, "The kernels' parameters");
+        a varlen call passes its checked ServingCall (packed q [total_q, H, D], lse [H, total_q])."""
         torch = _torch()
         bp = self.plan
+        varlen = bp.forward.varlen
+        if (call is not None) != varlen:
+            raise InputError("call", "a serving call" if call is not None else None,
+                             "a varlen call's checked ServingCall for a varlen spec, else none")
         names = [t.name for t in bp.forward.extra if not t.output]
         tensors = dict(zip(names, extra))
-        b, sq, h, d = (int(x) for x in q.shape)
+        h, d = int(q.shape[-2]), int(q.shape[-1])
         f32 = dict(dtype=torch.float32, device=q.device)
-        dpsum, lse2 = torch.empty((b, h, sq), **f32), torch.empty((b, h, sq), **f32)
+        rows = (h, int(q.shape[0])) if varlen else (int(q.shape[0]), h, int(q.shape[1]))  # render_bwd.rows_shape
+        seq = []
+        if varlen:  # every kernel takes the prefix sums and the longest sequence's rows and keys (last but the scale)
+            given = dict(zip(call.arg_names, call.args))
+            max_k = int(call.kv_lens.max()) if call.kv_lens is not None and len(call.kv_lens) else 0
+            seq = [given["cu_seqlens_q"], given["cu_seqlens_k"], int(call.max_seqlen_q), max_k]
+        dpsum, lse2 = torch.empty(rows, **f32), torch.empty(rows, **f32)
         # deterministic: the dq kernel computes dQ in order, no accumulator; else the preprocess zeroes it
-        dq_accum = None if bp.deterministic else torch.empty((b, sq, h, d), **f32)
+        dq_accum = None if bp.deterministic else torch.empty(q.shape, **f32)
         accum = [] if dq_accum is None else [dq_accum]
         pre = [out, dout, lse, dpsum, lse2] + accum
         dsinks = None
@@ -597,21 +606,25 @@ class BackwardKernel:
             pre += [tensors["sinks"], dsinks]
         if bp.kv_accum:  # summed over each KV head's query heads by atomics: start at zero
             dk_main, dv_main = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
+        elif varlen:  # rows past the last sequence are padding no block writes
+            dk_main, dv_main = torch.zeros_like(k), torch.zeros_like(v)
         else:
             dk_main, dv_main = torch.empty_like(k), torch.empty_like(v)
-        calls = [tensors[n] for n in names if n != "sinks"] + [float(softmax_scale)]
-        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + calls
-        dq = torch.empty_like(q)
+        calls = [tensors[n] for n in names if n != "sinks"] + seq
+        scale = [float(softmax_scale)]
+        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + calls + scale
+        dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
         with torch.cuda.device(q.device):
-            self.jits["preprocess"](*(_detach(a) for a in pre))
+            self.jits["preprocess"](*(_detach(a) for a in pre + seq))
             self.jits["main"](*(_detach(a) for a in main))
             if bp.deterministic:
-                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls))
+                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls + scale))
             else:
-                self.jits["postprocess"](dq_accum, _detach(dq), float(softmax_scale))
+                self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
             if bp.kv_accum:
-                dk, dv = torch.empty_like(k), torch.empty_like(v)
-                self.jits["postprocess_kv"](dk_main, dv_main, _detach(dk), _detach(dv))
+                dk, dv = torch.zeros_like(k) if varlen else torch.empty_like(k), \
+                    torch.zeros_like(v) if varlen else torch.empty_like(v)
+                self.jits["postprocess_kv"](*(_detach(a) for a in [dk_main, dv_main, dk, dv] + seq))
             else:
                 dk, dv = dk_main, dv_main
         return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())

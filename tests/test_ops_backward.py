@@ -24,7 +24,7 @@ from attngen.plan import make_plan, plan_backward
 from attngen.reference import InputError, variant_of
 from attngen.reference_bwd import check_grads
 from attngen.render_bwd import render_backward_source
-from attngen.spec import SpecError, load
+from attngen.spec import Spec, SpecError, load
 
 from gpu_marks import GPU_ONLY, NEEDS_TOOLKIT
 from strategies import valid_specs
@@ -300,24 +300,43 @@ def backward_presets():
 
 @pytest.mark.parametrize("path", list(backward_presets()), ids=lambda p: p.stem)
 def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path):
+    from attngen import serving
+
     spec = load(path)
     plan = make_plan(spec)
     kw = {n: x for n, x in spec.to_dict().items() if n not in DERIVED}
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
-    n = spec.block_m if spec.aligned else 21
-    q, k, v, tensors = variant_inputs(plan, 1, heads, kv_heads, n, n if spec.aligned else 2 * n)
     dtype = getattr(torch, spec.dtype)
-    q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (q, k, v))
-    named = {t: torch.from_numpy(np.array(x)) for t, x in tensors.items()}
+    if plan.varlen:  # packed sequences, one of them a single row
+        x = serving.random_serving_inputs("varlen", False, None, spec.dtype, spec.head_dim, None, [17, 1], [30, 5],
+                                          heads, kv_heads, seed=2)
+        q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (x.q, x.k, x.v))
+        named = {n: (torch.from_numpy(np.array(a)) if not isinstance(a, int) else a) for n, a in x.keywords.items()}
+    else:
+        n = spec.block_m if spec.aligned else 21
+        q, k, v, tensors = variant_inputs(plan, 1, heads, kv_heads, n, n if spec.aligned else 2 * n)
+        q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (q, k, v))
+        named = {t: torch.from_numpy(np.array(x)) for t, x in tensors.items()}
     args = bwd_arguments(q, k, v, **kw, **named)
-    assert ops.resolve(q, k, v, args[6], args[7:9], args[9], args[11]).spec.lse
+    resolved = ops.resolve(q, k, v, args[6], args[7:9], args[9], args[11], args[13], args[16])
+    with_lse = make_plan(Spec(**{**spec.to_dict(), "lse": True}))
+    assert resolved.name == with_lse.name  # the preset's own kernel, with the LSE the backward reads
     dq, dk, dv, dsinks = check_bwd_fake(args)
     assert (dsinks.numel() > 0) == spec.sinks
-    variant = variant_of(spec, named.get("alibi_slopes"), named.get("sinks"),
-                         {n: x for n, x in named.items() if n not in ("alibi_slopes", "sinks")})
-    got = {"dq": dq, "dk": dk, "dv": dv} | ({"dsinks": dsinks} if spec.sinks else {})
-    checks = check_grads(got, q.detach(), k.detach(), v.detach(), args[0], spec.causal, dtype=spec.dtype, **variant)
-    assert not failures(checks), failures(checks)
+    if plan.varlen:  # each sequence against its own reference
+        cq, ck = named["cu_seqlens_q"], named["cu_seqlens_k"]
+        cases = [(slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))) for b in range(len(cq) - 1)]
+        tensors = {}
+    else:
+        cases, tensors = [(slice(None), slice(None))], named
+    variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
+                         {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
+    for qs, ks in cases:
+        pick = (lambda t, s: t[None, s]) if plan.varlen else (lambda t, s: t)
+        got = {"dq": pick(dq, qs), "dk": pick(dk, ks), "dv": pick(dv, ks)} | ({"dsinks": dsinks} if spec.sinks else {})
+        checks = check_grads(got, pick(q.detach(), qs), pick(k.detach(), ks), pick(v.detach(), ks), pick(args[0], qs),
+                             spec.causal, dtype=spec.dtype, **variant)
+        assert not failures(checks), failures(checks)
 
 
 @settings(max_examples=6, deadline=None)
@@ -380,18 +399,37 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
     assert not failures(checks), failures(checks)
 
 
-def test_flash_attn_varlen_func_backward_is_refused_by_the_backward_plan():
-    """FA3's varlen door is differentiable there; attngen's backward kernels are bshd only so far
-    (issue 17): the forward runs, and its gradient is the backward plan's SpecError naming the layout."""
+def test_flash_attn_varlen_func_is_differentiable():
+    """Packed sequences (one of them empty): each sequence's gradients against its own fp64
+    reference (a sequence's k and v are read by its own queries only)."""
     from attngen.flash_attn_interface import flash_attn_varlen_func
 
+    lq, lk = [10, 0, 23], [20, 7, 30]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(30, 2, 64, generator=g).half().requires_grad_()
-    k, v = (torch.randn(50, 2, 64, generator=g).half().requires_grad_() for _ in range(2))
-    cu_q, cu_k = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 20, 50], dtype=torch.int32)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 30, causal=True)
-    with pytest.raises(SpecError, match="layout.*varlen"):
-        out.float().sum().backward()
+    q = torch.randn(sum(lq), 4, 64, generator=g).half().requires_grad_()
+    k, v = (torch.randn(sum(lk), 2, 64, generator=g).half().requires_grad_() for _ in range(2))
+    cq, ck = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (lq, lk))
+    out = flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, softmax_scale=0.2)
+    dout = cotangent(out)
+    out.backward(dout)
+    for b in range(len(lq)):
+        qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if lq[b] == 0:  # keys no query reads: zero gradients
+            assert not k.grad[ks].any() and not v.grad[ks].any()
+            continue
+        got = {"dq": q.grad[None, qs], "dk": k.grad[None, ks], "dv": v.grad[None, ks]}
+        checks = check_grads(got, q.detach()[None, qs], k.detach()[None, ks], v.detach()[None, ks], dout[None, qs],
+                             True, dtype="float16", scale=0.2)
+        assert not failures(checks), (b, failures(checks))
+
+
+def test_a_varlen_call_without_query_rows_has_zero_gradients():
+    q = torch.zeros(0, 2, 64, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(9, 2, 64).half().requires_grad_() for _ in range(2))
+    cq, ck = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    out = attngen.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=0)
+    out.float().sum().backward()
+    assert k.grad.shape == k.shape and not k.grad.any() and not v.grad.any() and q.grad.shape == (0, 2, 64)
 
 
 def test_flex_attention_is_differentiable_through_its_transposes():
