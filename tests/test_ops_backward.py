@@ -246,6 +246,29 @@ def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_with_one_c
     assert counter.frame_count == 1
 
 
+def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_one_compilation():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from attngen import serving
+
+    def loss(q, k, v, cu_q, cu_k, max_q):
+        return attngen.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max_q).float().square().sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend=counter)
+    for lq, lk in (([5, 17], [20, 30]), ([9, 2, 12], [9, 30, 25]), ([24, 1], [24, 40])):
+        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=len(lq))
+        q, k, v = (torch.from_numpy(np.array(t)).half().requires_grad_() for t in (x.q, x.k, x.v))
+        ints = [torch.from_numpy(np.array(x.cu_seqlens_q)), torch.from_numpy(np.array(x.cu_seqlens_k))]
+        compiled(q, k, v, *ints, x.max_seqlen_q).backward()
+        eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        loss(*eager, *ints, x.max_seqlen_q).backward()
+        assert all(torch.equal(t.grad, e.grad) for t, e in zip((q, k, v), eager))
+    assert counter.frame_count == 1
+
+
 # -- opcheck ---------------------------------------------------------------------------------------
 
 
