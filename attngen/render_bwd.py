@@ -316,6 +316,43 @@ def entries(bp: BackwardPlan) -> list:
     return out
 
 
+def layout_context(bp: BackwardPlan, dv: str) -> dict:
+    """How the main kernel's MMA warpgroups share the KV tile: by keys (each its 64 keys, every head-dim
+    column; K and V slices are key rows) or, where dK and dV of 64 keys would not fit in registers, by
+    columns (each all 64 keys, 1/n of the head dims of dK, dV and dQ; S^T and dP^T summed over the
+    column slices of K, Q, V and dO, every warpgroup computing them whole)."""
+    n = bp.consumers
+    h = index_helpers(bp)
+    if not bp.columns:
+        kv_loads = []
+        for g in range(n):
+            lo = f"kv0 + {g * bp.wg_keys}" if g else "kv0"
+            rows = h["k_box"](lo, f"kv0 + {(g + 1) * bp.wg_keys}")
+            kv_loads += [(f"K[{rows}, :]", f"K_shared[{g}, :, :]"), (f"V[{rows}, :]", f"V_shared[{g}, :, :]")]
+        return {"columns": False, "wg_doc": "keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column",
+                "key0": "kv_block * BLOCK_N + g * WG_KEYS", "dk_w": "HEAD_DIM", "dv_w": dv,
+                "dq_doc": "this warpgroup's keys' share of dQ",
+                "s_gemms": [("K_shared[g, :, :]", "Q_shared[stage, 0, :, :]", True)],
+                "dp_gemms": [("V_shared[g, :, :]", "dO_shared[stage, 0, :, :]", True)],
+                "own_slice": "0", "dk_cols": ":", "dv_cols": ":", "dk_col": lambda d: d, "dv_col": lambda d: d,
+                "kv_slice_doc": "one slice of keys per MMA warpgroup", "q_slices": 1, "q_slice_doc": "",
+                "kv_loads": kv_loads, "slice_cols": lambda c, w: ":"}
+    rows = h["k_box"]("kv0", "kv0 + BLOCK_N")
+    cols = lambda c, w: f"{c} * {w}:{c + 1} * {w}" if c else f"0:{w}"  # noqa: E731
+    kv_loads = []
+    for c in range(n):
+        kv_loads += [(f"K[{rows}, {cols(c, 'DK_COLS')}]", f"K_shared[{c}, :, :]"), (f"V[{rows}, {cols(c, 'DV_COLS')}]", f"V_shared[{c}, :, :]")]
+    return {"columns": True, "wg_doc": "every key of the KV tile, head-dim columns [g DK_COLS, (g + 1) DK_COLS) of dK and dQ (dV: DV_COLS)",
+            "key0": "kv_block * BLOCK_N", "dk_w": "DK_COLS", "dv_w": "DV_COLS",
+            "dq_doc": "this warpgroup's columns of dQ",
+            "s_gemms": [(f"K_shared[{c}, :, :]", f"Q_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "dp_gemms": [(f"V_shared[{c}, :, :]", f"dO_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "own_slice": "g", "dk_cols": "g * DK_COLS:(g + 1) * DK_COLS", "dv_cols": "g * DV_COLS:(g + 1) * DV_COLS",
+            "dk_col": lambda d: f"g * DK_COLS + {d}", "dv_col": lambda d: f"g * DV_COLS + {d}",
+            "kv_slice_doc": "column slices of the tile's keys (S^T sums over them)", "q_slices": n,
+            "q_slice_doc": "  # column slices, as K's", "kv_loads": kv_loads, "slice_cols": cols}
+
+
 def template_context(bp: BackwardPlan) -> dict:
     f = bp.forward
     spec = bp.spec
@@ -367,6 +404,7 @@ def template_context(bp: BackwardPlan) -> dict:
         "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
         "consumer_args": consumer_args(bp),
+        **layout_context(bp, dv),
         "varlen": f.varlen,
         "seq_setup": seq_setup(bp),
         "seq_args": "".join(f", {n}" for n in seq_names(bp)),

@@ -186,9 +186,21 @@ def test_inference_layouts_are_refused(field, value):
         plan_backward(Spec(head_dim=64, **{field: value}))
 
 
-def test_head_dims_past_the_register_budget_are_refused_with_the_reason():
-    with pytest.raises(SpecError, match="head_dim.*registers"):
-        plan_backward(Spec(head_dim=256))
+@pytest.mark.parametrize("hd, dv, columns", [(64, None, False), (128, None, False), (128, 64, False), (192, 128, True), (256, None, True)])
+def test_warpgroups_split_keys_or_where_dk_dv_do_not_fit_head_dim_columns(hd, dv, columns):
+    bp = plan_backward(Spec(head_dim=hd, head_dim_v=dv))
+    assert bp.columns is columns
+    assert bp.block_n == (bp.wg_keys if columns else bp.consumers * bp.wg_keys)
+    assert ("DK_COLS" in render_backward_source(bp)) is columns
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=192, head_dim_v=128, causal=True), dict(head_dim=256, softcap=5.0),
+                                    dict(head_dim=192, sinks=True, gqa_group=3)])
+def test_column_split_kernels_pass_the_fp64_reference(fields):
+    spec = Spec(**fields)
+    _, checks = run_case(spec, 70, 90, heads=spec.gqa_group * 2 if spec.gqa_group > 1 else 2,
+                         kv_heads=2 if spec.gqa_group > 1 else 2)
+    assert_pass(checks)
 
 
 # -- the plan and the forward ----------------------------------------------------------------
@@ -340,3 +352,12 @@ def test_varlen_dk_stored_past_its_sequence_is_caught():
     except HazardError:  # the next sequence's rows: a race with the block that owns them
         return
     assert not checks["dk"][0]
+
+
+def test_a_column_split_dq_added_into_the_wrong_columns_fails():
+    spec = Spec(head_dim=256)
+    text = render_backward_source(spec)
+    old = "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, g * DK_COLS:(g + 1) * DK_COLS]"
+    assert old in text
+    _, checks = run_case(spec, 70, 90, source=text.replace(old, "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, 0:DK_COLS]"))
+    assert not checks["dq"].ok and checks["dk"].ok
