@@ -393,7 +393,8 @@ def test_export_with_a_dynamic_sequence_length(tmp_path):
 def opcheck_cases():
     q, k, v = qkv(40, 57, heads=4, kv_heads=2)
     yield "dense", ops.fwd_arguments(q, k, v, causal=True)[0]
-    yield "lse, sinks, softcap", ops.fwd_arguments(q, k, v, return_lse=True, sinks=torch.ones(4), softcap=10.0)[0]
+    yield "lse, sinks, softcap", ops.fwd_arguments(q, k, v, return_lse=True, sinks=torch.ones(4), softcap=10.0,
+                                                   softmax_scale=0.3)[0]
     x = serving.random_serving_inputs("varlen", True, 64, "float16", 64, None, [5, 0, 33], [70, 3, 1], 4, 2, seed=1)
     yield "varlen paged split", ops.fwd_arguments(
         as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16), causal=True,
