@@ -231,17 +231,21 @@ def test_compiled_backward_with_inductor_matches_eager():
     assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), eager))
 
 
-def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_with_one_compilation():
+def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_and_scales_with_one_compilation():
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    def scaled_loss(q, k, v, s):
+        return attngen.attention(q, k, v, causal=True, softmax_scale=s).float().square().sum()
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True, backend=counter)
-    for n in (17, 33, 50):
+    compiled = torch.compile(scaled_loss, fullgraph=True, dynamic=True, backend=counter)
+    for n, s in ((17, 0.1), (33, 0.2), (50, 0.3)):
         q, k, v = qkv(n, n + 5, seed=n)
-        compiled(q, k, v).backward()
-        dout = 2 * attngen.attention(q.detach(), k.detach(), v.detach(), causal=True).float()  # d(sum out^2)/d out
-        checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout.half(), True, dtype="float16")
+        compiled(q, k, v, s).backward()
+        out = attngen.attention(q.detach(), k.detach(), v.detach(), causal=True, softmax_scale=s)
+        dout = (2 * out.float()).half()  # d(sum out^2)/d out
+        checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, True, dtype="float16", scale=s)
         assert not failures(checks), (n, failures(checks))
     assert counter.frame_count == 1
 
