@@ -254,3 +254,42 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
         for name in ("q", "k", "v"):
             if _overlap(out, given[name]):
                 raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
+
+
+def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
+    """The tensor side of a KV-cache append that serving.check_append (shapes and values) leaves:
+    a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
+    declare no strides, and the caches are written in place: a copy would lose the append), int32
+    tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
+    Device not checked (runtime.check_device). `cpu`: numpy arrays too."""
+    from attngen.hw import DTYPES
+
+    if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):
+        raise InputError("k_cache", type(k_cache).__name__, "a torch.Tensor")
+    dtype = dtype_name(k_cache)
+    if dtype not in DTYPES:
+        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in DTYPES))
+    given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+    for name, t in given.items():
+        if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+        if dtype_name(t) != dtype:
+            raise InputError(f"{name}.dtype", t.dtype, f"{k_cache.dtype}, the dtype of k_cache")
+        if cpu and is_torch(t) and t.device.type == "meta":
+            raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them)")
+    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        shape, strides, _, _, packed = _layout(t)
+        if not packed:
+            raise InputError(f"{name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+    for name, t in given.items():
+        shape, strides, _, _, packed = _layout(t)
+        if not packed:
+            why = "the append writes it in place, so a copy would lose the new keys" if name.endswith("cache") else \
+                "the kernel's buffers declare no strides"
+            raise InputError(f"{name}.stride()", strides,
+                             f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)}: {why}")
+    for new in ("k", "v"):
+        for cache in ("k_cache", "v_cache"):
+            if _overlap(given[new], given[cache]):
+                raise InputError(new, f"memory overlapping {cache}", "new keys and values that share no memory with the cache")
+    return dtype

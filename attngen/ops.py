@@ -4,7 +4,7 @@
     torch.compile(f, fullgraph=True)(q, k, v)              # no graph break: the ops have fake kernels
     torch.export.export(module, (q, k, v))                 # the graph holds torch.ops.attngen.fwd
 
-Two ops (docs/torch.md):
+The ops (docs/torch.md):
 - `attngen::fwd` runs the forward kernel the call's spec names. On CUDA tensors it is
   runtime's compiled kernel; on CPU tensors the SAME emitted kernel on the CPU model
   (attngen.emulate), never the fp64 reference, so compile, export and opcheck are tested for
@@ -13,6 +13,8 @@ Two ops (docs/torch.md):
   forward's out and LSE: on CUDA runtime's compiled backward, on CPU the CPU model
   (attngen.emulate_backward). register_autograd wires fwd to it, so attngen.attention is
   differentiable in q, k, v and sinks.
+- `attngen::append_kv` writes new keys and values into a paged KV cache in place (the append
+  companion kernel of flash_attn_with_kvcache's k=, v=; its schema marks the caches mutated).
 
 What selects the kernel travels as arguments torch can hash and put in a graph: `fields`, a
 JSON object of the spec fields the caller chose (causal, lse, score_mod, schedule overrides,
@@ -27,13 +29,14 @@ a sequence length.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 import torch
 
 from attngen import runtime, serving, tuning_table
-from attngen.emulator.driver import estimate_seconds, emulate
+from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
 from attngen.plan import Plan, as_plan
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
@@ -291,8 +294,12 @@ def check_cpu_time(plan: Plan, call, q, k, *, work: float = 1.0, what: str = "")
 # -- the forward op --------------------------------------------------------------------------------
 
 
-def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+def _checked(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+             cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, *, work: float = 1.0,
+             what: str = "") -> tuple:
+    """The op's checks, before anything runs: (plan, scale, named tensors, serving keywords, the
+    serving call or None, the extra tensors, the tensors that must share a device). `work` and
+    `what`: the CPU-time check's (check_cpu_time), for a backward or a training call."""
     plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
                    num_splits)
     scale = _scale_value(softmax_scale, plan.spec.head_dim)  # the kernel's run-time argument; None: 1/sqrt(head_dim)
@@ -302,7 +309,27 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     devices = {"q": q, "k": k, "v": v} | named | {n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
     if q.device.type == "cpu":
         _one_device(devices)
-        check_cpu_time(plan, call, q, k)
+        check_cpu_time(plan, call, q, k, work=work, what=what)
+    return plan, scale, named, keywords, call, extra, devices
+
+
+def check_attention(q, k, v, **kwargs) -> None:
+    """Every check attngen.attention(q, k, v, **kwargs) makes before its kernel runs, running nothing
+    (the kvcache door checks its attention so before the append writes the cache)."""
+    args, _ = fwd_arguments(q, k, v, **kwargs)
+    *_, devices = _checked(*args)
+    if q.device.type == "cuda":
+        runtime.check_device(devices)  # one sm_90 device
+    elif q.device.type != "cpu":
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+
+
+def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    plan, scale, named, keywords, call, extra, devices = _checked(
+        q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
+    if q.device.type == "cpu":
         result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
         runtime.check_device(devices)  # one sm_90 device
@@ -363,30 +390,26 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     """(dq, dk, dv, dsinks) of the forward kernel the same arguments name, from the forward's out
     and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
     tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks."""
-    plan = resolve(q, k, v, fields, (window_left, window_right), softcap, tensor_names, cu_seqlens_q, block_table,
-                   num_splits)
-    scale = _scale_value(softmax_scale, plan.spec.head_dim)
-    named = dict(zip(_names(tensor_names), tensors))
-    keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
-    call, extra = _check(plan, q, k, v, named, keywords)
+    plan, scale, named, keywords, call, extra, devices = _checked(
+        q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, work=BACKWARD_WORK, what="backward")
     _check_saved(plan, dout, out, lse)
-    devices = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse} | named | {
-        n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
+    devices |= {"dout": dout, "out": out, "lse": lse}
+    if q.device.type == "cpu":
+        _one_device(devices)
+    elif q.device.type == "cuda":
+        runtime.check_device(devices)  # one sm_90 device
+    else:
+        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     if call is not None and call.empty:  # no query row (as the forward): nothing to launch, every gradient 0
-        _one_device(devices) if q.device.type == "cpu" else None
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (
             (torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device),) if "sinks" in named else ())
     elif q.device.type == "cpu":
-        _one_device(devices)
-        check_cpu_time(plan, call, q, k, work=BACKWARD_WORK, what="backward")
         serving_given = {n: x for n, x in keywords.items() if x is not None}  # varlen's; the backward refuses the others
         grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **serving_given)
-    elif q.device.type == "cuda":
-        runtime.check_device(devices)
+    else:
         grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
                                                    softmax_scale=scale)
-    else:
-        raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     dq, dk, dv, *rest = grads
     dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
     return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks)
@@ -453,6 +476,49 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
+
+APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor block_table, "
+                 "Tensor cache_seqlens) -> ()")
+
+
+def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
+    compiled append kernel (runtime.append_kv); on CPU the same emitted kernel on the CPU model,
+    whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
+    ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
+    given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+             "cache_seqlens": cache_seqlens}
+    if k_cache.device.type == "cpu":
+        _one_device(given)
+        call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        est = SECONDS_PER_RUN + SECONDS_PER_CTA * math.prod(call.grid)
+        if est > cpu_max_seconds():
+            raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "
+                                                       f"this one would take about {est:.0f} s; run it on CUDA tensors")
+        new_k, new_v = emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        if call.empty:
+            return
+        slots = call.slots()
+        pages, rows = (torch.from_numpy(a) for a in slots)
+        with torch.no_grad():  # an in-place write of the caller's cache, as FA3's
+            k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
+            v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
+    elif k_cache.device.type == "cuda":
+        runtime.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    else:
+        raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+
+
+append_kv = torch.library.custom_op(f"{NAMESPACE}::append_kv", _append_kv, mutates_args=("k_cache", "v_cache"),
+                                    schema=APPEND_SCHEMA)
+
+
+@append_kv.register_fake
+def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+    return None
+
+
 # -- attngen.attention ---------------------------------------------------------------------------------
 
 
@@ -504,11 +570,7 @@ def check_training_time(args: tuple) -> None:
     """A CPU call whose backward will follow is refused for both passes before the forward runs
     (the op itself runs under autograd's no-grad and cannot tell). Eager only: under
     torch.compile each op refuses its own pass."""
-    q, k, v, fields, left, right, softcap, _, tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits = args
-    plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
-    keywords = serving_keywords(plan, cu_q, cu_k, max_q, table, used, splits)
-    call, _ = _check(plan, q, k, v, dict(zip(_names(tensor_names), tensors)), keywords)
-    check_cpu_time(plan, call, q, k, work=1.0 + BACKWARD_WORK, what="forward and its backward")
+    _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
 
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -549,4 +611,4 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
     return args, asked_lse
 
 
-__all__ = ["BACKWARD_WORK", "CPU_MAX_SECONDS", "attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BACKWARD_WORK", "CPU_MAX_SECONDS", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]

@@ -37,12 +37,12 @@ from attngen.cache import RUNTIME, cache_key, cache_root, locked, package_versio
 from attngen.hw import CAPABILITY, DTYPES
 # The input checks live in attngen/inputs.py, shared with the CPU model (attngen.emulate);
 # re-exported here, where the GPU path's callers have always found them.
-from attngen.inputs import (check_extra, check_layout, check_serving_tensors, check_tensors,  # noqa: F401
-                            extra_dims, packed_strides)
+from attngen.inputs import (check_append_tensors, check_extra, check_layout, check_serving_tensors,  # noqa: F401
+                            check_tensors, extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
-from attngen.plan import Plan, Shape, as_plan
+from attngen.plan import AppendPlan, Plan, Shape, append_plan, as_plan
 from attngen.reference import InputError, resolve_scale  # noqa: F401  (re-exported: attngen.runtime.InputError)
-from attngen.render import render_source
+from attngen.render import render_append_source, render_source
 from attngen.spec import Spec, check_keys
 from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
@@ -433,13 +433,17 @@ def _build(plan: Plan, source: str | None = None) -> Kernel:
                   combine_jit=combine_jit)
 
 
-def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | None = None, require: bool = False):
+def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | None = None, require: bool = False,
+                 kernels: dict | None = None):
     """Build (under the entry's lock: one build per entry across processes) and store the entry;
     returns (jit, combine jit, origin). `require`: a kernel whose entry cannot be stored is an error
-    (precompile's whole point), where a first call would still run it."""
-    parts = {"main": "build_kernel"}
-    if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
-        parts["combine"] = "build_combine_kernel"
+    (precompile's whole point), where a first call would still run it. `kernels`: part -> the
+    module's builder (default: build_kernel, and build_combine_kernel for a split spec)."""
+    parts = kernels
+    if parts is None:
+        parts = {"main": "build_kernel"}
+        if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
+            parts["combine"] = "build_combine_kernel"
     jits, origin = _built_parts(plan, source, entry, parts, module_name=module_name, require=require)
     return jits["main"], jits.get("combine"), origin
 
@@ -448,7 +452,7 @@ def _built_parts(plan, source: str, entry: Path, parts: dict, *, module_name: st
                  require: bool = False) -> tuple[dict, str]:
     """Build each prim_func of the emitted module (`parts`: part -> its builder, e.g. main ->
     build_kernel) and store them as one entry; returns ({part: jit}, origin). `plan` is a forward
-    Plan or a BackwardPlan (name, shape, compile_flags)."""
+    Plan, a BackwardPlan or an AppendPlan (name, shape, compile_flags)."""
     with locked(entry.parent / f".{entry.name}.lock"):
         if (entry / "meta.json").exists():  # another process built it while we waited
             return _load_parts(entry, plan), "disk"
@@ -688,6 +692,80 @@ def compile_backward(spec_or_plan) -> BackwardKernel:
         return kernel
 
 
+# -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------
+
+
+@dataclasses.dataclass(eq=False)
+class AppendKernel:
+    """The compiled append kernel of one cache kind (dtype, head dims, page size): it writes
+    k, v into a paged cache in place (render.render_append_source, its own module)."""
+
+    plan: AppendPlan
+    jit: object  # tilelang JITKernel of build_append_kernel
+    cache_path: str | None
+    origin: str  # "compiled" or "disk", as Kernel.origin
+    compile_seconds: float
+
+    def launch(self, call: serving.AppendCall, k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+        """Launch on a checked call (append_kv's checks); nothing for an append of no key."""
+        torch = _torch()
+        if call.empty:  # seqlen_new = 0: an empty grid would be a launch error
+            return
+        with torch.cuda.device(k_cache.device):
+            self.jit(*(_detach(a) for a in (k_cache, v_cache, k, v, block_table, cache_seqlens)))
+
+
+_append_memo: dict[AppendPlan, AppendKernel] = {}
+
+
+def compile_append(plan: AppendPlan) -> AppendKernel:
+    """The append kernel for sm_90a, from the attngen cache's runtime entry or built (and stored)
+    as the forward's are; memoized per process."""
+    with _memo_lock:
+        if plan in _append_memo:
+            return _append_memo[plan]
+        lock = _key_locks.setdefault(plan, threading.Lock())
+    with lock:
+        if plan in _append_memo:
+            return _append_memo[plan]
+        text = render_append_source(plan)
+        entry = runtime_entry(plan, text)
+        start = time.time()
+        try:
+            if (entry / "meta.json").exists():
+                jit, _ = _load_entry(entry, plan)
+                origin = "disk"
+            else:
+                jit, _, origin = _built_entry(plan, text, entry, kernels={"main": "build_append_kernel"})
+        except Exception as e:
+            raise KernelBuildError(_failure_message(plan, e)) from None
+        kernel = AppendKernel(plan=plan, jit=jit, cache_path=str(entry), origin=origin,
+                              compile_seconds=time.time() - start)
+        with _memo_lock:
+            _append_memo[plan] = kernel
+        return kernel
+
+
+def check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens) -> tuple[serving.AppendCall, AppendPlan]:
+    """Every check of a GPU append, no launch: shapes and values (serving.check_append, one host copy
+    of each int32 tensor), dtypes and layouts (inputs.check_append_tensors), one sm_90 device."""
+    call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    dtype = check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    check_device({"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+                  "cache_seqlens": cache_seqlens})
+    return call, append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+
+
+def append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> serving.AppendCall:
+    """Write k, v [batch, seqlen_new, kv_heads, D(v)] into the paged CUDA caches k_cache/v_cache
+    [num_pages, page_size, kv_heads, D(v)] in place, at positions cache_seqlens[b] .. + seqlen_new - 1
+    through block_table (int32 [batch, max_pages]); returns the checked call (its seqused_k is
+    cache_seqlens + seqlen_new, what the attention then reads)."""
+    call, plan = check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    compile_append(plan).launch(call, k_cache, v_cache, k, v, block_table, cache_seqlens)
+    return call
+
+
 def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
     """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides.
 
@@ -800,7 +878,9 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 
 __all__ = [
-    "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "compile_backward", "precompile_backward", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
+    "AppendKernel", "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "append_kv", "check_append_call",
+    "compile_append", "compile_backward", "precompile_backward", "KernelBuildError", "Precompiled", "attention",
+    "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
     "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
     "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]
