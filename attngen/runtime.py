@@ -563,8 +563,8 @@ def backward_part(builder: str) -> str:
 @dataclasses.dataclass(eq=False)
 class BackwardKernel:
     """The compiled backward module of a spec: its kernels by part (render_bwd.entries: preprocess,
-    main, then postprocess, or with deterministic = true the dq kernel, and for GQA/MQA the dK/dV
-    postprocess). `run` launches them in order on CUDA tensors."""
+    main, then postprocess, or with deterministic = true the dq kernel and with sinks the dsinks
+    kernel, and for GQA/MQA the dK/dV postprocess). `run` launches them in order on CUDA tensors."""
 
     plan: object  # plan.BackwardPlan
     jits: dict  # part -> tilelang JITKernel
@@ -604,9 +604,8 @@ class BackwardKernel:
         dq_accum = None if bp.deterministic else torch.empty(q.shape, **f32)
         accum = [] if dq_accum is None else [dq_accum]
         pre = [out, dout, lse, dpsum, lse2] + accum
-        dsinks = None
-        if bp.spec.sinks:
-            dsinks = torch.zeros((h,), **f32)  # the preprocess subtracts each row's share
+        dsinks = torch.zeros((h,), **f32) if bp.spec.sinks else None
+        if bp.spec.sinks and not bp.deterministic:  # the preprocess subtracts each row's share (atomics)
             pre += [tensors["sinks"], dsinks]
         if bp.kv_accum:  # summed over each KV head's query heads by atomics: start at zero
             dk_main, dv_main = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
@@ -625,6 +624,8 @@ class BackwardKernel:
                 self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls + scale))
             else:
                 self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
+            if bp.deterministic and bp.spec.sinks:  # one block per head sums the rows in order
+                self.jits["dsinks"](*(_detach(a) for a in [lse, dpsum, tensors["sinks"], dsinks] + seq))
             if bp.kv_accum:
                 dk, dv = torch.zeros_like(k) if varlen else torch.empty_like(k), \
                     torch.zeros_like(v) if varlen else torch.empty_like(v)

@@ -67,6 +67,7 @@ CASES = {  # name: (q_len, kv_len, heads, kv_heads, attention keywords)
     "causal, q_len > kv_len": (50, 20, 2, 2, {"causal": True}),
     "GQA causal": (40, 40, 4, 2, {"causal": True}),
     "sinks and a scale": (24, 40, 2, 2, {"sinks": True, "softmax_scale": 0.2}),
+    "deterministic GQA sinks": (30, 35, 4, 2, {"sinks": True, "deterministic": True, "causal": True}),
 }
 
 
@@ -415,7 +416,7 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
     from attngen.flash_attn_interface import flash_attn_func
 
     q, k, v = qkv(40, 50, heads=4, kv_heads=2)
-    out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    out = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (with sinks: CASES' deterministic case)
     dout = cotangent(out)
     out.backward(dout)
     plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "deterministic": True, "lse": True}))
