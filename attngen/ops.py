@@ -416,7 +416,8 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
 
 
 def _check_saved(plan: Plan, dout, out, lse) -> None:
-    """dout is shaped and typed like out (what the forward returned), lse like the forward's LSE."""
+    """dout is shaped and typed like out (what the forward returned) and laid out as the kernels
+    take it; lse is the forward's LSE."""
     want = tuple(out.shape)
     if tuple(dout.shape) != want or dout.dtype != out.dtype:
         raise InputError("dout", f"{dout.dtype} {list(dout.shape)}", f"a {out.dtype} tensor of shape {list(want)}, "
@@ -424,6 +425,8 @@ def _check_saved(plan: Plan, dout, out, lse) -> None:
     if not plan.spec.lse or (lse.dim() == 1 and lse.numel() == 0):
         raise InputError("lse", f"shape {list(lse.shape)}", "the forward's LSE: the backward reads it (call the "
                                                             "forward with lse true, as autograd does)")
+    for name, t in (("dout", dout), ("out", out)):  # the kernels' layout rules (TMA, packed), on CPU too
+        runtime.check_layout(name, t)
 
 
 def emulate_backward(*args, **kwargs):

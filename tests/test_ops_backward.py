@@ -385,6 +385,18 @@ def test_backward_fake_matches_the_real_gradients_for_drawn_specs_and_shapes(spe
     check_bwd_fake(bwd_arguments(q, k, v, causal=spec.causal, **schedule, **sinks))
 
 
+def test_the_backward_op_checks_dout():
+    q, k, v = qkv(16)
+    dout, out, lse, *args = bwd_arguments(q, k, v)
+    with pytest.raises(InputError, match=r"^dout = torch.float32 \[1, 16, 2, 64\]: expected a torch.float16 tensor"):
+        ops.bwd(dout.float(), out, lse, *args)
+    strided = torch.empty(1, 2, 16, 64, dtype=torch.float16).transpose(1, 2).copy_(dout)
+    with pytest.raises(InputError, match=r"^dout.stride\(\) = .*: expected a contiguous tensor"):
+        ops.bwd(strided, out, lse, *args)
+    with pytest.raises(InputError, match=r"^lse = shape \[0\]: expected the forward's LSE"):
+        ops.bwd(dout, out, torch.empty(0), *args[:3], args[3].replace('"lse": true', '"lse": false'), *args[4:])
+
+
 def test_a_wrong_backward_fake_is_caught():
     """The comparison can fail: a dk with q's shape (as a fake that forgot GQA would give)."""
     q, k, v = qkv(16, 16, heads=2, kv_heads=1)
