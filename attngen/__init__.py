@@ -15,7 +15,7 @@ from attngen.version import __version__  # noqa: E402
 from attngen.spec import Spec, SpecError, load as load_spec  # noqa: E402
 from attngen.plan import Plan, Shape, make_plan  # noqa: E402
 from attngen.render import render_source, generate  # noqa: E402
-from attngen.emulator import emulate  # noqa: E402
+from attngen.emulator import emulate, emulate_backward  # noqa: E402
 from attngen.runtime import compile_kernel  # noqa: E402
 
 
@@ -35,5 +35,5 @@ def __getattr__(name):
 
 __all__ = [
     "Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",
-    "emulate", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask", "__version__",
+    "emulate", "emulate_backward", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask", "__version__",
 ]

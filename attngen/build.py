@@ -395,3 +395,20 @@ def format_summary(outcomes: list) -> str:
         else:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
+
+
+def build_backward(spec, shape: Shape | None = None, cache_dir=None) -> dict:
+    """Build every kernel of the spec's backward module (docs/backward.md): {part: BuildResult}, the
+    parts named by their builders (preprocess, main, postprocess or dq, postprocess_kv with GQA)."""
+    from attngen.render_bwd import as_backward_plan, entries, render_backward_source
+
+    bp = as_backward_plan(spec, shape)
+    source = render_backward_source(bp)
+    out = {}
+    for builder in entries(bp):
+        part = "main" if builder == "build_kernel" else builder.removeprefix("build_").removesuffix("_kernel")
+        name = bp.name if part == "main" else f"{bp.name}_{part}"
+        extra = {"spec_hash": bp.hash, "shape": str(bp.shape) if bp.shape else "dynamic", "pass": "backward", "part": part}
+        out[part] = build_source(source, name, bp.compile_flags, plan_smem=bp.smem_bytes if part == "main" else None,
+                                 cache_dir=cache_dir, extra=extra, builder=builder)
+    return out

@@ -47,11 +47,13 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
-    if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers FA3's backward only
+    if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers the backward only
         raise InputError("deterministic", deterministic, "a bool")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
     kw = {"causal": bool(causal)}
+    if deterministic:  # the spec field: the backward's dQ in a fixed order (docs/backward.md); the forward's kernel is the same
+        kw["deterministic"] = True
     if tuple(window_size) != (-1, -1):
         kw["window"] = tuple(window_size)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -59,7 +61,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     if softcap != 0:
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = float(softmax_scale)
+        kw["softmax_scale"] = softmax_scale  # not float(): a SymFloat under torch.compile stays symbolic
     return kw
 
 

@@ -521,7 +521,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         kw.update(tr.tensors)
         kw["block_mask"] = kernel_block_mask(block_mask, bshape, query, value, kw)
     if scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = float(scale)
+        kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
     kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
     out, lse = result if return_lse else (result, None)

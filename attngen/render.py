@@ -152,8 +152,14 @@ def mask_condition(plan: Plan, tile: str) -> str:
 
 def mod_text(plan: Plan, e, tile: str, score: str | None) -> str:
     """A parsed score_mod/mask_mod as TileLang, at row q0 + row0 + i and key `key_index(tile)`."""
+    return mod_at(plan, e, row_pos(plan), key_index(plan, tile), row_head(plan), score)
+
+
+def mod_at(plan: Plan, e, row: str, key: str, head: str, score: str | None) -> str:
+    """A parsed score_mod/mask_mod (or a derivative) as TileLang at query `row`, key `key`, head `head`
+    (both passes: the backward names its transposed tile's rows and keys)."""
     tensors = {t.name: t for t in plan.extra}
-    names = {"b": "batch_idx", "h": row_head(plan), "q_idx": f"({row_pos(plan)})", "kv_idx": f"({key_index(plan, tile)})"}
+    names = {"b": "batch_idx", "h": head, "q_idx": f"({row})", "kv_idx": f"({key})"}
     if score is not None:
         names["score"] = f"({score})"
     return expr.emit(e, names, lambda n: tensors[n].param, lambda n, axis: tensors[n].dim(axis))
@@ -166,15 +172,22 @@ def transform_expr(plan: Plan, tile: str) -> str:
     `score`; the scale is the kernel's run-time argument); the result is multiplied by log2(e)
     once, so the softmax below needs no scale_log2.
     """
+    return f"({score_text(plan, 'acc_s[i, j]', row_pos(plan), key_index(plan, tile), row_head(plan))}) * LOG2E"
+
+
+def score_text(plan: Plan, acc: str, row: str, key: str, head: str, mods: bool = True) -> str:
+    """The natural-units score of the raw q . k in `acc` at query `row`, key `key`, head `head`:
+    softcap, then ALiBi, then (with `mods`) the score_mod. Both passes print it (the backward's
+    transposed tile names its own rows and keys)."""
     spec = plan.spec
-    s = "acc_s[i, j] * softmax_scale"
+    s = f"{acc} * softmax_scale"
     if spec.softcap:
-        s = "SOFTCAP * T.tanh(acc_s[i, j] * softcap_scale)"  # softcap_scale = softmax_scale / SOFTCAP, once per warpgroup
+        s = f"SOFTCAP * T.tanh({acc} * softcap_scale)"  # softcap_scale = softmax_scale / SOFTCAP, once per warpgroup
     if spec.alibi:
-        s = f'{s} - Alibi[{row_head(plan)}] * T.Cast("float32", T.abs({row_pos(plan)} + causal_offset - ({key_index(plan, tile)})))'
-    if plan.score_expr is not None:
-        s = mod_text(plan, plan.score_expr, tile, s)
-    return f"({s}) * LOG2E"
+        s = f'{s} - Alibi[{head}] * T.Cast("float32", T.abs({row} + causal_offset - ({key})))'
+    if mods and plan.score_expr is not None:
+        s = mod_at(plan, plan.score_expr, row, key, head, s)
+    return s
 
 
 def scaled(plan: Plan, x: str) -> str:

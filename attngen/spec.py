@@ -102,6 +102,8 @@ class Spec:
     paged_kv: bool = False  # K and V in a paged cache (num_pages, page_size, kv_heads, D) with a block_table
     page_size: int | None = None  # keys per page (paged_kv only); None: DEFAULT_PAGE_SIZE
     splits: int | str = 1  # split-KV: partial outputs per split, merged by a combine kernel; "auto": at call time
+    # The backward pass (docs/backward.md); the forward kernel ignores it.
+    deterministic: bool = False  # the backward sums dQ (and GQA's dK/dV) in one fixed order: no atomics
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -133,7 +135,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 STEADY_LOOPS = ("one", "split")
 VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
-                    "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1}
+                    "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
+                    "deterministic": False}
 
 
 def check_keys(data: dict, source: str) -> None:
@@ -200,7 +203,7 @@ def check_fields(s: Spec) -> None:
 
 
 def check_variant_fields(s: Spec) -> None:
-    for field in ("lse", "alibi", "sinks", "block_mask"):
+    for field in ("lse", "alibi", "sinks", "block_mask", "deterministic"):
         _need_bool(s, field)
     w = s.window
     valid = "expected [left, right], two integers >= -1 (-1: unbounded on that side)"

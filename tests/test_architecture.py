@@ -1,6 +1,6 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache, inputs
+    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache, inputs, render_bwd
                  ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli | flex | flash_attn_interface
 
 ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
@@ -23,7 +23,7 @@ LAYERS = {
     "spec": 1, "reference": 1,
     "plan": 2, "reference_bwd": 2,  # reference_bwd reads reference's forward and tolerance rule
     "render": 3, "tuning_table": 3, "serving": 3,
-    "lower": 4, "cache": 4, "inputs": 4,
+    "lower": 4, "cache": 4, "inputs": 4, "render_bwd": 4,  # render_bwd: the backward module, on render's pieces
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
     "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
     "cli": 7, "flex": 7, "flash_attn_interface": 7,  # the front doors (docs/interfaces.md) over ops

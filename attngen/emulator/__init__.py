@@ -11,10 +11,11 @@ barriers), mutants (systematic mutants for the mutation score), driver (emulate,
 """
 
 from attngen.emulator.agents import POLICIES
+from attngen.emulator.backward import emulate_backward
 from attngen.emulator.driver import Stats, check_run, command, emulate, emulate_stats
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
 
 __all__ = [
-    "emulate", "emulate_stats", "command", "check_run", "Stats", "POLICIES",
+    "emulate", "emulate_backward", "emulate_stats", "command", "check_run", "Stats", "POLICIES",
     "EmulationError", "HazardError", "DeadlockError", "UnsupportedConstruct", "KernelError",
 ]

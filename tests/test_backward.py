@@ -1,0 +1,373 @@
+"""The generated backward kernels (issue 17), run on the CPU model and held to the fp64 gradient
+reference by FlashAttention-3's backward tolerance rule (reference_bwd.check_grads).
+
+Every case runs the emitted preprocess, main and postprocess kernels (emulate_backward), never
+the reference in their place; a deliberately broken kernel text shows that the checks fail.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+import attngen
+from attngen import tiles
+from attngen.emulator import HazardError, emulate_backward
+from attngen.emulator.driver import variant_inputs
+from attngen.plan import make_plan, plan_backward
+from attngen.reference import variant_of
+from attngen.reference_bwd import check_grads
+from attngen.render import render_source
+from attngen.render_bwd import q_range, render_backward_source
+from attngen.spec import Spec, SpecError
+
+NAMES = ("dq", "dk", "dv", "dsinks")
+
+
+def run_case(spec, sq, skv, heads=2, kv_heads=2, batch=1, seed=0, policy="random", source=None, scale=None):
+    """The emulated gradients and their checks: (grads dict, {name: Check})."""
+    plan = make_plan(spec)
+    q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, sq, skv, seed)
+    dout = np.random.default_rng(seed + 7).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
+    grads = emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, source=source, softmax_scale=scale, **tensors)
+    grads = dict(zip(NAMES, grads))
+    variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
+                         {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
+    return grads, check_grads(grads, q, k, v, dout, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+
+
+def assert_pass(checks):
+    bad = {n: str(c) for n, c in checks.items() if not c.ok}
+    assert not bad, bad
+
+
+# -- step 1: the base kernels ---------------------------------------------------------------
+BASE = [  # head_dim, causal, dtype, q_len, kv_len, heads
+    (64, False, "float16", 70, 90, 2),
+    (64, True, "float16", 70, 90, 2),
+    (64, True, "bfloat16", 200, 90, 1),  # q_len > kv_len: the first 110 rows see no key
+    (64, True, "float16", 5, 1, 2),
+    (128, False, "float16", 1, 2, 1),  # one query; rows that see one key have dS = 0 exactly, which the rule cannot judge (test_fuzz_backward)
+    (128, True, "float16", 130, 300, 2),
+    (128, False, "bfloat16", 257, 129, 1),
+    (128, True, "bfloat16", 64, 128, 2),  # whole tiles
+]
+
+
+@pytest.mark.parametrize("hd, causal, dtype, sq, skv, heads", BASE)
+def test_base_kernels_pass_the_fp64_reference(hd, causal, dtype, sq, skv, heads):
+    grads, checks = run_case(Spec(head_dim=hd, causal=causal, dtype=dtype), sq, skv, heads, heads)
+    assert_pass(checks)
+    for name in ("dq", "dk", "dv"):
+        assert np.isfinite(grads[name]).all()
+
+
+def test_rows_that_see_no_key_get_an_exact_zero_gradient():
+    grads, checks = run_case(Spec(head_dim=64, causal=True), 150, 40, seed=3)
+    assert_pass(checks)
+    assert (grads["dq"][:, :110] == 0).all()  # rows 0..109 see no key (bottom-right alignment)
+    assert np.abs(grads["dq"][:, 110:]).max() > 0
+
+
+def test_a_run_time_scale_reaches_dq_and_dk():
+    _, checks = run_case(Spec(head_dim=64, causal=True), 90, 100, scale=0.3)
+    assert_pass(checks)
+
+
+@pytest.mark.parametrize("policy", ["producer-first", "consumers-first"])
+def test_every_schedule_passes(policy):
+    _, checks = run_case(Spec(head_dim=64, causal=True), 200, 260, policy=policy, seed=2)
+    assert_pass(checks)
+
+
+def test_batches_and_heads_are_kept_apart():
+    _, checks = run_case(Spec(head_dim=64, causal=True), 65, 70, heads=3, kv_heads=3, batch=2, seed=4)
+    assert_pass(checks)
+
+
+# -- broken kernel texts: the checks catch them ---------------------------------------------
+BROKEN = [
+    ("(acc_dp[i, j] - dPsum_shared[stage, j])", "acc_dp[i, j]", "dPsum not subtracted"),
+    ("- LSE_shared[stage, j])", "- LSE_shared[stage, j] * 0.5)", "LSE2 taken as half"),
+    ("acc_dk[i, j] *= softmax_scale", "acc_dk[i, j] *= 1.0", "dK not scaled"),
+    ("dQ_accum[batch_idx, r0 + i, head, d] * softmax_scale", "dQ_accum[batch_idx, r0 + i, head, d]", "dQ not scaled"),
+    ("j + diag >= i and ", "", "the causal mask dropped"),
+    ("LSE[batch_idx, head, r0 + i] * LOG2E)", "LSE[batch_idx, head, r0 + i])", "LSE2 not in log2 units"),
+]
+
+
+@pytest.mark.parametrize("old, new, what", BROKEN, ids=[b[2] for b in BROKEN])
+def test_a_broken_kernel_text_fails_the_check(old, new, what):
+    spec = Spec(head_dim=64, causal=True)
+    text = render_backward_source(spec)
+    assert old in text, what
+    _, checks = run_case(spec, 100, 150, source=text.replace(old, new, 1))
+    assert not all(c.ok for c in checks.values()), what
+
+
+def test_one_q_tile_skipped_at_the_windows_edge_fails():
+    spec = Spec(head_dim=64, causal=True, window=(40, -1))
+    text = render_backward_source(spec)
+    old = "- causal_offset + 40, BLOCK_M)) - q_first, 0)"
+    assert old in text
+    _, checks = run_case(spec, 300, 330, source=text.replace(old, "- causal_offset + 40, BLOCK_M)) - q_first - 1, 0)"))
+    assert not checks["dk"].ok and not checks["dv"].ok
+
+
+def test_dq_stored_instead_of_reduce_added_is_a_race():
+    spec = Spec(head_dim=64, causal=True)
+    text = render_backward_source(spec)
+    old = "T.atomic_add(dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, :], dQ_shared[g, :, :], use_tma=True)"
+    assert old in text
+    with pytest.raises(HazardError, match="dQ_accum"):
+        run_case(spec, 100, 150, source=text.replace(old, "T.copy(dQ_shared[g, :, :], dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, :])"))
+
+
+def test_a_stage_released_before_its_gemm_retires_is_a_race():
+    spec = Spec(head_dim=64, causal=True)
+    text = render_backward_source(spec)
+    old = ("            T.wait_wgmma(0)\n            T.mbarrier_arrive(q_empty[stage])  # Q, LSE2 read (S^T, dK, P)\n")
+    new = ("            T.mbarrier_arrive(q_empty[stage])  # Q, LSE2 read (S^T, dK, P)\n            T.wait_wgmma(0)\n")
+    assert old in text
+    with pytest.raises(HazardError, match="Q_shared"):
+        run_case(spec, 300, 150, source=text.replace(old, new, 1))
+
+
+# -- GQA / MQA, head_dim_v -------------------------------------------------------------------
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_and_mqa_sum_dk_dv_over_the_group(heads, kv_heads, causal):
+    spec = Spec(head_dim=64, causal=causal, gqa_group=heads // kv_heads)
+    assert plan_backward(spec).kv_accum
+    assert "T.atomic_add(dK_accum" in render_backward_source(spec)
+    _, checks = run_case(spec, 70, 90, heads, kv_heads)
+    assert_pass(checks)
+
+
+def test_gqa_dk_overwritten_per_query_head_is_a_race():
+    spec = Spec(head_dim=64, gqa_group=2)
+    text = render_backward_source(spec)
+    old = "T.atomic_add(dK_accum[batch_idx, key0:key0 + WG_KEYS, kv_head, :], acc_dk)"
+    assert old in text
+    with pytest.raises(HazardError, match="dK_accum"):  # two query heads' blocks store the same rows
+        run_case(spec, 70, 90, 4, 2, source=text.replace(old, "T.copy(acc_dk, dK_accum[batch_idx, key0:key0 + WG_KEYS, kv_head, :])"))
+
+
+def test_head_dim_v_differs_from_head_dim():
+    _, checks = run_case(Spec(head_dim=128, head_dim_v=64, causal=True), 70, 90)
+    assert_pass(checks)
+
+
+# -- variants ----------------------------------------------------------------------------------
+VARIANTS = {
+    "window": dict(window=(20, 10)),
+    "causal window": dict(causal=True, window=(30, -1)),
+    "softcap": dict(softcap=5.0),
+    "alibi causal": dict(alibi=True, causal=True),
+    "sinks": dict(sinks=True),
+    "sinks causal, rows without keys": dict(sinks=True, causal=True),
+    "score_mod": dict(score_mod="score * 0.5 + tanh(score)"),
+    "score_mod table": dict(score_mod="score + rel_bias[h, min(max(q_idx - kv_idx, -255), 255) + 255]"),
+    "mask_mod": dict(mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]", causal=True),
+    "softcap and score_mod": dict(softcap=3.0, score_mod="score + log(abs(score) + 1)", causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants_pass_the_fp64_reference(name):
+    grads, checks = run_case(Spec(head_dim=64, **VARIANTS[name]), 100, 150 if "rows" not in name else 60)
+    assert_pass(checks)
+    assert ("dsinks" in checks) == bool(VARIANTS[name].get("sinks"))
+
+
+def test_the_softcap_derivative_is_needed():
+    spec = Spec(head_dim=64, softcap=2.0)
+    text = render_backward_source(spec)
+    old = " * (1.0 - T.tanh(acc_s[i, j] * softcap_scale) * T.tanh(acc_s[i, j] * softcap_scale))  # (dP^T - dPsum) dz/ds"
+    assert old in text
+    _, checks = run_case(spec, 100, 150, source=text.replace(old, "", 1))
+    assert not checks["dq"].ok
+
+
+@pytest.mark.parametrize("field, value", [("paged_kv", True), ("splits", 2)])
+def test_inference_layouts_are_refused(field, value):
+    with pytest.raises(SpecError, match="inference layout"):
+        plan_backward(Spec(head_dim=64, **{field: value}))
+
+
+@pytest.mark.parametrize("hd, dv, columns", [(64, None, False), (128, None, False), (128, 64, False), (192, 128, True), (256, None, True)])
+def test_warpgroups_split_keys_or_where_dk_dv_do_not_fit_head_dim_columns(hd, dv, columns):
+    bp = plan_backward(Spec(head_dim=hd, head_dim_v=dv))
+    assert bp.columns is columns
+    assert bp.block_n == (bp.wg_keys if columns else bp.consumers * bp.wg_keys)
+    assert ("DK_COLS" in render_backward_source(bp)) is columns
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=192, head_dim_v=128, causal=True), dict(head_dim=256, softcap=5.0),
+                                    dict(head_dim=192, sinks=True, gqa_group=3)])
+def test_column_split_kernels_pass_the_fp64_reference(fields):
+    spec = Spec(**fields)
+    _, checks = run_case(spec, 70, 90, heads=spec.gqa_group * 2 if spec.gqa_group > 1 else 2,
+                         kv_heads=2 if spec.gqa_group > 1 else 2)
+    assert_pass(checks)
+
+
+# -- the plan and the forward ----------------------------------------------------------------
+def test_the_backward_leaves_the_forward_kernel_alone():
+    spec = Spec(head_dim=128, causal=True)
+    before = render_source(spec)
+    bp = plan_backward(spec)
+    assert render_source(spec) == before and bp.forward.spec.lse
+    assert bp.name.startswith("fa3_bwd_hd128_f16_causal_g1_c2") and bp.hash != make_plan(spec).hash
+
+
+@pytest.mark.parametrize("hd", [64, 96, 128])
+def test_the_plan_fits_its_budgets(hd):
+    from attngen import hw
+
+    bp = plan_backward(Spec(head_dim=hd, causal=True))
+    assert bp.smem_bytes <= hw.SMEM_PER_BLOCK
+    assert bp.consumer_regs_needed <= bp.consumer_regs
+    assert bp.producer_regs + bp.consumers * bp.consumer_regs <= (bp.consumers + 1) * hw.launch_regs(bp.threads)
+    assert bp.block_m % hw.WGMMA_M == 0 and bp.block_n == bp.consumers * bp.wg_keys
+
+
+class _T:  # the emitted range text is TileLang: evaluate it on integers
+    min, max = staticmethod(min), staticmethod(max)
+    floordiv = staticmethod(lambda a, b: a // b)
+    ceildiv = staticmethod(lambda a, b: -(-a // b))
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 10)), (True, (70, -1)), (False, (-1, 5))])
+def test_the_emitted_q_ranges_are_tiles_q_span(causal, window):
+    bp = plan_backward(Spec(head_dim=64, causal=causal, window=window))
+    r = q_range(bp)
+    for sq, skv in [(1, 1), (64, 128), (200, 90), (90, 300), (257, 129)]:
+        fr = tiles.Frame.of(sq, skv, tiles.edges(causal, window), bp.block_m, bp.block_n)
+        for c in range(-(-skv // bp.block_n)):
+            env = {"T": _T, "q_len": sq, "kv_len": skv, "causal_offset": skv - sq, "BLOCK_M": bp.block_m,
+                   "BLOCK_N": bp.block_n, "kv_block": c}
+            first = eval(r["q_first"], env)
+            n = eval(r["n_q"], dict(env, q_first=first))
+            span = fr.q_span(c)
+            if not span.tiles:
+                assert n == 0
+                continue
+            assert range(first, first + n) == span.tiles, (sq, skv, c)
+            if "full_first" in r and span.full:
+                full = range(max(eval(r["full_first"], env), first), min(eval(r["full_stop"], env), first + n))
+                assert [t for t in span.tiles if t in full] == list(span.full), (sq, skv, c)
+
+
+def test_emulate_backward_is_exported_and_takes_torch():
+    torch = pytest.importorskip("torch")
+    assert attngen.emulate_backward is emulate_backward
+    spec = Spec(head_dim=64, causal=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 33, 1, 64, generator=g).to(torch.float16) for _ in range(4))
+    dq, dk, dv = attngen.emulate_backward(spec, q, k, v, do)
+    assert dq.dtype == torch.float16 and dq.shape == q.shape and dk.shape == k.shape
+    checks = check_grads({"dq": dq, "dk": dk, "dv": dv}, q, k, v, do, True, dtype="float16")
+    assert_pass(checks)
+
+
+# -- deterministic = true ----------------------------------------------------------------------
+DET = [dict(causal=True), dict(gqa_group=2, causal=True), dict(gqa_group=3, window=(20, 10)), dict(sinks=True, causal=True),
+       dict(softcap=3.0, score_mod="score + log(abs(score) + 1)", sinks=True),
+       dict(alibi=True, mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]")]
+
+
+@pytest.mark.parametrize("fields", DET, ids=[",".join(d) for d in DET])
+def test_deterministic_gradients_pass_the_fp64_reference(fields):
+    spec = Spec(head_dim=64, deterministic=True, **fields)
+    bp = plan_backward(spec)
+    text = render_backward_source(spec)
+    assert "T.atomic_add(dQ_accum" not in text and "dK_accum" not in text and "def build_dq_kernel" in text
+    heads = 2 * spec.gqa_group
+    _, checks = run_case(spec, 150, 170, heads, 2, policy="producer-first")
+    assert_pass(checks)
+    assert bp.kv_accum is False
+
+
+@pytest.mark.parametrize("fields", DET[:4], ids=[",".join(d) for d in DET[:4]])
+def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
+    spec = Spec(head_dim=64, deterministic=True, **fields)
+    plan = make_plan(spec)
+    heads = 2 * spec.gqa_group
+    q, k, v, tensors = variant_inputs(plan, 1, heads, 2, 150, 170, 0)
+    dout = np.random.default_rng(9).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
+    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, **tensors)
+            for s, p in [(0, "random"), (5, "random"), (1, "producer-first"), (2, "consumers-first")]]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)
+
+
+def test_deterministic_leaves_the_forward_kernel_and_hash_alone():
+    spec = Spec(head_dim=64, causal=True)
+    assert Spec(head_dim=64, causal=True, deterministic=False) == spec
+    assert make_plan(spec).hash == make_plan(Spec(head_dim=64, causal=True, deterministic=False)).hash
+    det = plan_backward(dataclasses.replace(spec, deterministic=True))
+    assert det.forward.hash == plan_backward(spec).forward.hash and det.hash != plan_backward(spec).hash
+    assert det.name.endswith("_det")
+
+
+# -- varlen (packed training) ------------------------------------------------------------------
+def run_varlen(spec, lq, lk, heads, kv_heads, seed=0, policy="random", source=None):
+    """Packed sequences through the emitted kernels, each sequence against its own fp64 reference."""
+    from attngen.reference import nonfinite_agree, round_to, tolerance
+    from attngen.reference_bwd import attention_grad_varlen
+
+    rng = np.random.default_rng(seed)
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    dv = spec.head_dim_v or spec.head_dim
+    q = round_to(rng.standard_normal((cq[-1], heads, spec.head_dim)), spec.dtype)
+    k = round_to(rng.standard_normal((ck[-1], kv_heads, spec.head_dim)), spec.dtype)
+    v = round_to(rng.standard_normal((ck[-1], kv_heads, dv)), spec.dtype)
+    do = round_to(rng.standard_normal((cq[-1], heads, dv)), spec.dtype)
+    grads = emulate_backward(spec, q, k, v, do, cu_seqlens_q=cq, cu_seqlens_k=ck, seed=seed, policy=policy, source=source)
+    variant = dict(window=spec.window)
+    ref = attention_grad_varlen(q, k, v, do, cq, ck, spec.causal, **variant)
+    low = attention_grad_varlen(q, k, v, do, cq, ck, spec.causal, lowprec=spec.dtype, **variant)
+    checks = {}
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        r = getattr(ref, name)
+        bound = tolerance(r, getattr(low, name), spec.dtype, None)
+        err = float(np.abs(got - r).max(initial=0)) if nonfinite_agree(np.asarray(got, np.float64), r) else float("inf")
+        checks[name] = (err <= bound, err, bound)
+    return grads, checks
+
+
+VARLEN = [dict(causal=True), dict(), dict(causal=True, gqa_group=2), dict(causal=True, deterministic=True),
+          dict(window=(10, 5), deterministic=True, gqa_group=2)]
+
+
+@pytest.mark.parametrize("fields", VARLEN, ids=[",".join(f"{k}={v}" for k, v in d.items()) or "plain" for d in VARLEN])
+def test_varlen_sequences_pass_their_own_references(fields):
+    spec = Spec(head_dim=64, layout="varlen", **fields)
+    # a long sequence, a 1-row one, one with no query, more queries than keys
+    _, checks = run_varlen(spec, [70, 1, 0, 130], [90, 5, 7, 60], 2 * spec.gqa_group, 2)
+    assert all(ok for ok, _, _ in checks.values()), checks
+
+
+def test_varlen_dk_stored_past_its_sequence_is_caught():
+    spec = Spec(head_dim=64, layout="varlen", causal=True)
+    text = render_backward_source(spec)
+    old = "            if key0 + i < kv_len:\n                dK["
+    assert old in text
+    broken = text.replace(old, "            if key0 + i < kv_len + 64:\n                dK[", 1)
+    try:
+        _, checks = run_varlen(spec, [70, 30, 130], [90, 20, 60], 2, 2, source=broken)
+    except HazardError:  # the next sequence's rows: a race with the block that owns them
+        return
+    assert not checks["dk"][0]
+
+
+def test_a_column_split_dq_added_into_the_wrong_columns_fails():
+    spec = Spec(head_dim=256)
+    text = render_backward_source(spec)
+    old = "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, g * DK_COLS:(g + 1) * DK_COLS]"
+    assert old in text
+    _, checks = run_case(spec, 70, 90, source=text.replace(old, "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, 0:DK_COLS]"))
+    assert not checks["dq"].ok and checks["dk"].ok
