@@ -658,7 +658,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
-    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
+    # A block mask's backward is its mask_mod's: every tile masked, exact (the transposed q_* lists
+    # that would let it skip tiles are not read yet; docs/backward.md)
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, block_mask=False), shape)
     forward_spec = forward.spec
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap

@@ -269,3 +269,30 @@ def test_block_mask_true_as_a_spec_field_takes_the_four_lists_by_name():
     with pytest.raises(InputError, match="full_kv_indices"):
         attngen.attention(q, q, q, block_mask=True, mask_mod="q_idx >= kv_idx", block_n=64,
                           **{n: t for n, t in lists.items() if n != "full_kv_indices"})
+
+
+def _document_causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def test_a_block_mask_call_is_differentiable_and_its_gradients_are_the_dense_masks():
+    """The backward of a block-mask spec is its mask_mod's (plan_backward drops block_mask): the
+    gradients through attention(block_mask=) equal those of causal=True bit for bit, and a block
+    mask spec's backward plan names no block-mask tensor."""
+    from attngen.plan import BLOCK_MASK_TENSORS, plan_backward
+    from attngen.render_bwd import call_tensors
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 100, 1, 64, generator=g).half().requires_grad_() for _ in range(3))
+    bm = attngen.create_block_mask(_document_causal, 1, 1, 100, 100, BLOCK_SIZE=(128, 128))
+    out = attngen.attention(q, k, v, block_mask=bm)
+    (out.float() * torch.arange(64.0)).sum().backward()
+    dense = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attngen.attention(*dense, causal=True)
+    (ref.float() * torch.arange(64.0)).sum().backward()
+    assert same_bits(out.detach().numpy(), ref.detach().numpy())
+    for got, want in zip((q, k, v), dense):
+        assert got.grad is not None and same_bits(got.grad.numpy(), want.grad.numpy())
+    assert q.grad.abs().max() > 0
+    bp = plan_backward(Spec(mask_mod="kv_idx <= q_idx", block_mask=True))
+    names = {n for n, _, _ in BLOCK_MASK_TENSORS}
+    assert not bp.forward.spec.block_mask and not names & {t.name for t in call_tensors(bp)}
