@@ -596,6 +596,7 @@ class BackwardPlan:
     dq_block_n: int = 0  # ... its KV tile keys ...
     dq_kv_stages: int = 0  # ... and K/V stages
     dq_smem: dict = dataclasses.field(default_factory=dict)
+    dq_regs_needed: int = 0  # the dq kernel's registers per MMA-warpgroup thread (bwd_dq_regs_needed)
     compile_flags: tuple = COMPILE_FLAGS
 
     @property
@@ -626,6 +627,14 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARIANT_REGS if elementwise else 0)
 
 
+def bwd_dq_regs_needed(spec: Spec) -> int:
+    """The deterministic dq kernel's MMA-warpgroup thread: its dQ accumulator (64 rows x head_dim,
+    float32), S and dP (64 x DQ_BLOCK_N, float32) and dS (the dtype)."""
+    r = hw.regs_per_thread
+    tile = hw.WGMMA_M * DQ_BLOCK_N
+    return r(hw.WGMMA_M * spec.head_dim, 4) + 2 * r(tile, 4) + r(tile, 2) + BWD_REG_OVERHEAD
+
+
 def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> dict:
     e = hw.DTYPES[spec.dtype].bytes
     d, dv = spec.head_dim, head_dim_v(spec)
@@ -648,10 +657,13 @@ def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
             "K": stages * block_n * d * e, "V": stages * block_n * dv * e}
 
 
-def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True) -> BackwardPlan:
+def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True,
+                  block_m: int | None = None, columns: bool | None = None) -> BackwardPlan:
     """The backward kernels' plan: FlashAttention-3's tile for the head dim, brought to this
     formulation (Q tile rows a multiple of the wgmma M of the dQ GEMM; one 64-key slice of the KV
-    tile per consumer) and shrunk until the register and shared-memory budgets hold."""
+    tile per consumer) and shrunk until the register and shared-memory budgets hold.
+    `block_m` / `columns` fix the tile instead (the register sweep builds refused neighbours with
+    them and check_registers=False, bench/plan_sweep.py --backward)."""
     if not isinstance(spec, Spec):
         raise SpecError("<spec>", type(spec).__name__, "expected an attngen.Spec")
     if spec.paged_kv:
@@ -668,11 +680,15 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3_m, fa3_n, _ = fa3
     consumers = 2
     producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
-    block_m = max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
-    while check_registers and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
+    if block_m is not None and (type(block_m) is not int or block_m < hw.WGMMA_M or block_m % hw.WGMMA_M):
+        raise SpecError("block_m", block_m, f"expected a multiple of {hw.WGMMA_M} (the dQ wgmma's M)")
+    fixed = block_m is not None
+    block_m = block_m if fixed else max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
+    while check_registers and not fixed and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
         block_m -= hw.WGMMA_M
     # the warpgroups split the tile's keys; where dK and dV of 64 keys do not fit, its head-dim columns
-    columns = bwd_regs_needed(rspec, block_m) > consumer_regs
+    if columns is None:
+        columns = bwd_regs_needed(rspec, block_m) > consumer_regs
     needed = bwd_regs_needed(rspec, block_m, consumers if columns else 1)
     if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
@@ -701,7 +717,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         kv_accum=rspec.gqa_group > 1 and not rspec.deterministic, fa3_tile=fa3, columns=columns,
         deterministic=rspec.deterministic,
         dq_block_m=hw.WGMMA_M * consumers, dq_block_n=DQ_BLOCK_N, dq_kv_stages=DQ_KV_STAGES,
-        dq_smem=dq_smem_layout(rspec, hw.WGMMA_M * consumers, DQ_BLOCK_N, DQ_KV_STAGES) if rspec.deterministic else {})
+        dq_smem=dq_smem_layout(rspec, hw.WGMMA_M * consumers, DQ_BLOCK_N, DQ_KV_STAGES) if rspec.deterministic else {},
+        dq_regs_needed=bwd_dq_regs_needed(rspec) if rspec.deterministic else 0)
 
 
 # -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------

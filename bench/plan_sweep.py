@@ -275,6 +275,201 @@ def summary(rows: list) -> str:
     return text
 
 
+# -- the backward (--backward): the three or four kernels of a spec's backward module ----------------
+# Kernels with a register budget: the main kernel (2 MMA warpgroups at setmaxnreg 240) and the
+# deterministic mode's dq kernel; the preprocess and postprocess kernels run at the launch count.
+BACKWARD_PARTS = ("main", "dq")
+
+
+def draw_backward(rng: random.Random) -> dict:
+    """One backward-supported spec's fields (the forward's tile fields are the forward's business:
+    the backward plan does not read them)."""
+    f = dict(head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(("float16", "bfloat16")), causal=rng.random() < 0.5,
+             gqa_group=rng.choice((1, 1, 2, 4, 8)))
+    if rng.random() < 0.15:
+        f["window"] = (rng.choice((-1, 0, 127, 511)), rng.choice((-1, 0, 64, 256)))
+    if rng.random() < 0.2:
+        f["softcap"] = rng.choice((15.0, 30.0, 50.0))
+    if rng.random() < 0.15:
+        f["alibi"] = True
+    if rng.random() < 0.15:
+        f["sinks"] = True
+    if rng.random() < 0.2:
+        f["head_dim_v"] = rng.choice(HEAD_DIMS)
+    if rng.random() < 0.15:
+        f["score_mod"] = rng.choice(SCORE_MODS)
+    if rng.random() < 0.15:
+        f["mask_mod"] = rng.choice(MASK_MODS)
+    if rng.random() < 0.2:
+        f["layout"] = "varlen"
+    if rng.random() < 0.25:
+        f["deterministic"] = True
+    return f
+
+
+def draw_backward_specs(n: int, seed: int) -> list:
+    """`n` distinct specs whose backward the plan accepts, as (fields, BackwardPlan); each head dim's
+    plain spec first (the register edges of the tile table), then the seeded draw."""
+    from attngen.plan import plan_backward
+
+    rng = random.Random(seed)
+    out, seen, tries = [], set(), 0
+    candidates = [dict(head_dim=hd) for hd in reversed(HEAD_DIMS)]
+    while len(out) < n:
+        fields = candidates.pop() if candidates else draw_backward(rng)
+        tries += 1
+        if tries > 100 * n:
+            raise RuntimeError(f"only {len(out)} accepted backward specs in {tries} draws")
+        try:
+            bp = plan_backward(attngen.Spec(**fields))
+        except SpecError:
+            continue
+        if bp.hash not in seen:
+            seen.add(bp.hash)
+            out.append((fields, bp))
+    return out
+
+
+@dataclasses.dataclass
+class BwdRow:
+    name: str  # the kernel: the module's name, + "_dq" for the dq kernel
+    part: str
+    estimate: int  # the plan's registers per MMA-warpgroup thread for this kernel
+    budget: int  # its setmaxnreg count
+    block_m: int
+    columns: bool
+    used: int | None = None  # SASS: 1 + highest register named
+    launch: int | None = None  # ptxas "Used N registers"
+    setmaxnreg: int | None = None  # USETMAXREG instructions in the SASS
+    spill: int | None = None  # spills_of: spill + stack bytes + LDL/STL
+    error: str | None = None
+    probe: str = ""  # "" for the plan's own tile, else the refused neighbour it is ("m128", "keys")
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill)
+
+
+def backward_rows(bp, results: dict, probe: str = "") -> list:
+    rows = []
+    for part in BACKWARD_PARTS:
+        if part not in results:
+            continue
+        r = results[part].report
+        est = bp.consumer_regs_needed if part == "main" else bp.dq_regs_needed
+        rows.append(BwdRow(bp.name + ("" if part == "main" else f"_{part}"), part, est, bp.consumer_regs, bp.block_m,
+                           bp.columns, used=sass_max_register(results[part].cubin_path), launch=r["registers"],
+                           setmaxnreg=r["sass"].get("USETMAXREG", 0), spill=spills_of(r), probe=probe))
+    return rows
+
+
+def backward_neighbours(fields: dict, bp) -> list:
+    """The tiles the estimate refused next to the plan's: 64 more Q rows, and for a column split the
+    key split; each (label, BackwardPlan) planned with the estimate off (shared memory still binds)."""
+    from attngen.plan import plan_backward
+
+    near = []
+    for label, kw in ((f"m{bp.block_m + hw.WGMMA_M}", dict(block_m=bp.block_m + hw.WGMMA_M, columns=bp.columns)),
+                      ("keys", dict(block_m=bp.block_m, columns=False))):
+        if label == "keys" and not bp.columns:
+            continue
+        try:
+            near.append((label, plan_backward(attngen.Spec(**fields), check_registers=False, **kw)))
+        except SpecError:
+            pass
+    return near
+
+
+def build_one_backward(fields: dict, cache_dir, neighbours: bool = False) -> list:
+    """Worker: plan and build one spec's backward module (and its refused neighbours); its kernels'
+    rows as dicts (never raises)."""
+    from attngen.build import build_backward, one_line
+    from attngen.plan import plan_backward
+
+    bp = plan_backward(attngen.Spec(**fields))
+    plans = [("", bp)] + (backward_neighbours(fields, bp) if neighbours else [])
+    rows = []
+    for probe, p in plans:
+        try:
+            rows += backward_rows(p, build_backward(p, cache_dir=cache_dir), probe)
+        except Exception as e:  # noqa: BLE001 - one failed build is a row, not the end of the sweep
+            rows.append(BwdRow(p.name, "main", p.consumer_regs_needed, p.consumer_regs, p.block_m, p.columns,
+                               error=f"{type(e).__name__}: {one_line(e)}", probe=probe))
+    return [dataclasses.asdict(r) for r in rows]
+
+
+def run_backward(specs: list, jobs: int, cache_dir=None, on_rows=None, neighbours: bool = False) -> list:
+    """Build every spec's backward, `jobs` at a time, the fewest spare registers first; rows per spec."""
+    order = sorted(range(len(specs)), key=lambda i: (specs[i][1].consumer_regs - specs[i][1].consumer_regs_needed, i))
+    out = [None] * len(specs)
+    with cf.ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(build_one_backward, specs[i][0], cache_dir, neighbours): i for i in order}
+        for f in cf.as_completed(futures):
+            i = futures[f]
+            try:
+                out[i] = [BwdRow(**r) for r in f.result()]
+            except Exception as e:  # noqa: BLE001 - a worker died
+                bp = specs[i][1]
+                out[i] = [BwdRow(bp.name, "main", bp.consumer_regs_needed, bp.consumer_regs, bp.block_m, bp.columns,
+                                 error=f"worker failed: {e}")]
+            on_rows and on_rows(i, out[i])
+    return out
+
+
+BWD_HEADER = f"{'#':>4}  {'kernel':<76} {'tile':<10} {'est':>4} {'cap':>4} {'used':>4} {'ptx':>4} {'maxnreg':>7}  spill"
+
+
+def format_bwd_row(i: int, r: BwdRow) -> str:
+    tile = f"m{r.block_m}" + (" cols" if r.columns else "") + (f" [{r.probe}]" if r.probe else "")
+    head = f"{i:>4}  {r.name:<76} {tile:<10} {r.estimate:>4} {r.budget:>4}"
+    if r.error:
+        return f"{head}  BUILD FAILED: {r.error}"
+    verdict = ("  SPILLS" if r.spills and not r.probe else "  spills (refused)" if r.spills else
+               "  FITS (refused)" if r.probe else "")
+    return f"{head} {r.used or '?':>4} {r.launch:>4} {r.setmaxnreg:>7}  {r.spill}{verdict}"
+
+
+def summary_backward(rows: list) -> str:
+    own = [r for r in rows if not r.probe]
+    built = [r for r in own if not r.error]
+    spilled = [r for r in built if r.spills]
+    nomax = [r for r in built if not r.setmaxnreg]
+    probes = [r for r in rows if r.probe and not r.error and r.part == "main"]
+    text = (f"{len(built)} kernels with a register budget built ({sum(r.part == 'main' for r in built)} main, "
+            f"{sum(r.part == 'dq' for r in built)} dq), {len(spilled)} spill, {len(nomax)} without setmaxnreg, "
+            f"{len(own) - len(built)} failed; refused neighbours: {sum(r.spills for r in probes)} of {len(probes)} spill")
+    for part in BACKWARD_PARTS:
+        errs = [r.estimate - r.used for r in built if r.part == part and not r.spills and r.used]
+        if errs:
+            text += f"; {part} estimate - SASS: min {min(errs):+d}, max {max(errs):+d}, mean {sum(errs) / len(errs):+.1f}"
+    return text
+
+
+def main_backward(args) -> int:
+    t0 = time.monotonic()
+    specs = draw_backward_specs(args.n, args.seed)
+    if args.list:
+        for i, (_, bp) in enumerate(specs):
+            print(f"{i:>4}  {bp.name:<76} m{bp.block_m}{' cols' if bp.columns else '':<5} {bp.consumer_regs_needed:>4} "
+                  f"{bp.dq_regs_needed or '':>4} {bp.consumer_regs:>4}")
+        return 0
+    out = open(args.jsonl, "w") if args.jsonl else None
+    print(BWD_HEADER, flush=True)
+
+    def on_rows(i, rows):
+        for r in rows:
+            print(format_bwd_row(i, r), flush=True)
+            if out:
+                out.write(json.dumps({"i": i, "fields": specs[i][0], **dataclasses.asdict(r)}) + "\n")
+                out.flush()
+
+    per_spec = run_backward(specs, args.jobs, args.cache_dir, on_rows, neighbours=args.neighbours)
+    rows = [r for rs in per_spec for r in rs]
+    print(f"\n{len(specs)} specs in {time.monotonic() - t0:.0f} s: " + summary_backward(rows))
+    bad = [r for r in rows if not r.probe and (r.error or r.spills or not r.setmaxnreg)]
+    return 1 if bad or any(r.probe and r.part == "main" and not r.error and not r.spills for r in rows) else 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=220, help="drawn specs (beside the reproducer)")
@@ -285,7 +480,11 @@ def main(argv=None):
     ap.add_argument("--neighbours", action="store_true",
                     help="also build the next larger block_n of each register-bound default, the estimate off")
     ap.add_argument("--list", action="store_true", help="print the drawn kernels and their estimates, build nothing")
+    ap.add_argument("--backward", action="store_true",
+                    help="sweep backward modules instead (main and dq kernels; --neighbours: the refused larger tiles)")
     args = ap.parse_args(argv)
+    if args.backward:
+        return main_backward(args)
 
     t0 = time.monotonic()
     plans = draw_specs(args.n, args.seed)
