@@ -551,11 +551,17 @@ def tflops(shape: Shape, head_dim: int, causal: bool, seconds: float) -> float:
 FA3_BWD_TILES = {64: (128, 128, 2), 96: (64, 128, 2), 128: (80, 128, 2), 192: (64, 96, 3), 256: (64, 80, 2)}
 FA3_BWD_TILES_MASKED = {128: (64, 128, 2)}
 BWD_Q_STAGES = 2  # Q, dO, LSE2 and dPsum of this many Q tiles in flight
-# Registers a backward consumer thread needs beyond its tiles (indices, loop state, addresses), and
-# for the element-wise variants. Not yet calibrated against ptxas as the forward's are: the
-# build's spill report is the check (docs/backward.md, "Builds").
+# Registers a backward consumer thread needs beyond its tiles (indices, loop state, addresses).
+# Calibrated on the SASS of `bench/plan_sweep.py --backward` (docs/backward.md, "Registers"): at
+# the 240 edge the estimate is 2-11 over the highest register used (hd128 64x128: 232-238 used,
+# hd256 by columns: 232-238); the tiles it refuses next to the chosen ones spill (hd64 128x128:
+# 264 B, hd96 128x128: 3228 B, hd192/dv64 by keys: 1928 B).
 BWD_REG_OVERHEAD = 32
-BWD_VARIANT_REGS = 0
+# ...and with packed sequences and an element-wise variant together (softcap, ALiBi, score_mod,
+# mask_mod): the sequence's bounds stay live beside the variant's temporaries. Either alone fits
+# at the edge (hd128 64x128 softcap 238 used, varlen with sinks 232), both spilled: softcap +
+# varlen 28 B, ALiBi + window + varlen 84 B (bf16/f16 hd128 64x128, estimate 240 of 240).
+BWD_VARLEN_VARIANT_REGS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,7 +630,8 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
-    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARIANT_REGS if elementwise else 0)
+    packed = spec.layout == "varlen"
+    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if elementwise and packed else 0)
 
 
 def bwd_dq_regs_needed(spec: Spec) -> int:
