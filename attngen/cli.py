@@ -404,12 +404,16 @@ def parser() -> argparse.ArgumentParser:
     pc.set_defaults(func=cmd_precompile)
 
     c = sub.add_parser("check", help="generate, build and emulate a kernel and, where the backward supports the spec, "
-                       "its backward kernels; one verdict (the main job)")
+                       "its backward kernels; one verdict (the main job)",
+                       description="Generate, build and run on the CPU model the spec's forward kernel and, where the backward "
+                       "supports the spec, its backward kernels (docs/backward.md): each must build for sm_90a with 0 spills "
+                       "(setmaxnreg applied in the warp-specialised ones) and match the fp64 reference (the gradients under "
+                       "FlashAttention-3's rule); a spec the backward refuses (paged KV, split-KV, ...) is said so in one line.")
     c.add_argument("spec", help="spec TOML file")
     c.add_argument("-o", "--output", default="generated", help="where the emitted kernel is written")
     c.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
-    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (not a tile multiple)")
-    c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
+    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU runs (not a tile multiple)")
+    c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU runs")
     c.add_argument("--seed", type=int, default=0, help="input and scheduler seed of the CPU run (>= 0)")
     c.add_argument("--softmax-scale", type=float, default=None,
                    help="the run-time softmax scale of the CPU run (default: 1/sqrt(head_dim))")

@@ -70,13 +70,15 @@ def format_builds(results: dict) -> str:
     return "\n".join([head] + [format_build_row(part, res.report) for part, res in results.items()])
 
 
-def build_command(bp: BackwardPlan, args) -> int:
-    """`attngen build --backward SPEC`: every kernel of the module, one row each (or --json)."""
+def build_command(plan, args) -> int:
+    """`attngen build --backward SPEC`: every kernel of the forward plan's backward module (its
+    static shape, if any), one row each (or --json)."""
     from attngen.build import build_backward
 
-    results = build_backward(bp, cache_dir=args.cache_dir)
+    results = build_backward(plan, cache_dir=args.cache_dir)
     if args.json:
-        print(json.dumps({part: res.report for part, res in results.items()}, indent=2, sort_keys=True))
+        # the kernels in launch order, each report's keys sorted (as `attngen build --json`)
+        print(json.dumps({part: json.loads(json.dumps(res.report, sort_keys=True)) for part, res in results.items()}, indent=2))
     else:
         print(format_builds(results))
     return 0
