@@ -3,8 +3,8 @@
 `attngen show|generate|build|emulate --backward SPEC` act on the spec's backward module
 (render_bwd) instead of its forward kernel, and `attngen check SPEC` runs both passes: the
 verdicts here are the backward's half. cli.py parses the options and calls these; a spec the
-backward refuses (paged KV, split-KV, varlen, head dims past the register budget) is
-plan_backward's SpecError, one line naming the field.
+backward refuses (paged KV, split-KV: inference layouts) is plan_backward's SpecError, one
+line naming the field.
 """
 
 from __future__ import annotations
@@ -85,33 +85,74 @@ def build_command(plan, args) -> int:
 
 
 def draw_inputs(bp: BackwardPlan, batch, heads, kv_heads, q_len, kv_len, seed):
-    """q, k, v, the call-time tensors (the forward's variant_inputs) and a standard normal dout."""
-    from attngen.emulator.driver import variant_inputs
+    """q, k, v, the call-time tensors (the forward's variant_inputs), a standard normal dout, and for
+    varlen the packing: {} or {cu_seqlens_q, cu_seqlens_k} of the forward check's ragged batch
+    (driver.serving_lengths: the given lengths, a 1-row query, more queries than keys, an empty one)."""
+    from attngen.emulator.driver import serving_lengths, variant_inputs
+    from attngen.reference import round_to
 
-    q, k, v, tensors = variant_inputs(bp.forward, batch, heads, kv_heads, q_len, kv_len, seed)
-    dout = np.random.default_rng(seed + 7).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
-    return q, k, v, dout, tensors
+    if bp.spec.layout != "varlen":
+        q, k, v, tensors = variant_inputs(bp.forward, batch, heads, kv_heads, q_len, kv_len, seed)
+        dout = np.random.default_rng(seed + 7).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
+        return q, k, v, dout, tensors, {}
+    lq, lk = serving_lengths("varlen", q_len, kv_len)
+    *_, tensors = variant_inputs(bp.forward, len(lq), heads, kv_heads, max(lq), max(lk), seed)  # per sequence
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    rng = np.random.default_rng(seed)
+    dv = bp.forward.head_dim_v
+    q, k, v, dout = (round_to(rng.standard_normal(shape), bp.spec.dtype).astype(np.float32) for shape in
+                     [(cq[-1], heads, bp.spec.head_dim), (ck[-1], kv_heads, bp.spec.head_dim), (ck[-1], kv_heads, dv),
+                      (cq[-1], heads, dv)])
+    return q, k, v, dout, tensors, {"cu_seqlens_q": cq, "cu_seqlens_k": ck}
+
+
+def varlen_checks(grads: dict, q, k, v, dout, packing: dict, spec, scale, variant) -> dict:
+    """check_grads for packed sequences: each sequence against its own fp64 gradients
+    (reference_bwd.attention_grad_varlen and its twin), the same rule and non-finite agreement."""
+    from attngen.reference import Check, nonfinite_agree, tolerance
+    from attngen.reference_bwd import attention_grad_varlen
+
+    cq, ck = packing["cu_seqlens_q"], packing["cu_seqlens_k"]
+    ref = attention_grad_varlen(q, k, v, dout, cq, ck, spec.causal, scale, **variant)
+    low = attention_grad_varlen(q, k, v, dout, cq, ck, spec.causal, scale, lowprec=spec.dtype, **variant)
+    out = {}
+    for name in GRADS:
+        r = getattr(ref, name)
+        if r is None:
+            continue
+        bound = tolerance(r, getattr(low, name), spec.dtype, None)
+        g = np.asarray(grads.get(name), np.float64)
+        ok_shape = g.shape == r.shape
+        err = float(np.abs(g - r).max(initial=0.0)) if ok_shape and nonfinite_agree(g, r) else float("inf")
+        out[name] = Check(err <= bound, err, bound)
+    return out
 
 
 def emulated_grads(bp: BackwardPlan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None,
                    softmax_scale=None) -> tuple:
-    """The emitted backward on the CPU model against the fp64 gradients: ({name: Check}, Stats, seconds).
-    Raises EmulationError for a hazard or a deadlock."""
+    """The emitted backward on the CPU model against the fp64 gradients: ({name: Check}, Stats, seconds, what
+    was run). Raises EmulationError for a hazard or a deadlock."""
     from attngen.emulator import Stats, emulate_backward
     from attngen.reference import variant_of
     from attngen.reference_bwd import check_grads
 
-    q, k, v, dout, tensors = draw_inputs(bp, batch, heads, kv_heads, q_len, kv_len, seed)
+    q, k, v, dout, tensors, packing = draw_inputs(bp, batch, heads, kv_heads, q_len, kv_len, seed)
     stats = Stats()
     t0 = time.perf_counter()
     grads = emulate_backward(bp.spec, q, k, v, dout, seed=seed, policy=policy, source=source, softmax_scale=softmax_scale,
-                             stats=stats, **tensors)
+                             stats=stats, **packing, **tensors)
     seconds = time.perf_counter() - t0
+    grads = dict(zip(GRADS, grads))
     mods = {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")}
     variant = variant_of(bp.spec, tensors.get("alibi_slopes"), tensors.get("sinks"), mods)
-    checks = check_grads(dict(zip(GRADS, grads)), q, k, v, dout, bp.spec.causal, dtype=bp.spec.dtype, scale=softmax_scale,
-                         **variant)
-    return checks, stats, seconds
+    if packing:
+        checks = varlen_checks(grads, q, k, v, dout, packing, bp.spec, softmax_scale, variant)
+        lengths = [np.diff(packing[c]).tolist() for c in ("cu_seqlens_q", "cu_seqlens_k")]
+        ran = f"H={heads} HKV={kv_heads}, {len(lengths[0])} sequences (q {lengths[0]}, kv {lengths[1]})"
+    else:
+        checks = check_grads(grads, q, k, v, dout, bp.spec.causal, dtype=bp.spec.dtype, scale=softmax_scale, **variant)
+        ran = f"B={batch} H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}"
+    return checks, stats, seconds, ran
 
 
 def grads_text(checks: dict) -> str:
@@ -123,15 +164,15 @@ def check_verdict(bp: BackwardPlan, heads, kv_heads, q_len, kv_len, args) -> tup
     """(ok, what) of `attngen check`'s CPU run of the backward: every gradient within its bound."""
     from attngen.emulator import EmulationError
 
-    what = f"backward CPU model vs fp64 gradients (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed}"
-    what += ")" if args.softmax_scale is None else f", softmax scale {args.softmax_scale!r})"
+    what = "backward CPU model vs fp64 gradients"
+    scale = "" if args.softmax_scale is None else f", softmax scale {args.softmax_scale!r}"
     try:
-        checks, _, seconds = emulated_grads(bp, 1, heads, kv_heads, q_len, kv_len, seed=args.seed,
-                                            softmax_scale=args.softmax_scale)
+        checks, _, seconds, ran = emulated_grads(bp, 1, heads, kv_heads, q_len, kv_len, seed=args.seed,
+                                                 softmax_scale=args.softmax_scale)
     except EmulationError as e:
         print(e.report)
-        return False, f"{what}: {type(e).__name__}"
-    return all(c.ok for c in checks.values()), f"{what}: {grads_text(checks)}, {seconds:.1f} s"
+        return False, f"{what} (seed {args.seed}{scale}): {type(e).__name__}"
+    return all(c.ok for c in checks.values()), f"{what} ({ran}, seed {args.seed}{scale}): {grads_text(checks)}, {seconds:.1f} s"
 
 
 def check_verdicts(bp: BackwardPlan, run_shape: tuple, args) -> list:
@@ -156,19 +197,19 @@ def emulate_command(args, plan) -> int:
 
     bp = plan_backward(plan.spec)  # a spec the backward refuses: its SpecError, exit 2
     source, filename, heads = _command_options(args, plan.spec)  # InputError: exit 2
-    shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
     scale = args.softmax_scale
-    print(f"attngen emulate --backward: {bp.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
+    print(f"attngen emulate --backward: {bp.name} ({'--source ' + filename if filename else 'rendered'}), "
           f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
     try:
-        checks, stats, seconds = emulated_grads(bp, args.batch, heads, args.kv_heads, args.q_len, args.kv_len, seed=args.seed,
-                                                policy=args.policy, source=source, softmax_scale=scale)
+        checks, stats, seconds, ran = emulated_grads(bp, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
+                                                     seed=args.seed, policy=args.policy, source=source, softmax_scale=scale)
     except EmulationError as e:
         print(e.report)
         return 1
     except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
+    print(f"  {ran}")
     print(f"  the forward (lse) and {stats.ctas} backward CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads, {stats.atomics} atomics, {stats.reduce_adds} TMA reduce-adds, {seconds:.2f} s")
     for name, c in checks.items():

@@ -1,7 +1,7 @@
 # ==============================================================================
 # attngen auto-generated backward kernels: do not edit; regenerate with attngen.
 # kernel:    fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det
-# spec hash: 342c3f4e2921
+# spec hash: 56048f6a7faa
 # generator: attngen 0.1.0, template fa3_bwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 128x128 (2 WGs)
@@ -27,7 +27,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 KERNEL_NAME = "fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det"
-SPEC_HASH = "342c3f4e2921"
+SPEC_HASH = "56048f6a7faa"
 
 HEAD_DIM = 64
 DTYPE = "float16"
@@ -112,7 +112,7 @@ def build_kernel():
 
     @T.macro
     def consumer(g, K_shared, V_shared, Q_shared, dO_shared, LSE_shared, dPsum_shared, kv_full, q_full, q_empty, do_full, do_empty, dK, dV, kv_block, kv_head, batch_idx, q_first, n_q, full_first, full_stop, kv_partial, softmax_scale):
-        """MMA warpgroup g: keys [key0, key0 + WG_KEYS) of the KV tile; element (i, j) of a tile is key key0 + i, query row m0 + j."""
+        """MMA warpgroup g: keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column; element (i, j) of a tile is key key0 + i, query row m0 + j."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         key0 = kv_block * BLOCK_N + g * WG_KEYS
         acc_s = T.alloc_fragment([WG_KEYS, BLOCK_M], ACCUM)  # S^T = K_g Q^T, then P^T
@@ -134,9 +134,9 @@ def build_kernel():
             q_tile = q_first + m
             m0 = q_tile * BLOCK_M
             T.mbarrier_wait_parity(q_full[stage], phase)
-            T.wgmma_gemm(K_shared[g, :, :], Q_shared[stage, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.wgmma_gemm(K_shared[g, :, :], Q_shared[stage, 0, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
             T.mbarrier_wait_parity(do_full[stage], phase)
-            T.wgmma_gemm(V_shared[g, :, :], dO_shared[stage, :, :], acc_dp, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.wgmma_gemm(V_shared[g, :, :], dO_shared[stage, 0, :, :], acc_dp, transpose_B=True, policy=POLICY, clear_accum=True)
             T.wait_wgmma(1)  # S^T done; dP^T may still run
             for i, j in T.Parallel(WG_KEYS, BLOCK_M):
                 acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - LSE_shared[stage, j])  # P^T, as the forward weighed it
@@ -145,12 +145,12 @@ def build_kernel():
                 for i, j in T.Parallel(WG_KEYS, BLOCK_M):
                     acc_s[i, j] = T.if_then_else(j + diag >= i and m0 + j < q_len, acc_s[i, j], 0)
             T.copy(acc_s, p_reg)
-            T.wgmma_gemm(p_reg, dO_shared[stage, :, :], acc_dv, policy=POLICY, clear_accum=False)  # dV += P^T dO
+            T.wgmma_gemm(p_reg, dO_shared[stage, 0, :, :], acc_dv, policy=POLICY, clear_accum=False)  # dV += P^T dO
             T.wait_wgmma(1)  # dP^T done; dV may still run
             for i, j in T.Parallel(WG_KEYS, BLOCK_M):  # dS^T = P^T (dP^T - dPsum) (0 where P is)
                 acc_dp[i, j] = acc_s[i, j] * (acc_dp[i, j] - dPsum_shared[stage, j])
             T.copy(acc_dp, ds_reg)
-            T.wgmma_gemm(ds_reg, Q_shared[stage, :, :], acc_dk, policy=POLICY, clear_accum=False)  # dK += dS^T Q
+            T.wgmma_gemm(ds_reg, Q_shared[stage, 0, :, :], acc_dk, policy=POLICY, clear_accum=False)  # dK += dS^T Q
             T.wait_wgmma(0)  # dQ is the dq kernel's (KV tiles in one order): nothing leaves this loop
             T.mbarrier_arrive(q_empty[stage])
             T.mbarrier_arrive(do_empty[stage])
@@ -172,10 +172,10 @@ def build_kernel():
         softmax_scale: T.float32,  # call time: score = q . k * softmax_scale
     ):
         with T.Kernel(T.ceildiv(kv_len, BLOCK_N), kv_heads, batch, threads=THREADS) as (kv_block, kv_head, batch_idx):
-            K_shared = T.alloc_shared([2, WG_KEYS, HEAD_DIM], DTYPE)  # one slice per MMA warpgroup
+            K_shared = T.alloc_shared([2, WG_KEYS, HEAD_DIM], DTYPE)  # one slice of keys per MMA warpgroup
             V_shared = T.alloc_shared([2, WG_KEYS, HEAD_DIM], DTYPE)
-            Q_shared = T.alloc_shared([Q_STAGES, BLOCK_M, HEAD_DIM], DTYPE)
-            dO_shared = T.alloc_shared([Q_STAGES, BLOCK_M, HEAD_DIM], DTYPE)
+            Q_shared = T.alloc_shared([Q_STAGES, 1, BLOCK_M, HEAD_DIM], DTYPE)
+            dO_shared = T.alloc_shared([Q_STAGES, 1, BLOCK_M, HEAD_DIM], DTYPE)
             LSE_shared = T.alloc_shared([Q_STAGES, BLOCK_M], ACCUM)
             dPsum_shared = T.alloc_shared([Q_STAGES, BLOCK_M], ACCUM)
             T.annotate_layout({K_shared: make_swizzled_layout(K_shared), V_shared: make_swizzled_layout(V_shared), Q_shared: make_swizzled_layout(Q_shared), dO_shared: make_swizzled_layout(dO_shared)})
@@ -198,8 +198,8 @@ def build_kernel():
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
             if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:
-                T.tma_copy(K[batch_idx, kv0 + 0:kv0 + 64, kv_head, :], K_shared[0, :, :], barrier=kv_full)
-                T.tma_copy(V[batch_idx, kv0 + 0:kv0 + 64, kv_head, :], V_shared[0, :, :], barrier=kv_full)
+                T.tma_copy(K[batch_idx, kv0:kv0 + 64, kv_head, :], K_shared[0, :, :], barrier=kv_full)
+                T.tma_copy(V[batch_idx, kv0:kv0 + 64, kv_head, :], V_shared[0, :, :], barrier=kv_full)
                 T.tma_copy(K[batch_idx, kv0 + 64:kv0 + 128, kv_head, :], K_shared[1, :, :], barrier=kv_full)
                 T.tma_copy(V[batch_idx, kv0 + 64:kv0 + 128, kv_head, :], V_shared[1, :, :], barrier=kv_full)
                 T.mbarrier_arrive(kv_full)
@@ -209,11 +209,11 @@ def build_kernel():
                     stage = v % Q_STAGES
                     m0 = (q_first + m) * BLOCK_M
                     T.mbarrier_wait_parity(q_empty[stage], ((v // Q_STAGES) % 2) ^ 1)
-                    T.tma_copy(Q[batch_idx, m0:m0 + BLOCK_M, head, :], Q_shared[stage, :, :], barrier=q_full[stage])
+                    T.tma_copy(Q[batch_idx, m0:m0 + BLOCK_M, head, :], Q_shared[stage, 0, :, :], barrier=q_full[stage])
                     T.tma_copy(LSE2[batch_idx, head, m0:m0 + BLOCK_M], LSE_shared[stage, :], barrier=q_full[stage])
                     T.mbarrier_arrive(q_full[stage])
                     T.mbarrier_wait_parity(do_empty[stage], ((v // Q_STAGES) % 2) ^ 1)
-                    T.tma_copy(dO[batch_idx, m0:m0 + BLOCK_M, head, :], dO_shared[stage, :, :], barrier=do_full[stage])
+                    T.tma_copy(dO[batch_idx, m0:m0 + BLOCK_M, head, :], dO_shared[stage, 0, :, :], barrier=do_full[stage])
                     T.tma_copy(dPsum[batch_idx, head, m0:m0 + BLOCK_M], dPsum_shared[stage, :], barrier=do_full[stage])
                     T.mbarrier_arrive(do_full[stage])
 
@@ -313,10 +313,10 @@ def build_dq_kernel():
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
             if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:
-                T.tma_copy(Q[batch_idx, q0 + 0:q0 + 64, head, :], Q_shared[0, :, :], barrier=q_full)
-                T.tma_copy(dO[batch_idx, q0 + 0:q0 + 64, head, :], dO_shared[0, :, :], barrier=q_full)
-                T.tma_copy(LSE2[batch_idx, head, q0 + 0:q0 + 64], LSE_shared[0, :], barrier=q_full)
-                T.tma_copy(dPsum[batch_idx, head, q0 + 0:q0 + 64], dPsum_shared[0, :], barrier=q_full)
+                T.tma_copy(Q[batch_idx, q0:q0 + 64, head, :], Q_shared[0, :, :], barrier=q_full)
+                T.tma_copy(dO[batch_idx, q0:q0 + 64, head, :], dO_shared[0, :, :], barrier=q_full)
+                T.tma_copy(LSE2[batch_idx, head, q0:q0 + 64], LSE_shared[0, :], barrier=q_full)
+                T.tma_copy(dPsum[batch_idx, head, q0:q0 + 64], dPsum_shared[0, :], barrier=q_full)
                 T.tma_copy(Q[batch_idx, q0 + 64:q0 + 128, head, :], Q_shared[1, :, :], barrier=q_full)
                 T.tma_copy(dO[batch_idx, q0 + 64:q0 + 128, head, :], dO_shared[1, :, :], barrier=q_full)
                 T.tma_copy(LSE2[batch_idx, head, q0 + 64:q0 + 128], LSE_shared[1, :], barrier=q_full)

@@ -74,7 +74,7 @@ def test_generate_presets_writes_exactly_the_goldens(tmp_path, capsys):
     (["generate"], ["SPEC = none", "--presets"]),
     (["generate", "--presets", str(DEFAULT)], ["--presets = ", "no spec file beside it"]),
     (["generate", "--backward", str(PAGED)], ["`paged_kv` = true", "inference layout"]),
-    (["show", "--backward", str(ROOT / "examples" / "hd256_f16_causal_c2.toml")], ["`head_dim` = 256", "registers"]),
+    (["show", "--backward", str(ROOT / "examples" / "varlen_paged_hd64_f16.toml")], ["`paged_kv` = true"]),
     (["build", "--backward", str(DEFAULT), str(SINKS)], ["--backward = 2 spec files", "one spec file"]),
     (["build", "--backward", str(DEFAULT), "--cuda", "k.cu"], ["--cuda = k.cu", "drop --backward"]),
     (["emulate", "--backward", str(PAGED)], ["`paged_kv` = true"]),
@@ -126,8 +126,35 @@ def test_emulate_backward_without_sinks_has_three_gradients(capsys):
     assert rc == 0 and set(grad_lines(out)) == {"dq", "dk", "dv"} and "softmax scale 0.2" in out
 
 
-def broken_source(tmp_path, old, new):
-    text = render_backward_source(attngen.load_spec(DEFAULT))
+VARLEN = ROOT / "examples" / "varlen_hd128_bf16_causal.toml"
+
+
+def test_emulate_backward_of_a_varlen_batch_checks_each_sequence(tmp_path, capsys):
+    rc, out, _ = run_main(capsys, "emulate", "--backward", VARLEN, "--q-len", "70", "--kv-len", "90")
+    assert rc == 0 and "4 sequences (q [70, 1, 36, 0], kv [90, 31, 5, 9])" in out
+    assert set(grad_lines(out)) == {"dq", "dk", "dv"} and all(x.endswith(": PASS") for x in grad_lines(out).values())
+    path = broken_source(tmp_path, "(acc_dp[i, j] - dPsum_shared[stage, j])", "acc_dp[i, j]", VARLEN)
+    rc, out, _ = run_main(capsys, "emulate", "--backward", VARLEN, "--q-len", "70", "--kv-len", "90", "--source", path)
+    assert rc == 1 and any(x.endswith(": FAIL") for x in grad_lines(out).values()), out
+
+
+def test_varlen_checks_fail_a_wrong_sequence():
+    """The per-sequence checker itself: the twin passes, one sequence's dv shifted fails."""
+    bp = cli_bwd.plan_backward(attngen.load_spec(VARLEN))
+    q, k, v, dout, tensors, packing = cli_bwd.draw_inputs(bp, 1, 2, 2, 40, 50, seed=1)
+    from attngen.reference_bwd import attention_grad_varlen
+
+    cq, ck = packing["cu_seqlens_q"], packing["cu_seqlens_k"]
+    low = attention_grad_varlen(q, k, v, dout, cq, ck, True, lowprec="bfloat16")._asdict()
+    checks = cli_bwd.varlen_checks(low, q, k, v, dout, packing, bp.spec, None, {})
+    assert all(c.ok for c in checks.values()), checks
+    wrong = dict(low, dv=low["dv"].copy())
+    wrong["dv"][ck[1]:ck[2]] *= 1.5  # the second sequence's keys
+    assert not cli_bwd.varlen_checks(wrong, q, k, v, dout, packing, bp.spec, None, {})["dv"].ok
+
+
+def broken_source(tmp_path, old, new, spec=DEFAULT):
+    text = render_backward_source(attngen.load_spec(spec))
     assert old in text
     path = tmp_path / "broken.py"
     path.write_text(text.replace(old, new, 1))

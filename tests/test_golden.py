@@ -53,6 +53,8 @@ def test_the_backward_presets_cover_the_backward_features():
     assert any(s.gqa_group > 1 and s.deterministic for s in specs)  # the dq kernel, GQA heads looped in the CTA
     assert any(s.sinks for s in specs) and any(s.softcap for s in specs) and any(s.window != (-1, -1) for s in specs)
     assert any(s.score_mod.strip() for s in specs)  # the symbolic derivative
+    assert any(bp.forward.head_dim_v != s.head_dim for bp, s in zip(plans, specs))  # head_dim_v 128 of head_dim 192
+    assert any(s.layout == "varlen" for s in specs)
     assert len({bp.name for bp in plans}) == len(plans)  # one golden each
 
 
