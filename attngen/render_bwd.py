@@ -258,9 +258,12 @@ def params(bp: BackwardPlan, dv: str) -> dict:
            _tensor("LSE2", rows_shape(vl), '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
     if not bp.deterministic:
         pre.append(_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
-    if bp.spec.sinks:
+    if bp.spec.sinks and not bp.deterministic:
         pre += [_tensor("Sinks", ["heads"], '"float32"', "call time: sinks"),
                 _tensor("dSinks", ["heads"], '"float32"', "in/out: zeroed by the caller; -= sum_rows exp(sink - LSE) dPsum")]
+    dsinks = [_tensor("LSE", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"'),
+              _tensor("Sinks", ["heads"], '"float32"', "call time: sinks"),
+              _tensor("dSinks", ["heads"], '"float32"', "output: -sum_rows exp(sink - LSE) dPsum")] + seq
     main = [_tensor("Q", q_shape("HEAD_DIM", vl), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
             _tensor("V", kv_shape(dv, vl), "DTYPE"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
             _tensor("LSE2", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"')]
@@ -283,7 +286,8 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                _tensor("dK", kv_shape("HEAD_DIM", vl), "DTYPE", "output"), _tensor("dV", kv_shape(dv, vl), "DTYPE", "output")]
     pre += seq
     post_kv += seq
-    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq}
+    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq,
+            "dsinks_params": dsinks}
 
 
 def header_lines(bp: BackwardPlan) -> list[str]:
@@ -311,6 +315,8 @@ def entries(bp: BackwardPlan) -> list:
     """The module's kernel builders, in launch order."""
     out = ["build_preprocess_kernel", "build_kernel"]
     out.append("build_dq_kernel" if bp.deterministic else "build_postprocess_kernel")
+    if bp.deterministic and bp.spec.sinks:
+        out.append("build_dsinks_kernel")
     if bp.kv_accum:
         out.append("build_postprocess_kv_kernel")
     return out

@@ -93,6 +93,7 @@ BROKEN = [
     ("acc_dk[i, j] *= softmax_scale", "acc_dk[i, j] *= 1.0", "dK not scaled"),
     ("dQ_accum[batch_idx, r0 + i, head, d] * softmax_scale", "dQ_accum[batch_idx, r0 + i, head, d]", "dQ not scaled"),
     ("j + diag >= i and ", "", "the causal mask dropped"),
+    ("LSE[batch_idx, head, r0 + i] * LOG2E)", "LSE[batch_idx, head, r0 + i])", "LSE2 not in log2 units"),
 ]
 
 
@@ -103,6 +104,15 @@ def test_a_broken_kernel_text_fails_the_check(old, new, what):
     assert old in text, what
     _, checks = run_case(spec, 100, 150, source=text.replace(old, new, 1))
     assert not all(c.ok for c in checks.values()), what
+
+
+def test_one_q_tile_skipped_at_the_windows_edge_fails():
+    spec = Spec(head_dim=64, causal=True, window=(40, -1))
+    text = render_backward_source(spec)
+    old = "- causal_offset + 40, BLOCK_M)) - q_first, 0)"
+    assert old in text
+    _, checks = run_case(spec, 300, 330, source=text.replace(old, "- causal_offset + 40, BLOCK_M)) - q_first - 1, 0)"))
+    assert not checks["dk"].ok and not checks["dv"].ok
 
 
 def test_dq_stored_instead_of_reduce_added_is_a_race():
@@ -263,7 +273,7 @@ def test_emulate_backward_is_exported_and_takes_torch():
 
 
 # -- deterministic = true ----------------------------------------------------------------------
-DET = [dict(causal=True), dict(gqa_group=2, causal=True), dict(gqa_group=3, window=(20, 10)),
+DET = [dict(causal=True), dict(gqa_group=2, causal=True), dict(gqa_group=3, window=(20, 10)), dict(sinks=True, causal=True),
        dict(softcap=3.0, score_mod="score + log(abs(score) + 1)", sinks=True),
        dict(alibi=True, mask_mod="doc_id[b, q_idx] == doc_id[b, kv_idx]")]
 
@@ -280,7 +290,7 @@ def test_deterministic_gradients_pass_the_fp64_reference(fields):
     assert bp.kv_accum is False
 
 
-@pytest.mark.parametrize("fields", DET[:3], ids=[",".join(d) for d in DET[:3]])
+@pytest.mark.parametrize("fields", DET[:4], ids=[",".join(d) for d in DET[:4]])
 def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
     spec = Spec(head_dim=64, deterministic=True, **fields)
     plan = make_plan(spec)

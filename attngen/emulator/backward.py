@@ -87,7 +87,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
         pre = [oa, do, la, None, None] + ([] if bp.deterministic else [None])
-        if spec.sinks:
+        if spec.sinks and not bp.deterministic:
             pre += [_host_array(named["sinks"]), np.zeros(h, np.float32)]
         rt.run(pre + ints, entry="build_preprocess_kernel", **run)
         t = rt.tensors
@@ -110,6 +110,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
             dq_out = np.zeros(qa.shape, np.float32) if varlen else None
             dq = rt.run([t["dQ_accum"], dq_out] + ints + sm, entry="build_postprocess_kernel", **run)
             dq = rt.tensors["dQ"] if varlen else dq
+        if bp.deterministic and spec.sinks:  # one block per head sums the rows in order
+            dsinks = rt.run([la, dpsum, _host_array(named["sinks"]), None] + ints, entry="build_dsinks_kernel", **run)
         if bp.kv_accum:
             dk, dv = rt.run([dk, dv, None, None] + ints, entry="build_postprocess_kv_kernel", **run)
     grads = [dq, dk, dv] + ([dsinks] if spec.sinks else [])
