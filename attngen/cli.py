@@ -129,10 +129,10 @@ def preset_files() -> list:
 # The backward presets: generated/ also holds their backward module (docs/backward.md, "Presets").
 # Chosen to cover the backward's features: hd128 causal (the default), hd64 without a mask, GQA
 # with sinks (dK/dV accumulators, dsinks), window + softcap, a score_mod (its symbolic
-# derivative), deterministic GQA (the dq kernel), head_dim 192 with head_dim_v 128 (the column
+# derivative), deterministic GQA with sinks (the dq and dsinks kernels), head_dim 192 with head_dim_v 128 (the column
 # split) and a varlen batch (packed training).
 BACKWARD_PRESETS = ("default", "hd64_f16_full_nopp", "hd128_bf16_gqa8_sinks", "hd128_f16_causal_window_softcap_lse",
-                    "hd128_f16_relbias_score_mod", "hd64_f16_gqa2_causal_deterministic", "hd192_dv128_bf16_causal",
+                    "hd128_f16_relbias_score_mod", "hd64_f16_gqa2_causal_sinks_deterministic", "hd192_dv128_bf16_causal",
                     "varlen_hd128_bf16_causal")
 
 

@@ -50,7 +50,7 @@ def test_the_backward_presets_cover_the_backward_features():
     assert {64, 128} <= {s.head_dim for s in specs} and {True, False} == {s.causal for s in specs}
     assert {"float16", "bfloat16"} == {s.dtype for s in specs}
     assert any(bp.kv_accum for bp in plans)  # GQA: dK/dV accumulators and their postprocess
-    assert any(s.gqa_group > 1 and s.deterministic for s in specs)  # the dq kernel, GQA heads looped in the CTA
+    assert any(s.gqa_group > 1 and s.deterministic and s.sinks for s in specs)  # the dq and dsinks kernels, GQA heads in one CTA
     assert any(s.sinks for s in specs) and any(s.softcap for s in specs) and any(s.window != (-1, -1) for s in specs)
     assert any(s.score_mod.strip() for s in specs)  # the symbolic derivative
     assert any(bp.forward.head_dim_v != s.head_dim for bp, s in zip(plans, specs))  # head_dim_v 128 of head_dim 192

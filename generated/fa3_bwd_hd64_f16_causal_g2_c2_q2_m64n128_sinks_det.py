@@ -1,12 +1,12 @@
 # ==============================================================================
 # attngen auto-generated backward kernels: do not edit; regenerate with attngen.
-# kernel:    fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det
-# spec hash: 56048f6a7faa
+# kernel:    fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det
+# spec hash: 55416345b349
 # generator: attngen 0.1.0, template fa3_bwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 128x128 (2 WGs)
 # smem:      66560 bytes dynamic (K 16384, V 16384, Q 16384, dO 16384, LSE2 512, dPsum 512)
-# entries:   build_preprocess_kernel, build_kernel, build_dq_kernel
+# entries:   build_preprocess_kernel, build_kernel, build_dq_kernel, build_dsinks_kernel
 # spec:
 #   head_dim = 64
 #   dtype = "float16"
@@ -20,14 +20,15 @@
 #   pingpong = true
 #   aligned = false
 #   lse = true
+#   sinks = true
 #   deterministic = true
 # ==============================================================================
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-KERNEL_NAME = "fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det"
-SPEC_HASH = "56048f6a7faa"
+KERNEL_NAME = "fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det"
+SPEC_HASH = "55416345b349"
 
 HEAD_DIM = 64
 DTYPE = "float16"
@@ -71,7 +72,7 @@ COMPILE_FLAGS = [
 
 
 def build_preprocess_kernel():
-    """dPsum = rowsum(dO * O), LSE2 = LSE * log2(e) (0 for -inf), dQ_accum zeroed."""
+    """dPsum = rowsum(dO * O), LSE2 = LSE * log2(e) (0 for -inf)."""
     batch = T.dynamic("batch")
     q_len = T.dynamic("q_len")
     kv_len = T.dynamic("kv_len")
@@ -79,7 +80,7 @@ def build_preprocess_kernel():
     heads = kv_heads * GQA_GROUP
 
     @T.prim_func
-    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det_preprocess(
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_preprocess(
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),  # the forward's output
         dO: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         LSE: T.Tensor([batch, heads, q_len], "float32"),  # the forward's log-sum-exp, natural log (-inf: a row with no key)
@@ -98,7 +99,7 @@ def build_preprocess_kernel():
                     dPsum[batch_idx, head, r0 + i] = dpsum[i]
                     LSE2[batch_idx, head, r0 + i] = T.if_then_else(LSE[batch_idx, head, r0 + i] == -T.infinity(ACCUM), 0, LSE[batch_idx, head, r0 + i] * LOG2E)
 
-    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det_preprocess
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_preprocess
 
 
 def build_kernel():
@@ -160,7 +161,7 @@ def build_kernel():
         T.copy(acc_dv, dV[batch_idx, key0:key0 + WG_KEYS, kv_head, :])
 
     @T.prim_func
-    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det(
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
@@ -223,7 +224,7 @@ def build_kernel():
             with T.ws(1):
                 consumer(1, K_shared, V_shared, Q_shared, dO_shared, LSE_shared, dPsum_shared, kv_full, q_full, q_empty, do_full, do_empty, dK, dV, kv_block, kv_head, batch_idx, q_first, n_q, full_first, full_stop, kv_partial, softmax_scale)
 
-    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det
 DQ_BLOCK_M = 128  # the dq kernel's query rows per block: 2 MMA warpgroup(s) x WG_ROWS
 DQ_BLOCK_N = 64  # ... and keys per K/V tile
 WG_ROWS = 64
@@ -279,7 +280,7 @@ def build_dq_kernel():
         T.copy(acc_dq, dQ[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])  # rows past q_len are not written
 
     @T.prim_func
-    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det_dq(
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dq(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
@@ -336,5 +337,36 @@ def build_dq_kernel():
             with T.ws(1):
                 dq_consumer(1, Q_shared, dO_shared, LSE_shared, dPsum_shared, K_shared, V_shared, q_full, k_full, k_empty, v_full, v_empty, dQ, q0, head, batch_idx, kv_first, n_kv, softmax_scale)
 
-    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_det_dq
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dq
 
+
+
+def build_dsinks_kernel():
+    """dSinks[h] = -sum over every row of every sequence of exp(sink_h - LSE) dPsum, in one fixed order
+    (deterministic: one block per head walks the rows; no atomics)."""
+    batch = T.dynamic("batch")
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+    kv_heads = T.dynamic("kv_heads")
+    heads = kv_heads * GQA_GROUP
+
+    @T.prim_func
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dsinks(
+        LSE: T.Tensor([batch, heads, q_len], "float32"),
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),
+        Sinks: T.Tensor([heads], "float32"),  # call time: sinks
+        dSinks: T.Tensor([heads], "float32"),  # output: -sum_rows exp(sink - LSE) dPsum
+    ):
+        with T.Kernel(heads, threads=PRE_THREADS) as head:
+            part = T.alloc_fragment([PRE_ROWS], ACCUM)
+            total = T.alloc_fragment([1], ACCUM)
+            T.fill(part, 0)
+            for batch_idx in T.serial(batch):
+                for row_block in T.serial(T.ceildiv(q_len, PRE_ROWS)):
+                    r0 = row_block * PRE_ROWS
+                    for i in T.Parallel(PRE_ROWS):
+                        part[i] += T.if_then_else(r0 + i < q_len, -T.exp(Sinks[head] - LSE[batch_idx, head, T.min(r0 + i, q_len - 1)]) * dPsum[batch_idx, head, T.min(r0 + i, q_len - 1)], 0)
+            T.reduce_sum(part, total, dim=0)
+            T.copy(total, dSinks[head:head + 1])
+
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dsinks

@@ -1,11 +1,12 @@
 # ==============================================================================
 # attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.
-# kernel:    fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128
-# spec hash: 2fac52dda571
+# kernel:    fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128_sinks
+# spec hash: d69db8a23634
 # generator: attngen 0.1.0, template fa3_fwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 consumer warpgroup(s), ping-pong, 384 threads, setmaxnreg 24/240
 # smem:      98304 bytes dynamic (Q 16384, K 32768, V 32768, O 16384)
+# tensors:   sinks [heads] (float32, passed by name at call time)
 # spec:
 #   head_dim = 64
 #   dtype = "float16"
@@ -18,14 +19,15 @@
 #   block_n = 128
 #   pingpong = true
 #   aligned = false
+#   sinks = true
 #   deterministic = true
 # ==============================================================================
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-KERNEL_NAME = "fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128"
-SPEC_HASH = "2fac52dda571"
+KERNEL_NAME = "fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128_sinks"
+SPEC_HASH = "d69db8a23634"
 
 HEAD_DIM = 64
 DTYPE = "float16"
@@ -77,7 +79,7 @@ def build_kernel():
     causal_offset = kv_len - q_len  # bottom-right alignment: row i sees keys j <= i + causal_offset
 
     @T.macro
-    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale):
+    def consumer(g, wait_bar, signal_bar, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale):
         """One consumer warpgroup: rows [q0 + 64 g, q0 + 64 g + 64) of one head."""
         T.set_max_nreg(CONSUMER_REGS, 1)
         row0 = g * WG_ROWS
@@ -92,8 +94,10 @@ def build_kernel():
         scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)
 
         T.fill(acc_o, 0)
+        T.fill(row_sum, 1.0)  # the sink's own term, exp(sink - m) with m = sink
         T.fill(alpha, 1.0)  # the first carried rescale is a no-op
-        T.fill(m_cur, T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0))  # a finite floor, not -inf: a row of -inf scores gets exp2(-inf - m) = 0, not NaN
+        for i in T.Parallel(WG_ROWS):  # the sink joins the denominator as a key of logit sinks[h] and value 0
+            m_cur[i] = Sinks[head] / softmax_scale
         T.mbarrier_wait_parity(q_full, 0)
         if g == 1:
             T.named_barrier_arrive(signal_bar, PINGPONG_THREADS)  # prime the ring: warpgroup 0 issues first
@@ -110,10 +114,15 @@ def build_kernel():
             diag0 = q0 + row0 + causal_offset  # row i of tile 0 sees keys j <= i + diag0
             for i, j in T.Parallel(WG_ROWS, BLOCK_N):
                 acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))
-        T.reduce_max(acc_s, m_cur, dim=1, clear=False)  # the first tile's max, never below the floor
+        T.copy(m_cur, m_prev)
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+        for i in T.Parallel(WG_ROWS):  # rescale the sink's term to the new max
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)
         for i, j in T.Parallel(WG_ROWS, BLOCK_N):
             acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
-        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's
+        T.reduce_sum(acc_s, row_sum_tile, dim=1)
+        for i in T.Parallel(WG_ROWS):
+            row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]
         T.copy(acc_s, p_reg)
 
         # Steady state, tile k: QK(k), rescale, PV(k-1), softmax(k).
@@ -156,18 +165,19 @@ def build_kernel():
         T.wait_wgmma(0)
         T.mbarrier_arrive(v_empty[v_stage_last])
         for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
-            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0
+            acc_o[i, j] /= row_sum[i]
         T.copy(acc_o, O_shared[g, :, :])
         T.fence_proxy_async()  # each thread's O_shared stores must be visible to the TMA engine...
         T.sync_threads(EPILOGUE_BAR + g, WARPGROUP_THREADS)  # ...and all 128 done before one thread issues the store
         T.copy(O_shared[g, :, :], O[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])
 
     @T.prim_func
-    def fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128(
+    def fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128_sinks(
         Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        Sinks: T.Tensor([heads], "float32"),  # call time: sinks
         softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))
     ):
         with T.Kernel(T.ceildiv(q_len, BLOCK_M), heads, batch, threads=THREADS) as (q_block, head, batch_idx):
@@ -207,8 +217,8 @@ def build_kernel():
 
             # Consumer warpgroups: one body, instantiated per warpgroup.
             with T.ws(0):
-                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale)
+                consumer(0, 1, 2, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale)
             with T.ws(1):
-                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, softmax_scale)
+                consumer(1, 2, 1, Q_shared, K_shared, V_shared, O_shared, O, q_full, k_full, k_empty, v_full, v_empty, q0, n_tiles, head, batch_idx, Sinks, softmax_scale)
 
-    return fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128
+    return fa3_fwd_hd64_f16_causal_g2_c2_k2v2_m128n128_sinks
