@@ -33,9 +33,10 @@ def backward_plan_or_reason(plan) -> tuple:
         return None, str(e)
 
 
-def kernel_verdicts(part: str, report: dict) -> tuple:
+def kernel_verdicts(part: str, report: dict, planned: int | None = None) -> tuple:
     """(ok, what) of one backward kernel's build: 0 spills, no local memory, setmaxnreg applied
-    where the kernel is warp-specialised (and ignored nowhere), shared memory as planned."""
+    where the kernel is warp-specialised (and ignored nowhere), shared memory as planned (the
+    report's plan, or `planned`: the dq kernel's is the plan's dq_smem)."""
     sass = report["sass"]
     problems = []
     if report["spill_store_bytes"] or report["spill_load_bytes"]:
@@ -46,7 +47,7 @@ def kernel_verdicts(part: str, report: dict) -> tuple:
         problems.append("setmaxnreg NOT APPLIED")
     if report.get("setmaxnreg_ignored"):
         problems.append("setmaxnreg IGNORED (ptxas C7508)")
-    planned = report.get("plan_smem_bytes")
+    planned = report.get("plan_smem_bytes") if planned is None else planned
     if planned is not None and report["dynamic_smem_bytes"] != planned:
         problems.append(f"shared memory {report['dynamic_smem_bytes']} B, planned {planned} B")
     facts = [f"{report['registers']} registers", "0 B spilled", "no local memory"]
@@ -183,7 +184,8 @@ def check_verdicts(bp: BackwardPlan, run_shape: tuple, args) -> list:
     print(f"generated  {generate_backward(bp, args.output)}")
     results = build_backward(bp, cache_dir=args.cache_dir)
     print(format_builds(results))
-    verdicts = [kernel_verdicts(part, res.report) for part, res in results.items()]
+    dq_smem = sum(bp.dq_smem.values()) if bp.dq_smem else None
+    verdicts = [kernel_verdicts(part, res.report, dq_smem if part == "dq" else None) for part, res in results.items()]
     verdicts.append(check_verdict(bp, *run_shape, args))
     return verdicts
 

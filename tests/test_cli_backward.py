@@ -197,6 +197,8 @@ def test_kernel_verdicts_flag_each_broken_promise():
         ok, what = cli_bwd.kernel_verdicts(part, {**GOOD, **change})
         assert not ok, (part, change)
         assert what.startswith(f"backward {part} kernel k builds for sm_90a: ")
+    dq = {**GOOD, "plan_smem_bytes": None}  # the dq kernel's plan comes from the BackwardPlan
+    assert cli_bwd.kernel_verdicts("dq", dq, planned=1024)[0] and not cli_bwd.kernel_verdicts("dq", dq, planned=2048)[0]
 
 
 def test_build_backward_reports_every_kernel(capsys, build_cache):
