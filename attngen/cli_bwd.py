@@ -177,11 +177,14 @@ def check_verdict(bp: BackwardPlan, heads, kv_heads, q_len, kv_len, args) -> tup
 
 
 def check_verdicts(bp: BackwardPlan, run_shape: tuple, args) -> list:
-    """`attngen check`'s backward half: generate the module, build each kernel, run it on the CPU model."""
-    from attngen.build import build_backward
-    from attngen.render_bwd import generate_backward
+    """`attngen check`'s backward half: build each kernel of the rendered module, run it on the CPU model.
 
-    print(f"generated  {generate_backward(bp, args.output)}")
+    The module is not written: generated/ holds the backward presets' modules only, and two specs
+    that differ in a forward-only field (seed_parity's aligned split loop and the default) share a
+    backward module name, so writing every checked spec's module would leave stale or clashing files."""
+    from attngen.build import build_backward
+
+    print(f"backward   {bp.name} (rendered; `attngen generate --backward SPEC` writes it)")
     results = build_backward(bp, cache_dir=args.cache_dir)
     print(format_builds(results))
     dq_smem = sum(bp.dq_smem.values()) if bp.dq_smem else None
