@@ -470,3 +470,95 @@ def test_the_cross_cta_verdict_does_not_depend_on_the_order_of_the_blocks():
         launch.begin(f"block {n}")
         launch.access(_Tracker, buf, (rows, slice(None)), True, False, _Agent, "write", n)
         launch.end()
+
+
+# -- the order of the blocks ------------------------------------------------------------------------------------
+ORDER = SUM.replace("                {wg1}", "                pass")  # one warpgroup per block adds its tile
+
+
+def test_a_shuffled_block_order_exposes_float_atomics_that_depend_on_it_and_never_changes_a_verdict():
+    """float32 atomics from several blocks are not associative: 1e8 + 1 - 1e8 is 0 or 1 by the order
+    of the blocks. The driver's grid order always gives one answer; a shuffled order (drawn from the
+    seed) shows the others, as the GPU's scheduler may."""
+    src = ORDER.format(nb=NB, wg0=TILE_ATOMIC, wg1="pass")
+    x = np.zeros((NB, 2, 64, 32), np.float32)
+    x[:, 0, 0, 0] = [1e8, 1.0, -1e8]
+
+    def first(order, seed):
+        rt = Runtime(src, "<atomics test>", {})
+        rt.run([x, np.zeros((64, 32), np.float32)], seed=seed, policy="random", stats=Stats(), block_order=order)
+        return float(rt.tensors["Acc"][0, 0])
+
+    assert {first("grid", s) for s in range(8)} == {0.0}  # (1e8 + 1) - 1e8 in float32
+    assert {first("shuffled", s) for s in range(8)} == {0.0, 1.0}
+    racy = ORDER.format(nb=NB, wg0="T.copy(F, Acc)  # plain store", wg1="pass")
+    for seed in range(8):
+        with pytest.raises(HazardError, match="a race whatever order the blocks run in"):
+            Runtime(racy, "<atomics test>", {}).run([tiles(), np.zeros((64, 32), np.float32)], seed=seed,
+                                                  policy="random", stats=Stats(), block_order="shuffled")
+
+
+def test_a_forward_kernel_gives_the_same_output_in_any_block_order():
+    import attngen
+    from attngen.emulator import emulate_stats
+    from attngen.reference import random_inputs
+
+    spec = attngen.Spec(causal=True, head_dim=64)
+    q, k, v = random_inputs(spec.dtype, 64, 1, 2, 2, 300, 200, 0)
+    grid, _ = emulate_stats(spec, q, k, v)
+    for seed in range(2):
+        shuffled, _ = emulate_stats(spec, q, k, v, seed=seed, block_order="shuffled")
+        np.testing.assert_array_equal(shuffled, emulate_stats(spec, q, k, v, seed=seed)[0])
+    assert np.isfinite(grid).all()
+    with pytest.raises(ValueError, match="block_order"):
+        emulate_stats(spec, q, k, v, block_order="backwards")
+
+
+CLI_KERNEL = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+
+    @T.prim_func
+    def one_key(Q: T.Tensor([1, q_len, 1, 128], "float16"), K: T.Tensor([1, kv_len, 1, 128], "float16"),
+                V: T.Tensor([1, kv_len, 1, 128], "float16"), O: T.Tensor([1, q_len, 1, 128], "float16"),
+                softmax_scale: T.float32):
+        with T.Kernel(1, threads=128) as bx:
+            S = T.alloc_shared([32, 128], "float16")
+            F = T.alloc_fragment([64, 128], "float")
+            G = T.alloc_fragment([32, 128], "float")
+            T.fill(F, 0)
+            T.copy(F, O[0, 0:64, 0, :])
+            for i, d in T.Parallel(32, 128):
+                T.atomic_add(O[0, i, 0, d], V[0, 0, 0, d])  # one key: every row's output is v[0]
+            for i, d in T.Parallel(32, 128):
+                G[i, d] = V[0, 0, 0, d]
+            T.copy(G, S)
+            T.fence_proxy_async()
+            T.sync_threads(1, 128)
+            T.atomic_add(O[0, 32:64, 0, :], S, use_tma=True)
+
+    return one_key
+'''
+
+
+def test_the_cli_prints_atomics_and_reduce_adds(tmp_path, capsys):
+    import argparse
+
+    from attngen.emulator import command
+
+    spec_path, source = tmp_path / "spec.toml", tmp_path / "one_key.py"
+    spec_path.write_text("head_dim = 128\n")
+    source.write_text(CLI_KERNEL)
+    args = argparse.Namespace(spec=str(spec_path), batch=1, heads=None, kv_heads=1, q_len=64, kv_len=1, seed=0,
+                              policy="random", source=str(source))
+    assert command(args) == 0
+    out = capsys.readouterr().out
+    assert "1 atomics, 1 TMA reduce-adds" in out and "PASS" in out, out
+    source.write_text(CLI_KERNEL.replace("T.atomic_add(O[0, i, 0, d], V[0, 0, 0, d])", "pass"))
+    assert command(args) == 1  # rows 0..31 stay 0: the check sees the atomics' values
+    assert "1 TMA reduce-adds" in capsys.readouterr().out

@@ -15,8 +15,12 @@ What each construct means here:
 - T.wgmma_gemm records its operands; a later T.wait_wgmma(n) retires all but the n newest
   of the warpgroup's outstanding wgmmas, and only then are operands read and the
   accumulator written.
+- T.atomic_add adds at issue, in the destination's dtype: the element form (inside
+  T.Parallel, predicated like a store), the tile-region form (a fragment/shared/global source
+  or a value) and `use_tma=True`, a TMA reduce-add from shared memory that one elected thread
+  issues and waits for (its read) inside the statement, as TileLang 0.1.15 lowers it.
 - Every synchronization also moves vector clocks, and every access is checked for a race
-  against the accesses no synchronization orders it with (hazards.py).
+  against the accesses no synchronization orders it with (hazards.py); atomics commute.
 - T.Parallel yields broadcast index arrays once, so each element-wise statement runs as one
   numpy expression in float32. An `if` whose test varies with the indices runs its body once
   under the mask of the elements that take it (memory.predicated); an `if` on per-element
@@ -368,6 +372,19 @@ class TLang:
         name = rt.alloc_name(self._site())
         return Buffer(name, shape, dtype, "fragment", owner=rt.agent, tracker=rt.cta.tracker)
 
+    def alloc_var(self, dtype, *args, scope="local.var", init=None):
+        """A per-thread scalar variable (a block mask's cursors). TileLang reads the name as its
+        value and stores on assignment, so here it is the plain value: each agent runs its code in
+        order, and an assignment in a loop carries to the next iteration as on the GPU. Only
+        uniform values are modeled (what every thread of the warpgroup holds alike).
+        Positional forms as TileLang's: (dtype), (dtype, init), (dtype, scope), (dtype, init, scope)."""
+        if len(args) == 1 and not isinstance(args[0], str):
+            init = args[0]
+        elif len(args) == 2:
+            init = args[0]
+        value = 0 if init is None else init
+        return int(value) if str(dtype).startswith("int") else np.float32(value)
+
     def alloc_barrier(self, arrive_count):
         counts = list(arrive_count) if isinstance(arrive_count, (list, tuple)) else [arrive_count]
         cta = self._rt.cta
@@ -533,6 +550,8 @@ class TLang:
             if bar.complete_tx(nbytes):
                 self._land(bar)
             rt.cta.stats["tma"] += 1
+            if src.buf.name == "K":  # a K tile: what a block mask's skipped tiles save (Stats.k_tiles)
+                rt.cta.stats["k_tiles"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
@@ -627,21 +646,16 @@ class TLang:
         agent = rt.agent
         if isinstance(dst, ElementRef):
             if use_tma:
-                raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global destination region")
+                raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global "
+                                  "destination region")
             if isinstance(value, (Buffer, Region)):
                 raise KernelError(f"T.atomic_add({dst}, ...): an element destination takes a value, not a region")
-            if dst.buf.dtype not in ATOMIC_DTYPES:
-                raise KernelError(f"T.atomic_add into {dst.buf.name} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
-            if dst.buf.scope == "fragment":
-                raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst.buf.name} (atomics on shared or global memory are modeled)")
+            self._atomic_target(dst.buf, dst.buf.name)
             if dst.buf.add_elements(dst.idx, value, ATOMIC):
                 rt.cta.stats["atomic"] += 1
             return None
         dst = as_region(dst)
-        if dst.buf.scope == "fragment":
-            raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst} (atomics on shared or global memory are modeled)")
-        if dst.buf.dtype not in ATOMIC_DTYPES:
-            raise KernelError(f"T.atomic_add into {dst} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
+        self._atomic_target(dst.buf, str(dst))
         src = as_region(value) if isinstance(value, (Buffer, Region)) else None
         if src is not None and not same_shape(src.shape, dst.shape):
             raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
@@ -662,6 +676,14 @@ class TLang:
         dst.add(vals)
         rt.cta.stats["atomic"] += 1
         return None
+
+    @staticmethod
+    def _atomic_target(buf, name):
+        if buf.scope == "fragment":
+            raise UnsupportedConstruct(f"T.atomic_add into the fragment {name} (atomics on shared or global memory "
+                                       "are modeled)")
+        if buf.dtype not in ATOMIC_DTYPES:
+            raise KernelError(f"T.atomic_add into {name} ({buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
 
     def _reduce_add(self, src, dst):
         rt = self._rt
