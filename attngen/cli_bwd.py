@@ -21,7 +21,7 @@ from attngen.spec import SpecError
 
 GRADS = ("dq", "dk", "dv", "dsinks")
 # The warp-specialised kernels (a TMA producer warpgroup beside MMA warpgroups) set their register
-# split with setmaxnreg; the preprocess and postprocess kernels are plain and have none.
+# split with setmaxnreg; the preprocess, postprocess(_kv) and dsinks kernels are plain and have none.
 WARP_SPECIALISED = ("main", "dq")
 
 
