@@ -1,7 +1,7 @@
 # ==============================================================================
 # attngen auto-generated backward kernels: do not edit; regenerate with attngen.
 # kernel:    fa3_bwd_hd128_f16_causal_g1_c2_q2_m64n128_w511_inf_sc30
-# spec hash: 75abf56088aa
+# spec hash: d1b559c6fe5c
 # generator: attngen 0.1.0, template fa3_bwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 64x128 (2 WGs)
@@ -15,9 +15,6 @@
 #   consumers = 2
 #   k_stages = 2
 #   v_stages = 2
-#   block_m = 128
-#   block_n = 128
-#   pingpong = true
 #   aligned = false
 #   lse = true
 #   window = [511, -1]
@@ -28,7 +25,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 KERNEL_NAME = "fa3_bwd_hd128_f16_causal_g1_c2_q2_m64n128_w511_inf_sc30"
-SPEC_HASH = "75abf56088aa"
+SPEC_HASH = "d1b559c6fe5c"
 
 HEAD_DIM = 128
 DTYPE = "float16"

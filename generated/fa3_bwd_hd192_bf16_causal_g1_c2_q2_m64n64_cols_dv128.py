@@ -1,7 +1,7 @@
 # ==============================================================================
 # attngen auto-generated backward kernels: do not edit; regenerate with attngen.
 # kernel:    fa3_bwd_hd192_bf16_causal_g1_c2_q2_m64n64_cols_dv128
-# spec hash: 3f13103e9af2
+# spec hash: 909dd56109f9
 # generator: attngen 0.1.0, template fa3_bwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 64x96 (3 WGs)
@@ -15,9 +15,6 @@
 #   consumers = 2
 #   k_stages = 2
 #   v_stages = 2
-#   block_m = 128
-#   block_n = 112
-#   pingpong = true
 #   aligned = false
 #   lse = true
 #   head_dim_v = 128
@@ -27,7 +24,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 KERNEL_NAME = "fa3_bwd_hd192_bf16_causal_g1_c2_q2_m64n64_cols_dv128"
-SPEC_HASH = "3f13103e9af2"
+SPEC_HASH = "909dd56109f9"
 
 HEAD_DIM = 192
 DTYPE = "bfloat16"

@@ -1,7 +1,7 @@
 # ==============================================================================
 # attngen auto-generated backward kernels: do not edit; regenerate with attngen.
 # kernel:    fa3_bwd_hd64_f16_full_g1_c2_q2_m64n128
-# spec hash: 8ffe2d114dc0
+# spec hash: ee1a43ad5aac
 # generator: attngen 0.1.0, template fa3_bwd.py.j2
 # shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
 # schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 128x128 (2 WGs)
@@ -14,10 +14,7 @@
 #   gqa_group = 1
 #   consumers = 2
 #   k_stages = 2
-#   v_stages = 1
-#   block_m = 128
-#   block_n = 128
-#   pingpong = false
+#   v_stages = 2
 #   aligned = false
 #   lse = true
 # ==============================================================================
@@ -26,7 +23,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 KERNEL_NAME = "fa3_bwd_hd64_f16_full_g1_c2_q2_m64n128"
-SPEC_HASH = "8ffe2d114dc0"
+SPEC_HASH = "ee1a43ad5aac"
 
 HEAD_DIM = 64
 DTYPE = "float16"
