@@ -470,3 +470,45 @@ def test_the_cross_cta_verdict_does_not_depend_on_the_order_of_the_blocks():
         launch.begin(f"block {n}")
         launch.access(_Tracker, buf, (rows, slice(None)), True, False, _Agent, "write", n)
         launch.end()
+
+
+# -- the order of the blocks ------------------------------------------------------------------------------------
+ORDER = SUM.replace("                {wg1}", "                pass")  # one warpgroup per block adds its tile
+
+
+def test_a_shuffled_block_order_exposes_float_atomics_that_depend_on_it_and_never_changes_a_verdict():
+    """float32 atomics from several blocks are not associative: 1e8 + 1 - 1e8 is 0 or 1 by the order
+    of the blocks. The driver's grid order always gives one answer; a shuffled order (drawn from the
+    seed) shows the others, as the GPU's scheduler may."""
+    src = ORDER.format(nb=NB, wg0=TILE_ATOMIC, wg1="pass")
+    x = np.zeros((NB, 2, 64, 32), np.float32)
+    x[:, 0, 0, 0] = [1e8, 1.0, -1e8]
+
+    def first(order, seed):
+        rt = Runtime(src, "<atomics test>", {})
+        rt.run([x, np.zeros((64, 32), np.float32)], seed=seed, policy="random", stats=Stats(), block_order=order)
+        return float(rt.tensors["Acc"][0, 0])
+
+    assert {first("grid", s) for s in range(8)} == {0.0}  # (1e8 + 1) - 1e8 in float32
+    assert {first("shuffled", s) for s in range(8)} == {0.0, 1.0}
+    racy = ORDER.format(nb=NB, wg0="T.copy(F, Acc)  # plain store", wg1="pass")
+    for seed in range(8):
+        with pytest.raises(HazardError, match="a race whatever order the blocks run in"):
+            Runtime(racy, "<atomics test>", {}).run([tiles(), np.zeros((64, 32), np.float32)], seed=seed,
+                                                  policy="random", stats=Stats(), block_order="shuffled")
+
+
+def test_a_forward_kernel_gives_the_same_output_in_any_block_order():
+    import attngen
+    from attngen.emulator import emulate_stats
+    from attngen.reference import random_inputs
+
+    spec = attngen.Spec(causal=True, head_dim=64)
+    q, k, v = random_inputs(spec.dtype, 64, 1, 2, 2, 300, 200, 0)
+    grid, _ = emulate_stats(spec, q, k, v)
+    for seed in range(2):
+        shuffled, _ = emulate_stats(spec, q, k, v, seed=seed, block_order="shuffled")
+        np.testing.assert_array_equal(shuffled, emulate_stats(spec, q, k, v, seed=seed)[0])
+    assert np.isfinite(grid).all()
+    with pytest.raises(ValueError, match="block_order"):
+        emulate_stats(spec, q, k, v, block_order="backwards")

@@ -37,6 +37,7 @@ from attngen.reference import InputError, check_close, check_scale, random_input
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
 # (docs/emulator.md, "Proxy fences"); the template's epilogue does both.
 PROXY_FENCES = True
+BLOCK_ORDERS = ("grid", "shuffled")
 
 
 @dataclasses.dataclass
@@ -156,7 +157,7 @@ class Runtime:
         return args
 
     def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False,
-            entry: str = "build_kernel", owner=None):
+            entry: str = "build_kernel", owner=None, block_order: str = "grid"):
         """Run the prim_func that `entry()` of the emitted module returns, on every CTA of its grid.
 
         `inputs` holds one value per prim_func parameter in order: an array for an input tensor
@@ -167,7 +168,12 @@ class Runtime:
         then maps every parameter name to its array, so a second kernel (a split-KV combine) can be
         fed what the first wrote. `owner(cta_index, name)`, if given, says which elements of that
         tensor the CTA (x, y, z) may write: a boolean mask broadcastable to its shape, or None for
-        no rule; any global store outside it is a KernelError naming the CTA and the element."""
+        no rule; any global store outside it is a KernelError naming the CTA and the element.
+        `block_order`: "grid" runs the blocks x fastest, then y, then z; "shuffled" in an order drawn
+        from the seed (blocks are unordered on the GPU: a result that depends on it, such as float
+        atomics from several blocks, then varies with the seed; race verdicts never do)."""
+        if block_order not in BLOCK_ORDERS:
+            raise ValueError(f"block_order {block_order!r}: expected one of {', '.join(BLOCK_ORDERS)}")
         ns, prim = self.load(entry)
         if len(prim.params) == len(inputs) + 1:
             inputs = inputs + [None]
@@ -213,37 +219,38 @@ class Runtime:
         counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0}
         launch = Launch()  # the blocks of this launch are unordered: their global accesses are checked across
         gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
-        for bz in range(gz):
-            for by in range(gy):
-                for bx in range(gx):
-                    index = (bx, by, bz)
-                    if self.trace is not None and not self.trace.begin_cta(index, grid, names, roles):
-                        continue  # the observer samples blocks: this one is not recorded, so not run
-                    who = f"block (x={bx}, y={by}, z={bz})"
-                    self.context = f"{who} of grid {tuple(grid)}; schedule seed={seed}, policy={policy}"
-                    for b in tensors:  # masks are computed on a CTA's first store to each tensor
-                        b.owned = None if owner is None else Owned(functools.partial(owner, index, b.name), who)
-                    agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
-                    sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
-                    tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line, launch=launch)
-                    tracker.describe_line = self.describe_line
-                    tracker.proxy_fences = proxy_fences
-                    tracker.context = sched.context = self.context
-                    launch.begin(who)
-                    for b in tensors:
-                        b.tracker = tracker
-                    sched.on_finish = self._finish_agent
-                    self.cta = CTA(index, tuple(grid), threads, tracker, counters)
-                    self.sched = sched
-                    sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
-                    if tracker.ops:
-                        raise HazardError("HAZARD: TMA loads still in flight when the block exited "
-                                          "(their mbarrier phase never completed)\n"
-                                          f"{tracker.pending_report()}\n  where: {self.context}")
-                    launch.end()
-                    digest.update(repr(sched.trace).encode())
-                    stats.ctas += 1
-                    stats.handovers += len(sched.trace)
+        blocks = [(bx, by, bz) for bz in range(gz) for by in range(gy) for bx in range(gx)]
+        if block_order == "shuffled":  # blocks are unordered: a seeded order shows what depends on it
+            random.Random(f"{seed}/blocks").shuffle(blocks)
+        for index in blocks:
+            bx, by, bz = index
+            if self.trace is not None and not self.trace.begin_cta(index, grid, names, roles):
+                continue  # the observer samples blocks: this one is not recorded, so not run
+            who = f"block (x={bx}, y={by}, z={bz})"
+            self.context = f"{who} of grid {tuple(grid)}; schedule seed={seed}, policy={policy}"
+            for b in tensors:  # masks are computed on a CTA's first store to each tensor
+                b.owned = None if owner is None else Owned(functools.partial(owner, index, b.name), who)
+            agents = [Agent(i, names[i], roles[i]) for i in range(nwg)]
+            sched = Scheduler(agents, policy, random.Random(f"{seed}/{bx},{by},{bz}"), self.describe_line)
+            tracker = Tracker(agents, current=lambda: self.agent, line=self.current_line, launch=launch)
+            tracker.describe_line = self.describe_line
+            tracker.proxy_fences = proxy_fences
+            tracker.context = sched.context = self.context
+            launch.begin(who)
+            for b in tensors:
+                b.tracker = tracker
+            sched.on_finish = self._finish_agent
+            self.cta = CTA(index, tuple(grid), threads, tracker, counters)
+            self.sched = sched
+            sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
+            if tracker.ops:
+                raise HazardError("HAZARD: TMA loads still in flight when the block exited "
+                                  "(their mbarrier phase never completed)\n"
+                                  f"{tracker.pending_report()}\n  where: {self.context}")
+            launch.end()
+            digest.update(repr(sched.trace).encode())
+            stats.ctas += 1
+            stats.handovers += len(sched.trace)
         stats.wgmma += counters["wgmma"]
         stats.tma += counters["tma"]
         stats.atomics += counters["atomic"]
@@ -405,12 +412,13 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
                   filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None,
-                  serving: dict | None = None, softmax_scale: float | None = None):
+                  serving: dict | None = None, softmax_scale: float | None = None, block_order: str = "grid"):
     """Like `emulate`, returning (out as float32 numpy, Stats); out is (out, lse) for a spec with lse.
     `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors);
     `serving`: the serving keywords (cu_seqlens_q, ..., num_splits); `softmax_scale` the kernel's
-    run-time scale (None: 1 / sqrt(head_dim)). Outputs start as NaN, so an
-    element no block wrote stays NaN; a split kernel's partials are left in `stats.partials`."""
+    run-time scale (None: 1 / sqrt(head_dim)); `block_order` "grid" or "shuffled" (Runtime.run).
+    Outputs start as NaN, so an element no block wrote stays NaN; a split kernel's partials are
+    left in `stats.partials`."""
     from attngen.plan import Plan, as_plan
     from attngen.render import render_source
     from attngen.spec import Spec
@@ -421,6 +429,8 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     seed = check_seed(seed)
     if policy not in POLICIES:
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    if block_order not in BLOCK_ORDERS:
+        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
     inputs, dims, call = _prepare(plan, q, k, v, tensors, serving, softmax_scale)
@@ -436,7 +446,8 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     t0 = time.perf_counter()
     with blas.single_threaded():
         rt = Runtime(text, filename, dims)
-        out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, owner=owner)
+        out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, owner=owner,
+                     block_order=block_order)
         if plan.split_kv:  # the combine kernel merges the splits' partial O and LSE
             from attngen.render import COMBINE_ROWS
 
@@ -445,7 +456,8 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
             if plan.varlen:  # the combine writes only the rows before cu_seqlens_q[-1]
                 combine_inputs.append(call.arrays["cu_seqlens_q"])
             out = rt.run(combine_inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences,
-                         entry="build_combine_kernel", owner=combine_ownership(facts, dims, COMBINE_ROWS, call.arrays))
+                         entry="build_combine_kernel", owner=combine_ownership(facts, dims, COMBINE_ROWS, call.arrays),
+                         block_order=block_order)
             stats.partials = partials
     stats.seconds = time.perf_counter() - t0
     return out, stats

@@ -1,4 +1,5 @@
-"""Happens-before race detection for one CTA: vector clocks over every synchronization.
+"""Happens-before race detection: vector clocks over every synchronization of one CTA, and
+the unordered CTAs of one launch against each other in global memory (`Launch`).
 
 A *race* is a pair of accesses to overlapping bytes of a buffer, at least one a write, that
 no chain of synchronization orders. Whether such a chain exists does not depend on how the

@@ -15,8 +15,12 @@ What each construct means here:
 - T.wgmma_gemm records its operands; a later T.wait_wgmma(n) retires all but the n newest
   of the warpgroup's outstanding wgmmas, and only then are operands read and the
   accumulator written.
+- T.atomic_add adds at issue, in the destination's dtype: the element form (inside
+  T.Parallel, predicated like a store), the tile-region form (a fragment/shared/global source
+  or a value) and `use_tma=True`, a TMA reduce-add from shared memory that one elected thread
+  issues and waits for (its read) inside the statement, as TileLang 0.1.15 lowers it.
 - Every synchronization also moves vector clocks, and every access is checked for a race
-  against the accesses no synchronization orders it with (hazards.py).
+  against the accesses no synchronization orders it with (hazards.py); atomics commute.
 - T.Parallel yields broadcast index arrays once, so each element-wise statement runs as one
   numpy expression in float32. An `if` whose test varies with the indices runs its body once
   under the mask of the elements that take it (memory.predicated); an `if` on per-element
@@ -627,21 +631,16 @@ class TLang:
         agent = rt.agent
         if isinstance(dst, ElementRef):
             if use_tma:
-                raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global destination region")
+                raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global "
+                                  "destination region")
             if isinstance(value, (Buffer, Region)):
                 raise KernelError(f"T.atomic_add({dst}, ...): an element destination takes a value, not a region")
-            if dst.buf.dtype not in ATOMIC_DTYPES:
-                raise KernelError(f"T.atomic_add into {dst.buf.name} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
-            if dst.buf.scope == "fragment":
-                raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst.buf.name} (atomics on shared or global memory are modeled)")
+            self._atomic_target(dst.buf, dst.buf.name)
             if dst.buf.add_elements(dst.idx, value, ATOMIC):
                 rt.cta.stats["atomic"] += 1
             return None
         dst = as_region(dst)
-        if dst.buf.scope == "fragment":
-            raise UnsupportedConstruct(f"T.atomic_add into the fragment {dst} (atomics on shared or global memory are modeled)")
-        if dst.buf.dtype not in ATOMIC_DTYPES:
-            raise KernelError(f"T.atomic_add into {dst} ({dst.buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
+        self._atomic_target(dst.buf, str(dst))
         src = as_region(value) if isinstance(value, (Buffer, Region)) else None
         if src is not None and not same_shape(src.shape, dst.shape):
             raise KernelError(f"T.atomic_add: {src} has shape {src.shape}, {dst} has shape {dst.shape}")
@@ -662,6 +661,14 @@ class TLang:
         dst.add(vals)
         rt.cta.stats["atomic"] += 1
         return None
+
+    @staticmethod
+    def _atomic_target(buf, name):
+        if buf.scope == "fragment":
+            raise UnsupportedConstruct(f"T.atomic_add into the fragment {name} (atomics on shared or global memory "
+                                       "are modeled)")
+        if buf.dtype not in ATOMIC_DTYPES:
+            raise KernelError(f"T.atomic_add into {name} ({buf.dtype}): atomics take {', '.join(ATOMIC_DTYPES)}")
 
     def _reduce_add(self, src, dst):
         rt = self._rt
