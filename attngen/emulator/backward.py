@@ -12,13 +12,13 @@ import numpy as np
 
 from attngen.emulator import blas
 from attngen.emulator.agents import POLICIES
-from attngen.emulator.driver import PROXY_FENCES, Runtime, Stats, _host_array, check_seed, emulate
+from attngen.emulator.driver import BLOCK_ORDERS, PROXY_FENCES, Runtime, Stats, _host_array, check_seed, emulate
 from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
 
 
 def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "random", source: str | None = None,
                      out=None, lse=None, alibi_slopes=None, sinks=None, softmax_scale=None, scale=None,
-                     proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, **tensors):
+                     proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, block_order: str = "grid", **tensors):
     """Gradients of sum(attention(q, k, v) * dout) from the emitted backward kernels on the CPU model.
 
     q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV], dout [B, Sq, H, DV] (torch or numpy,
@@ -27,6 +27,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     are given. Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
     tensors for torch input, else float32 numpy arrays holding values of the dtype. `seed` and
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
+    `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks: blocks are
+    unordered on a GPU, so a sum of float atomics from several blocks may vary with it;
     the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
     from attngen.plan import Plan, plan_backward
     from attngen.render_bwd import render_backward_source
@@ -40,6 +42,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     seed = check_seed(seed)
     if policy not in POLICIES:
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    if block_order not in BLOCK_ORDERS:
+        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
     sm_scale = check_scale(resolve_scale(softmax_scale, scale, head_dim=spec.head_dim), spec.head_dim)
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
     if (out is None) != (lse is None):
@@ -64,7 +68,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         x = np.asarray(to_numpy(named[t.name]))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
     stats = stats if stats is not None else Stats()
-    run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences)
+    run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, block_order=block_order)
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
         pre = [oa, do, la, None, None] + ([] if bp.deterministic else [None])
