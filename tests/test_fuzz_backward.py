@@ -1,0 +1,134 @@
+"""Hypothesis: backward specs x variants x shapes x schedules, emulated and held to the fp64 gradients.
+
+Profiles (tests/conftest.py): ATTNGEN_HYPOTHESIS_PROFILE=ci (default: derandomized, EXAMPLES
+below) or dev (many more). Every example runs the emitted backward module on the CPU model
+(emulate_backward: the forward with its LSE, then preprocess, main and postprocess kernels)
+under a drawn policy, seed and block order, and must finish without a hazard or a deadlock, pass
+reference_bwd.check_grads for every gradient, be finite, and give a row that sees no key an
+exactly zero dQ. Drawn: what plan_backward supports (head_dim 64/96/128, head_dim_v, both dtypes,
+causal, windows, softcap, ALiBi, sinks, score_mod, mask_mod, GQA and MQA, deterministic), lengths
+from 1 with q_len > kv_len, window edges on Q-tile boundaries, and the run-time softmax scale.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import assume, example, given, note, settings, strategies as st
+
+from attngen.emulator import POLICIES, emulate_backward
+from attngen.emulator.driver import BLOCK_ORDERS, variant_inputs
+from attngen.plan import make_plan, plan_backward
+from attngen.reference import _variant_scores, variant_of
+from attngen.reference_bwd import check_grads
+from attngen.spec import Spec, SpecError
+from strategies import softmax_scales
+
+NAMES = ("dq", "dk", "dv", "dsinks")
+WORK_CAP = 120_000  # B*H*Sq*Skv per example (the fp64 reference and its twin run too)
+# An example costs about 0.4 s on the 2-core machine: 2 x the profile's examples is ~15 s under "ci".
+EXAMPLES = 2 * settings().max_examples
+MAX_LEN = 300
+
+SCORE_MODS = ["", "", "", "score * 0.5 + tanh(score)", "score + bias[h]",
+              "score + rel[h, min(max(q_idx - kv_idx, -63), 63) + 63] / 4", "where(q_idx >= kv_idx, score, score - 2)"]
+MASK_MODS = ["", "", "", "doc[b, q_idx] == doc[b, kv_idx]", "kv_idx != q_idx + 1 and kv_idx > 3"]
+WINDOWS = [(-1, -1), (-1, -1), (-1, -1), (0, 0), (37, 21), (100, -1), (-1, 5), (200, 0), (1, 130)]
+
+
+@st.composite
+def backward_specs(draw):
+    fields = {
+        "head_dim": draw(st.sampled_from([64, 64, 128, 96])),
+        "dtype": draw(st.sampled_from(["float16", "bfloat16"])),
+        "causal": draw(st.booleans()),
+        "gqa_group": draw(st.sampled_from([1, 1, 2, 3])),
+        "window": draw(st.sampled_from(WINDOWS)),
+        "softcap": draw(st.sampled_from([0.0, 0.0, 2.0, 30.0])),
+        "alibi": draw(st.booleans()),
+        "sinks": draw(st.booleans()),
+        "head_dim_v": draw(st.sampled_from([None, None, 64, 128])),
+        "score_mod": draw(st.sampled_from(SCORE_MODS)),
+        "mask_mod": draw(st.sampled_from(MASK_MODS)),
+        "deterministic": draw(st.booleans()),
+    }
+    try:
+        spec = Spec(**fields)
+        plan_backward(spec)
+    except SpecError:
+        assume(False)
+    return spec
+
+
+def q_tile_edge_kv_lens(spec, q_len: int) -> list:
+    """Key lengths at which a window edge of a row at a Q-tile boundary (m * BLOCK_M - 1 or
+    m * BLOCK_M) falls on a KV-tile boundary (c * BLOCK_N - 1 or c * BLOCK_N): where q_first or
+    n_q off by one would skip or add a Q tile."""
+    bp = plan_backward(spec)
+    left, right = bp.forward.window_left, bp.forward.window_right
+    reach = ([-left] if left is not None else []) + ([right] if right is not None else [])
+    lens = set()
+    for m in range(0, q_len // bp.block_m + 1):
+        for r in (m * bp.block_m - 1, m * bp.block_m):
+            if not 0 <= r < q_len:
+                continue
+            for e in reach:
+                for c in range(0, MAX_LEN // bp.block_n + 2):
+                    for key in (c * bp.block_n - 1, c * bp.block_n):
+                        kv = key - r + q_len - e  # r + (kv - q_len) + e = key
+                        if 1 <= kv <= MAX_LEN:
+                            lens.add(kv)
+    return sorted(lens)
+
+
+@st.composite
+def cases(draw):
+    spec = draw(backward_specs())
+    batch, kv_heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    special = [1, 2, 63, 64, 65, 127, 128, 129, 200, MAX_LEN]
+    q_len = draw(st.one_of(st.sampled_from(special), st.integers(1, MAX_LEN)))
+    kv_len = draw(st.one_of(st.sampled_from(special), st.integers(1, MAX_LEN)))
+    if draw(st.booleans()) and q_len > 1:  # more queries than keys: causal rows see no key
+        kv_len = draw(st.integers(1, q_len - 1))
+    edges = q_tile_edge_kv_lens(spec, q_len) if spec.window != (-1, -1) or spec.causal else []
+    if edges and draw(st.booleans()):
+        kv_len = draw(st.sampled_from(edges))
+    if batch * kv_heads * spec.gqa_group * q_len * kv_len > WORK_CAP:
+        batch = kv_heads = 1
+    schedule = (draw(st.sampled_from(POLICIES)), draw(st.integers(0, 2**16)), draw(st.sampled_from(BLOCK_ORDERS)))
+    return spec, (batch, kv_heads, q_len, kv_len), schedule, draw(softmax_scales())
+
+
+def run(spec, shape, schedule, scale):
+    b, hkv, sq, skv = shape
+    policy, seed, order = schedule
+    q, k, v, tensors = variant_inputs(make_plan(spec), b, hkv * spec.gqa_group, hkv, sq, skv, seed % 97)
+    dout = np.random.default_rng(seed).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
+    grads = dict(zip(NAMES, emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, block_order=order,
+                                             softmax_scale=scale, **tensors)))
+    variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
+                         {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
+    return grads, (q, k, v, dout), variant
+
+
+@pytest.mark.expensive
+@settings(max_examples=EXAMPLES)
+@given(case=cases())
+@example(case=(Spec(head_dim=64, causal=True), (1, 1, 1, 1), ("random", 0, "grid"), None))  # lengths 1
+@example(case=(Spec(head_dim=64, causal=True, sinks=True), (1, 1, 200, 70), ("producer-first", 1, "shuffled"), None))
+@example(case=(Spec(head_dim=128, gqa_group=3, window=(37, 21)), (1, 1, 129, 65), ("consumers-first", 2, "shuffled"), 0.3))
+def test_random_backward_cases_match_the_fp64_gradients(case):
+    spec, shape, schedule, scale = case
+    note(f"{spec} shape (B, HKV, Sq, Skv)={shape} schedule={schedule} softmax_scale={scale}")
+    grads, args, variant = run(spec, shape, schedule, scale)
+    checks = check_grads(grads, *args, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+    bad = {n: str(c) for n, c in checks.items() if not c.ok}
+    assert not bad, bad
+    for name in ("dq", "dk", "dv"):
+        assert np.isfinite(grads[name]).all(), name
+    # a row that sees no key (the reference's own visibility: masks, window, mask_mod) gets dq exactly 0, never NaN
+    q, k = args[0], args[1]
+    b, sq, h, _ = q.shape
+    dq = np.asarray(grads["dq"])
+    for bi in range(b):
+        visible = _variant_scores(np.zeros((h, sq, k.shape[1])), bi, range(h), sq, k.shape[1], spec.causal, **variant)[1]
+        empty = ~visible.any(axis=-1)  # [h, sq]
+        assert (dq[bi].transpose(1, 0, 2)[empty] == 0).all()
