@@ -132,3 +132,32 @@ def test_random_backward_cases_match_the_fp64_gradients(case):
         visible = _variant_scores(np.zeros((h, sq, k.shape[1])), bi, range(h), sq, k.shape[1], spec.causal, **variant)[1]
         empty = ~visible.any(axis=-1)  # [h, sq]
         assert (dq[bi].transpose(1, 0, 2)[empty] == 0).all()
+
+
+ZERO_CASES = [  # every row sees one key: the exact dq and dk are 0, the kernel's hold float32 noise
+    (Spec(head_dim=128), (1, 1, 1, 1), ("random", 0, "grid")),  # what the dev profile found
+    (Spec(head_dim=64, causal=True), (1, 1, 5, 1), ("random", 1, "grid")),
+    (Spec(head_dim=64), (1, 1, 1, 1), ("random", 2, "grid")),
+]
+
+
+@pytest.mark.parametrize("spec, shape, schedule", ZERO_CASES)
+def test_gradients_that_cancel_to_zero_pass_and_a_small_error_still_fails(spec, shape, schedule):
+    """check_grads' cancellation floor (reference_bwd.CANCELLATION): each case failed under the
+    plain ulp(dtype) * max|ref| eps (one float16 subnormal here, the twin's noise being another
+    sample); it passes with the floor, and dq + 1e-4 (a fraction of a float16 ulp at 1) fails."""
+    from attngen.reference import round_to, tolerance
+    from attngen.reference_bwd import attention_grad, attention_grad_lowprec
+
+    grads, args, variant = run(spec, shape, schedule, None)
+    checks = check_grads(grads, *args, spec.causal, dtype=spec.dtype, **variant)
+    assert all(c.ok for c in checks.values()), {n: str(c) for n, c in checks.items()}
+    rounded = [round_to(np.asarray(x), spec.dtype) for x in args]  # what check_grads compares against
+    ref = attention_grad(*rounded, spec.causal, **variant)
+    assert np.abs(ref.dq).max() < 1e-12 and np.abs(np.asarray(grads["dq"])).max() > 0  # really a cancellation
+    low = attention_grad_lowprec(*rounded, spec.causal, spec.dtype, **variant)
+    old = {n: np.abs(np.asarray(grads[n], np.float64) - getattr(ref, n)).max() <= tolerance(getattr(ref, n), getattr(low, n), spec.dtype)
+           for n in ("dq", "dk")}
+    assert not all(old.values())  # the rule without the floor fails this kernel
+    broken = dict(grads, dq=np.asarray(grads["dq"]) + 1e-4)
+    assert not check_grads(broken, *args, spec.causal, dtype=spec.dtype, **variant)["dq"].ok
