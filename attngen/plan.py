@@ -571,6 +571,7 @@ class BackwardPlan:
     dq_bar: int  # ... and of its dQ staging: dq_bar + g
     kv_accum: bool  # GQA/MQA: dK and dV summed into float32 accumulators per KV head (a postprocess converts them)
     fa3_tile: tuple  # FlashAttention-3's (kBlockM, kBlockN, warpgroups) for this head dim, for the record
+    columns: bool = False  # MMA warpgroups split the head dims of dK, dV, dQ (each all WG_KEYS keys), not the keys
     deterministic: bool = False  # dQ by the dq kernel (KV tiles in order, no atomics); GQA's heads looped in the CTA
     dq_block_m: int = 0  # the dq kernel's Q tile rows (consumers x 64) ...
     dq_block_n: int = 0  # ... its KV tile keys ...
@@ -587,31 +588,33 @@ class BackwardPlan:
         return self.consumer_threads + self.tma_threads
 
 
-def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int) -> str:
+def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> str:
     parts = [f"fa3_bwd_hd{spec.head_dim}", hw.DTYPES[spec.dtype].tag, "causal" if spec.causal else "full",
-             f"g{spec.gqa_group}", f"c{consumers}", f"q{q_stages}", f"m{block_m}n{block_n}"]
+             f"g{spec.gqa_group}", f"c{consumers}", f"q{q_stages}", f"m{block_m}n{block_n}"] + (["cols"] if columns else [])
     tail = ["det"] if spec.deterministic else []
     return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
-def bwd_regs_needed(spec: Spec, block_m: int) -> int:
-    """Per consumer thread: dK and dV accumulators (WG_KEYS x head dims, float32), then the larger of
-    the S^T and dP^T tiles with P^T (WG_KEYS x block_m) and the dQ tile with dS^T (block_m x head_dim)."""
+def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
+    """Per consumer thread: dK and dV accumulators (WG_KEYS x head dims / columns, float32), then the
+    larger of the S^T and dP^T tiles with P^T (WG_KEYS x block_m) and the dQ tile with dS^T
+    (block_m x head_dim / columns). `columns`: the warpgroups that split the head dims (1: they split keys)."""
     r = hw.regs_per_thread
-    acc = r(hw.WGMMA_M * spec.head_dim, 4) + r(hw.WGMMA_M * head_dim_v(spec), 4)
+    acc = r(hw.WGMMA_M * spec.head_dim // columns, 4) + r(hw.WGMMA_M * head_dim_v(spec) // columns, 4)
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
-    dq = r(block_m * spec.head_dim, 4) + r(hw.WGMMA_M * block_m, 2)
+    dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
     return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARIANT_REGS if elementwise else 0)
 
 
-def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int) -> dict:
+def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> dict:
     e = hw.DTYPES[spec.dtype].bytes
     d, dv = spec.head_dim, head_dim_v(spec)
     smem = {"K": block_n * d * e, "V": block_n * dv * e, "Q": q_stages * block_m * d * e, "dO": q_stages * block_m * dv * e,
             "LSE2": q_stages * block_m * 4, "dPsum": q_stages * block_m * 4}
     if not spec.deterministic:  # dQ is the dq kernel's there
-        smem.update({"dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * d * 4})
+        dq_cols = d // consumers if columns else d
+        smem.update({"dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * dq_cols * 4})
     return smem
 
 
@@ -636,8 +639,6 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
-    if spec.layout != "bshd":
-        raise SpecError("layout", spec.layout, "the backward kernels are generated for bshd only so far (varlen: not yet)")
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
     forward_spec = forward.spec
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
@@ -646,27 +647,28 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3_m, fa3_n, _ = fa3
     consumers = 2
     producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
-    block_n = hw.WGMMA_M * consumers
     block_m = max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
     while check_registers and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
         block_m -= hw.WGMMA_M
-    needed = bwd_regs_needed(rspec, block_m)
+    # the warpgroups split the tile's keys; where dK and dV of 64 keys do not fit, its head-dim columns
+    columns = bwd_regs_needed(rspec, block_m) > consumer_regs
+    needed = bwd_regs_needed(rspec, block_m, consumers if columns else 1)
     if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
-                        f"the generated backward keeps dK and dV of 64 keys per warpgroup in registers: about {needed} "
-                        f"registers per thread at head_dim {rspec.head_dim} / head_dim_v {head_dim_v(rspec)}, more than "
-                        f"the {consumer_regs} setmaxnreg gives; head dims up to 128 are generated (a column-split "
-                        f"backward for 192 and 256 is not yet)")
+                        f"the generated backward keeps dK and dV of 64 keys in registers, split over {consumers} "
+                        f"warpgroups by head-dim columns: about {needed} registers per thread at head_dim "
+                        f"{rspec.head_dim} / head_dim_v {head_dim_v(rspec)}, more than the {consumer_regs} setmaxnreg gives")
+    block_n = hw.WGMMA_M if columns else hw.WGMMA_M * consumers
     q_stages = BWD_Q_STAGES
-    smem = bwd_smem_layout(rspec, block_m, block_n, consumers, q_stages)
+    smem = bwd_smem_layout(rspec, block_m, block_n, consumers, q_stages, columns)
     while sum(smem.values()) > hw.SMEM_PER_BLOCK and q_stages > 1:
         q_stages -= 1
-        smem = bwd_smem_layout(rspec, block_m, block_n, consumers, q_stages)
+        smem = bwd_smem_layout(rspec, block_m, block_n, consumers, q_stages, columns)
     if sum(smem.values()) > hw.SMEM_PER_BLOCK:
         raise SpecError("head_dim", rspec.head_dim, f"the backward needs {sum(smem.values())} bytes of shared memory; "
                         f"sm_90 allows {hw.SMEM_PER_BLOCK}")
-    name = bwd_kernel_name(rspec, block_m, block_n, consumers, q_stages)
-    blob = json.dumps({"pass": "backward", "spec": rspec.canonical_dict(), "tile": [block_m, block_n, consumers, q_stages]},
+    name = bwd_kernel_name(rspec, block_m, block_n, consumers, q_stages, columns)
+    blob = json.dumps({"pass": "backward", "spec": rspec.canonical_dict(), "tile": [block_m, block_n, consumers, q_stages, columns]},
                       sort_keys=True).encode()
     threads = hw.WARPGROUP_THREADS * (consumers + 1)
     return BackwardPlan(
@@ -675,6 +677,7 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         threads=threads, consumer_threads=hw.WARPGROUP_THREADS * consumers, warpgroup_threads=hw.WARPGROUP_THREADS,
         tma_threads=hw.WARP_THREADS, producer_regs=producer_regs, consumer_regs=consumer_regs,
         consumer_regs_needed=needed, smem=smem, ds_bar=1, dq_bar=1 + consumers,
-        kv_accum=rspec.gqa_group > 1 and not rspec.deterministic, fa3_tile=fa3, deterministic=rspec.deterministic,
+        kv_accum=rspec.gqa_group > 1 and not rspec.deterministic, fa3_tile=fa3, columns=columns,
+        deterministic=rspec.deterministic,
         dq_block_m=hw.WGMMA_M * consumers, dq_block_n=DQ_BLOCK_N, dq_kv_stages=DQ_KV_STAGES,
         dq_smem=dq_smem_layout(rspec, hw.WGMMA_M * consumers, DQ_BLOCK_N, DQ_KV_STAGES) if rspec.deterministic else {})

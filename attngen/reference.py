@@ -251,7 +251,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batc
                 s = np.einsum("qgd,kd->gqk", q[bi, :, heads], k[bi, :, hk]) * scale  # [group, Sq, Skv]
                 s, visible, sink = _variant_scores(s, bi + batch_offset, range(hk * group, (hk + 1) * group), sq, skv,
                                                    causal, **variant)
-                m = s.max(axis=-1, keepdims=True)
+                m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # (a sequence may have no key)
                 if sink is not None:
                     m = np.maximum(m, sink)
                 m_safe = np.where(np.isfinite(m), m, 0.0)  # a row with no key: exp(-inf) = 0, not NaN
@@ -309,7 +309,7 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
                     s, _, sink = _variant_scores(s, bi + batch_offset, head_ids, sq, skv, causal, dtype=np.float32, **variant)
                     cc = c
                     sink = None if sink is None else sink / scale  # the kernel's Sinks[h] / softmax_scale
-                m = s.max(axis=-1, keepdims=True)
+                m = s.max(axis=-1, keepdims=True, initial=-np.inf)
                 if sink is not None:
                     m = np.maximum(m, sink)
                 mc = np.where(m == ninf, np.float32(0), m * cc)  # a row that sees no key: P = 0, not NaN

@@ -92,7 +92,7 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
             s = qg @ k[bi, :, hk].T * scale
             z, visible, sink, dzds = _variant_scores(s, bi + batch_offset, range(hk * group, (hk + 1) * group), sq, skv,
                                                      causal, grad=True, **variant)
-            m = z.max(axis=-1, keepdims=True)
+            m = z.max(axis=-1, keepdims=True, initial=-np.inf)  # (a sequence may have no key)
             if sink is not None:
                 m = np.maximum(m, sink)
             m = np.where(np.isfinite(m), m, 0.0)
@@ -153,7 +153,7 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
                                                           grad=True, **variant)
                     z, dzds = z * c, f32(1)
                 sink2 = None if sink is None else sink * f32(LOG2E)
-                m = z.max(axis=-1, keepdims=True)
+                m = z.max(axis=-1, keepdims=True, initial=-np.inf)
                 if sink2 is not None:
                     m = np.maximum(m, sink2)
                 m = np.where(np.isfinite(m), m, f32(0))

@@ -25,9 +25,11 @@ _ROW, _KEY = "m0 + j", "key0 + i"  # the main kernel's element (i, j): key key0 
 
 
 def frame(bp: BackwardPlan) -> tiles.Frame:
-    """The backward's problem in the kernel's names (kv_len, q_len >= 1: a bshd kernel)."""
+    """The backward's problem in the kernel's names (kv_len, q_len >= 1 in a bshd kernel; a packed
+    sequence may have none)."""
     f = bp.forward
-    return tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", 1), offset=tiles.Sym("causal_offset"),
+    lo = 0 if f.varlen else 1
+    return tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
                        edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("BLOCK_M", 1),
                        block_n=tiles.Sym("BLOCK_N", 1))
 
@@ -39,8 +41,11 @@ def q_range(bp: BackwardPlan) -> dict:
     """The Q tiles the CTA's KV tile visits, and those it sees whole (tiles.Frame.q_span's bounds)."""
     fr = frame(bp)
     first = fr.q_first(_KV_TILE)
+    n_q = tiles.text(tiles.max_(tiles.sub(fr.q_stop(_KV_TILE), tiles.Sym("q_first", 0)), 0))
+    if bp.forward.varlen:  # the grid covers the longest sequence's keys: this one may have fewer
+        n_q = f"T.if_then_else(kv0 < kv_len, {n_q}, 0)"
     return {"q_first": tiles.text(first),
-            "n_q": tiles.text(tiles.max_(tiles.sub(fr.q_stop(_KV_TILE), tiles.Sym("q_first", 0)), 0)),
+            "n_q": n_q,
             "full_first": tiles.text(fr.q_full_first(_KV_TILE)),
             "full_stop": tiles.text(fr.q_full_stop(_KV_TILE))}
 
@@ -98,7 +103,8 @@ def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
 def dq_range(bp: BackwardPlan) -> dict:
     """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
-    fr = tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", 1), offset=tiles.Sym("causal_offset"),
+    lo = 0 if f.varlen else 1
+    fr = tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
                      edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("DQ_BLOCK_M", 1),
                      block_n=tiles.Sym("DQ_BLOCK_N", 1))
     q0, row0 = tiles.Sym("q0", 0), tiles.Sym("row0", 0)
@@ -108,8 +114,11 @@ def dq_range(bp: BackwardPlan) -> dict:
     full_first = fr.kv_full_first(wg)
     masked = "True" if f.mask_expr is not None else " or ".join(
         ([] if full_first == 0 else ["kv_tile < full_first"]) + ["kv_tile >= full_stop"])
+    n_kv = tiles.text(tiles.max_(tiles.sub(fr.kv_stop(block), tiles.Sym("kv_first", 0)), 0))
+    if f.varlen:  # the grid covers the longest sequence's rows: this one may have fewer
+        n_kv = f"T.if_then_else(q0 < q_len, {n_kv}, 0)"
     return {"dq_kv_first": tiles.text(first),
-            "dq_n_kv": tiles.text(tiles.max_(tiles.sub(fr.kv_stop(block), tiles.Sym("kv_first", 0)), 0)),
+            "dq_n_kv": n_kv,
             "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
             "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
             "dq_masked_visit": masked}
@@ -166,8 +175,44 @@ def consumer_args(bp: BackwardPlan) -> str:
     if has_edges(bp):
         names += ["full_first", "full_stop"]
     names.append("kv_partial")
+    names += seq_names(bp)
     names += [t.param for t in call_tensors(bp)]
     return ", ".join(names + ["softmax_scale"])
+
+
+# -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
+def seq_names(bp: BackwardPlan) -> list:
+    """The block's per-sequence values a macro needs (none for bshd, whose lengths are the kernel's)."""
+    if not bp.forward.varlen:
+        return []
+    return ["q_len", "kv_len"] + (["causal_offset"] if has_offset(bp.forward) else []) + ["q_start", "k_start"]
+
+
+def seq_setup(bp: BackwardPlan) -> list:
+    if not bp.forward.varlen:
+        return []
+    lines = ["q_start = cu_seqlens_q[batch_idx]  # this sequence's rows of q, dO, dQ", "q_len = cu_seqlens_q[batch_idx + 1] - q_start",
+             "k_start = cu_seqlens_k[batch_idx]  # ... and of k, v, dK, dV", "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
+    if has_offset(bp.forward):
+        lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
+    return lines
+
+
+def index_helpers(bp: BackwardPlan) -> dict:
+    """Index text of the global tensors: a row r (or rows a:b) of q-like [B, Sq, H, .] / [total_q, H, .],
+    of row-statistics [B, H, Sq] / [H, total_q], and of k-like tensors."""
+    if bp.forward.varlen:
+        return {"q_at": lambda r, h="head": f"q_start + {r}, {h}", "q_box": lambda a, b, h="head": f"q_start + {a}:q_start + {b}, {h}",
+                "row_at": lambda r: f"head, q_start + {r}", "row_box": lambda a, b: f"head, q_start + {a}:q_start + {b}",
+                "k_at": lambda r, h="kv_head": f"k_start + {r}, {h}", "k_box": lambda a, b, h="kv_head": f"k_start + {a}:k_start + {b}, {h}",
+                "q_rows": "max_seqlen_q", "kv_rows": "max_seqlen_k",
+                # the preprocess's loads of a row past the sequence (counted 0): clamped into the tensor
+                "pre_q_at": "T.min(q_start + r0 + i, total_q - 1), head", "pre_row_at": "head, T.min(q_start + r0 + i, total_q - 1)"}
+    return {"q_at": lambda r, h="head": f"batch_idx, {r}, {h}", "q_box": lambda a, b, h="head": f"batch_idx, {a}:{b}, {h}",
+            "row_at": lambda r: f"batch_idx, head, {r}", "row_box": lambda a, b: f"batch_idx, head, {a}:{b}",
+            "k_at": lambda r, h="kv_head": f"batch_idx, {r}, {h}", "k_box": lambda a, b, h="kv_head": f"batch_idx, {a}:{b}, {h}",
+            "q_rows": "q_len", "kv_rows": "kv_len",
+            "pre_q_at": "batch_idx, T.min(r0 + i, q_len - 1), head", "pre_row_at": "batch_idx, head, T.min(r0 + i, q_len - 1)"}
 
 
 def scale_setup(bp: BackwardPlan) -> list[str]:
@@ -179,15 +224,12 @@ def scale_setup(bp: BackwardPlan) -> list[str]:
     return []
 
 
-def q_shape(dim: str) -> list:
-    return ["batch", "q_len", "heads", dim]
+def q_shape(dim: str, varlen: bool) -> list:
+    return ["total_q", "heads", dim] if varlen else ["batch", "q_len", "heads", dim]
 
 
-def kv_shape(dim: str) -> list:
-    return ["batch", "kv_len", "kv_heads", dim]
-
-
-ROWS = ["batch", "heads", "q_len"]
+def kv_shape(dim: str, varlen: bool) -> list:
+    return ["total_k", "kv_heads", dim] if varlen else ["batch", "kv_len", "kv_heads", dim]
 
 
 def call_tensors(bp: BackwardPlan) -> list:
@@ -195,40 +237,57 @@ def call_tensors(bp: BackwardPlan) -> list:
     return [t for t in bp.forward.extra if not t.output and t.name != "sinks"]
 
 
+def rows_shape(varlen: bool) -> list:
+    return ["heads", "total_q"] if varlen else ["batch", "heads", "q_len"]
+
+
 def params(bp: BackwardPlan, dv: str) -> dict:
     """Each kernel's prim_func parameter lines (docs/backward.md, "The kernels' parameters")."""
+    vl = bp.forward.varlen
+    seq = []
+    if vl:
+        seq = [_tensor("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"),
+               _tensor("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k, v, dK, dV"),
+               "max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grids over rows",
+               "max_seqlen_k: T.int32,  # the longest sequence's keys: sizes the main kernel's grid"]
     kv_out = '"float32"' if bp.kv_accum else "DTYPE"
     kv_names = ("dK_accum", "dV_accum") if bp.kv_accum else ("dK", "dV")
-    pre = [_tensor("O", q_shape(dv), "DTYPE", "the forward's output"), _tensor("dO", q_shape(dv), "DTYPE"),
-           _tensor("LSE", ROWS, '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
-           _tensor("dPsum", ROWS, '"float32"', "output: rowsum(dO * O)"),
-           _tensor("LSE2", ROWS, '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
+    pre = [_tensor("O", q_shape(dv, vl), "DTYPE", "the forward's output"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
+           _tensor("LSE", rows_shape(vl), '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
+           _tensor("dPsum", rows_shape(vl), '"float32"', "output: rowsum(dO * O)"),
+           _tensor("LSE2", rows_shape(vl), '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
     if not bp.deterministic:
-        pre.append(_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
-    if bp.spec.sinks:
+        pre.append(_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
+    if bp.spec.sinks and not bp.deterministic:
         pre += [_tensor("Sinks", ["heads"], '"float32"', "call time: sinks"),
                 _tensor("dSinks", ["heads"], '"float32"', "in/out: zeroed by the caller; -= sum_rows exp(sink - LSE) dPsum")]
-    main = [_tensor("Q", q_shape("HEAD_DIM"), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM"), "DTYPE"),
-            _tensor("V", kv_shape(dv), "DTYPE"), _tensor("dO", q_shape(dv), "DTYPE"),
-            _tensor("LSE2", ROWS, '"float32"'), _tensor("dPsum", ROWS, '"float32"')]
+    dsinks = [_tensor("LSE", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"'),
+              _tensor("Sinks", ["heads"], '"float32"', "call time: sinks"),
+              _tensor("dSinks", ["heads"], '"float32"', "output: -sum_rows exp(sink - LSE) dPsum")] + seq
+    main = [_tensor("Q", q_shape("HEAD_DIM", vl), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
+            _tensor("V", kv_shape(dv, vl), "DTYPE"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
+            _tensor("LSE2", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"')]
     if not bp.deterministic:
-        main.append(_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "in/out: dS K reduce-added, unscaled"))
-    main += [_tensor(kv_names[0], kv_shape("HEAD_DIM"), kv_out,
+        main.append(_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "in/out: dS K reduce-added, unscaled"))
+    main += [_tensor(kv_names[0], kv_shape("HEAD_DIM", vl), kv_out,
                     "in/out: zeroed by the caller; dK of the group's query heads atomically added, scaled" if bp.kv_accum
                     else "output: dK, scaled"),
-            _tensor(kv_names[1], kv_shape(dv), kv_out,
+            _tensor(kv_names[1], kv_shape(dv, vl), kv_out,
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
     calls = [_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"', f"call time: {t.name}") for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
-    main += calls + [scale]
-    dq = [_tensor("Q", q_shape("HEAD_DIM"), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM"), "DTYPE"),
-          _tensor("V", kv_shape(dv), "DTYPE"), _tensor("dO", q_shape(dv), "DTYPE"),
-          _tensor("LSE2", ROWS, '"float32"'), _tensor("dPsum", ROWS, '"float32"'),
-          _tensor("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + [scale]
-    post = [_tensor("dQ_accum", q_shape("HEAD_DIM"), '"float32"'), _tensor("dQ", q_shape("HEAD_DIM"), "DTYPE", "output"), scale]
-    post_kv = [_tensor("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), _tensor("dV_accum", kv_shape(dv), '"float32"'),
-               _tensor("dK", kv_shape("HEAD_DIM"), "DTYPE", "output"), _tensor("dV", kv_shape(dv), "DTYPE", "output")]
-    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq}
+    main += calls + seq + [scale]
+    dq = [_tensor("Q", q_shape("HEAD_DIM", vl), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
+          _tensor("V", kv_shape(dv, vl), "DTYPE"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
+          _tensor("LSE2", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"'),
+          _tensor("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output: dQ, scaled")] + calls + seq + [scale]
+    post = [_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"'), _tensor("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output")] + seq + [scale]
+    post_kv = [_tensor("dK_accum", kv_shape("HEAD_DIM", vl), '"float32"'), _tensor("dV_accum", kv_shape(dv, vl), '"float32"'),
+               _tensor("dK", kv_shape("HEAD_DIM", vl), "DTYPE", "output"), _tensor("dV", kv_shape(dv, vl), "DTYPE", "output")]
+    pre += seq
+    post_kv += seq
+    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq,
+            "dsinks_params": dsinks}
 
 
 def header_lines(bp: BackwardPlan) -> list[str]:
@@ -256,16 +315,56 @@ def entries(bp: BackwardPlan) -> list:
     """The module's kernel builders, in launch order."""
     out = ["build_preprocess_kernel", "build_kernel"]
     out.append("build_dq_kernel" if bp.deterministic else "build_postprocess_kernel")
+    if bp.deterministic and bp.spec.sinks:
+        out.append("build_dsinks_kernel")
     if bp.kv_accum:
         out.append("build_postprocess_kv_kernel")
     return out
+
+
+def layout_context(bp: BackwardPlan, dv: str) -> dict:
+    """How the main kernel's MMA warpgroups share the KV tile: by keys (each its 64 keys, every head-dim
+    column; K and V slices are key rows) or, where dK and dV of 64 keys would not fit in registers, by
+    columns (each all 64 keys, 1/n of the head dims of dK, dV and dQ; S^T and dP^T summed over the
+    column slices of K, Q, V and dO, every warpgroup computing them whole)."""
+    n = bp.consumers
+    h = index_helpers(bp)
+    if not bp.columns:
+        kv_loads = []
+        for g in range(n):
+            lo = f"kv0 + {g * bp.wg_keys}" if g else "kv0"
+            rows = h["k_box"](lo, f"kv0 + {(g + 1) * bp.wg_keys}")
+            kv_loads += [(f"K[{rows}, :]", f"K_shared[{g}, :, :]"), (f"V[{rows}, :]", f"V_shared[{g}, :, :]")]
+        return {"columns": False, "wg_doc": "keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column",
+                "key0": "kv_block * BLOCK_N + g * WG_KEYS", "dk_w": "HEAD_DIM", "dv_w": dv,
+                "dq_doc": "this warpgroup's keys' share of dQ",
+                "s_gemms": [("K_shared[g, :, :]", "Q_shared[stage, 0, :, :]", True)],
+                "dp_gemms": [("V_shared[g, :, :]", "dO_shared[stage, 0, :, :]", True)],
+                "own_slice": "0", "dk_cols": ":", "dv_cols": ":", "dk_col": lambda d: d, "dv_col": lambda d: d,
+                "kv_slice_doc": "one slice of keys per MMA warpgroup", "q_slices": 1, "q_slice_doc": "",
+                "kv_loads": kv_loads, "slice_cols": lambda c, w: ":"}
+    rows = h["k_box"]("kv0", "kv0 + BLOCK_N")
+    cols = lambda c, w: f"{c} * {w}:{c + 1} * {w}" if c else f"0:{w}"  # noqa: E731
+    kv_loads = []
+    for c in range(n):
+        kv_loads += [(f"K[{rows}, {cols(c, 'DK_COLS')}]", f"K_shared[{c}, :, :]"), (f"V[{rows}, {cols(c, 'DV_COLS')}]", f"V_shared[{c}, :, :]")]
+    return {"columns": True, "wg_doc": "every key of the KV tile, head-dim columns [g DK_COLS, (g + 1) DK_COLS) of dK and dQ (dV: DV_COLS)",
+            "key0": "kv_block * BLOCK_N", "dk_w": "DK_COLS", "dv_w": "DV_COLS",
+            "dq_doc": "this warpgroup's columns of dQ",
+            "s_gemms": [(f"K_shared[{c}, :, :]", f"Q_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "dp_gemms": [(f"V_shared[{c}, :, :]", f"dO_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "own_slice": "g", "dk_cols": "g * DK_COLS:(g + 1) * DK_COLS", "dv_cols": "g * DV_COLS:(g + 1) * DV_COLS",
+            "dk_col": lambda d: f"g * DK_COLS + {d}", "dv_col": lambda d: f"g * DV_COLS + {d}",
+            "kv_slice_doc": "column slices of the tile's keys (S^T sums over them)", "q_slices": n,
+            "q_slice_doc": "  # column slices, as K's", "kv_loads": kv_loads, "slice_cols": cols}
 
 
 def template_context(bp: BackwardPlan) -> dict:
     f = bp.forward
     spec = bp.spec
     dv = "HEAD_DIM" if f.head_dim_v == spec.head_dim else "HEAD_DIM_V"
-    dims = {d: (getattr(bp.shape, d) if bp.shape else None) for d in ("batch", "q_len", "kv_len", "kv_heads")}
+    names = ("batch", "total_q", "total_k", "kv_heads") if f.varlen else ("batch", "q_len", "kv_len", "kv_heads")
+    dims = {d: (getattr(bp.shape, d) if bp.shape else None) for d in names}
     free = [t.dim(a) for t in call_tensors(bp) for a in range(len(t.shape)) if t.shape[a] is None]
     return {
         "header": header_lines(bp),
@@ -298,7 +397,7 @@ def template_context(bp: BackwardPlan) -> dict:
         "compile_flags": bp.compile_flags,
         "dims": dims,
         "free_dims": free,
-        "offset": has_offset(f),
+        "offset": has_offset(f),  # (varlen: per sequence, in seq_setup)
         "kv_accum": bp.kv_accum,
         "sinks": spec.sinks,
         **q_range(bp),
@@ -311,6 +410,11 @@ def template_context(bp: BackwardPlan) -> dict:
         "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
         "consumer_args": consumer_args(bp),
+        **layout_context(bp, dv),
+        "varlen": f.varlen,
+        "seq_setup": seq_setup(bp),
+        "seq_args": "".join(f", {n}" for n in seq_names(bp)),
+        **index_helpers(bp),
         "deterministic": bp.deterministic,
         "grouped_visits": grouped_visits(bp),
         "main_grid_heads": "kv_heads" if grouped_visits(bp) else "heads",

@@ -40,6 +40,7 @@ CASES = [
     ("hd128 causal deterministic", {"causal": True, "deterministic": True}, (1, 2, 2, 512, 512)),
     ("hd128 non-causal", {}, (1, 2, 2, 512, 512)),
     ("hd64 causal GQA 4", {"causal": True, "head_dim": 64, "gqa_group": 4}, (1, 4, 1, 512, 512)),
+    ("hd256 causal (column split)", {"causal": True, "head_dim": 256}, (1, 2, 2, 512, 512)),
 ]
 # The backward's workspace: float32 tensors written by one kernel of the module and read by the next.
 WORKSPACE = ("dQ_accum", "dPsum", "LSE2", "dK_accum", "dV_accum")

@@ -2,18 +2,21 @@
 
 Profiles (tests/conftest.py): ATTNGEN_HYPOTHESIS_PROFILE=ci (default: derandomized, EXAMPLES
 below) or dev (many more). Every example runs the emitted backward module on the CPU model
-(emulate_backward: the forward with its LSE, then preprocess, main and postprocess kernels)
-under a drawn policy, seed and block order, and must finish without a hazard or a deadlock, pass
+(emulate_backward: the forward with its LSE, then the backward's kernels) under a drawn policy,
+seed and block order, and must finish without a hazard or a deadlock, pass
 reference_bwd.check_grads for every gradient, be finite, and give a row that sees no key an
-exactly zero dQ. Drawn: what plan_backward supports (head_dim 64/96/128, head_dim_v, both dtypes,
-causal, windows, softcap, ALiBi, sinks, score_mod, mask_mod, GQA and MQA, deterministic), lengths
-from 1 with q_len > kv_len, window edges on Q-tile boundaries, and the run-time softmax scale.
+exactly zero dQ; a deterministic spec must also give the same bits under another policy, seed
+and block order. Drawn: what plan_backward supports (head_dim 64 to 256, head_dim_v, both dtypes,
+causal, windows, softcap, ALiBi, sinks, score_mod, mask_mod, GQA and MQA, deterministic, varlen
+batches), lengths from 1 with q_len > kv_len, window edges on Q-tile boundaries, and the run-time
+softmax scale.
 """
 
 import numpy as np
 import pytest
 from hypothesis import assume, example, given, note, settings, strategies as st
 
+from attngen import tiles
 from attngen.emulator import POLICIES, emulate_backward
 from attngen.emulator.driver import BLOCK_ORDERS, variant_inputs
 from attngen.plan import make_plan, plan_backward
@@ -24,7 +27,7 @@ from strategies import softmax_scales
 
 NAMES = ("dq", "dk", "dv", "dsinks")
 WORK_CAP = 120_000  # B*H*Sq*Skv per example (the fp64 reference and its twin run too)
-# An example costs about 0.4 s on the 2-core machine: 2 x the profile's examples is ~15 s under "ci".
+# An example costs about 0.5 s on the 2-core machine: 2 x the profile's examples, ~20 s under "ci".
 EXAMPLES = 2 * settings().max_examples
 MAX_LEN = 300
 
@@ -36,8 +39,10 @@ WINDOWS = [(-1, -1), (-1, -1), (-1, -1), (0, 0), (37, 21), (100, -1), (-1, 5), (
 
 @st.composite
 def backward_specs(draw):
+    hd, dv = draw(st.sampled_from([(64, None), (64, None), (128, None), (96, None), (64, 128), (128, 64), (192, 128),
+                                   (256, None)]))
     fields = {
-        "head_dim": draw(st.sampled_from([64, 64, 128, 96])),
+        "head_dim": hd,
         "dtype": draw(st.sampled_from(["float16", "bfloat16"])),
         "causal": draw(st.booleans()),
         "gqa_group": draw(st.sampled_from([1, 1, 2, 3])),
@@ -45,11 +50,13 @@ def backward_specs(draw):
         "softcap": draw(st.sampled_from([0.0, 0.0, 2.0, 30.0])),
         "alibi": draw(st.booleans()),
         "sinks": draw(st.booleans()),
-        "head_dim_v": draw(st.sampled_from([None, None, 64, 128])),
+        "head_dim_v": dv,
         "score_mod": draw(st.sampled_from(SCORE_MODS)),
         "mask_mod": draw(st.sampled_from(MASK_MODS)),
         "deterministic": draw(st.booleans()),
     }
+    if draw(st.integers(0, 4)) == 0:
+        fields["layout"] = "varlen"
     try:
         spec = Spec(**fields)
         plan_backward(spec)
@@ -97,16 +104,59 @@ def cases(draw):
     return spec, (batch, kv_heads, q_len, kv_len), schedule, draw(softmax_scales())
 
 
-def run(spec, shape, schedule, scale):
+def run(spec, shape, schedule, scale, input_seed=None):
     b, hkv, sq, skv = shape
     policy, seed, order = schedule
-    q, k, v, tensors = variant_inputs(make_plan(spec), b, hkv * spec.gqa_group, hkv, sq, skv, seed % 97)
-    dout = np.random.default_rng(seed).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
+    input_seed = seed if input_seed is None else input_seed
+    q, k, v, tensors = variant_inputs(make_plan(spec), b, hkv * spec.gqa_group, hkv, sq, skv, input_seed % 97)
+    dout = np.random.default_rng(input_seed).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
     grads = dict(zip(NAMES, emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, block_order=order,
                                              softmax_scale=scale, **tensors)))
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
     return grads, (q, k, v, dout), variant
+
+
+def one_key_rows_only(spec, sq, skv) -> bool:
+    """Does every row see at most one key? Then dS = P (dP - dPsum) is exactly 0 and the kernel's dq
+    and dk are float32 noise, which check_grads' cancellation floor covers (reference_bwd.CANCELLATION)
+    but the varlen check below, with the plain rule, does not."""
+    rows = np.arange(sq)[:, None]
+    seen = tiles.visible(rows, np.arange(skv)[None, :], sq, skv, tiles.edges(spec.causal, spec.window)).sum(axis=1)
+    return bool(seen.max(initial=0) <= 1)
+
+
+def run_varlen(spec, shape, schedule, scale):
+    """A varlen batch: sequence 0 of the drawn lengths, the others shorter (0 included), packed; the
+    reference per sequence (attention_grad_varlen and its twin)."""
+    from attngen.reference import nonfinite_agree, round_to, tolerance
+    from attngen.reference_bwd import attention_grad_varlen
+
+    b, hkv, sq, skv = shape
+    policy, seed, order = schedule
+    h = hkv * spec.gqa_group
+    assume(not (spec.alibi or spec.sinks or "[" in spec.score_mod + spec.mask_mod))  # call-time tensors: the bshd path
+    assume(not one_key_rows_only(spec, sq, skv))
+    rng = np.random.default_rng(seed)
+    lq = [sq] + [int(x) for x in rng.integers(0, sq + 1, b - 1)]
+    lk = [skv] + [int(x) for x in rng.integers(0, skv + 1, b - 1)]
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    dv = spec.head_dim_v or spec.head_dim
+    q = round_to(rng.standard_normal((cq[-1], h, spec.head_dim)), spec.dtype)
+    k = round_to(rng.standard_normal((ck[-1], hkv, spec.head_dim)), spec.dtype)
+    v = round_to(rng.standard_normal((ck[-1], hkv, dv)), spec.dtype)
+    do = round_to(rng.standard_normal((cq[-1], h, dv)), spec.dtype)
+    grads = emulate_backward(spec, q, k, v, do, cu_seqlens_q=cq, cu_seqlens_k=ck, seed=seed, policy=policy,
+                             block_order=order, softmax_scale=scale)
+    variant = dict(window=spec.window, softcap=spec.softcap, score_mod=spec.score_mod, mask_mod=spec.mask_mod)
+    ref = attention_grad_varlen(q, k, v, do, cq, ck, spec.causal, scale, **variant)
+    low = attention_grad_varlen(q, k, v, do, cq, ck, spec.causal, scale, lowprec=spec.dtype, **variant)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        r = getattr(ref, name)
+        bound = tolerance(r, getattr(low, name), spec.dtype, None)
+        assert nonfinite_agree(np.asarray(got, np.float64), r), name
+        err = float(np.abs(got - r).max(initial=0))
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (sequences q {lq}, kv {lk})"
 
 
 @pytest.mark.expensive
@@ -115,9 +165,15 @@ def run(spec, shape, schedule, scale):
 @example(case=(Spec(head_dim=64, causal=True), (1, 1, 1, 1), ("random", 0, "grid"), None))  # lengths 1
 @example(case=(Spec(head_dim=64, causal=True, sinks=True), (1, 1, 200, 70), ("producer-first", 1, "shuffled"), None))
 @example(case=(Spec(head_dim=128, gqa_group=3, window=(37, 21)), (1, 1, 129, 65), ("consumers-first", 2, "shuffled"), 0.3))
+@example(case=(Spec(head_dim=128, causal=True), (1, 1, 300, 70), ("random", 0, "grid"), None))
+@example(case=(Spec(head_dim=64, gqa_group=2, deterministic=True, window=(17, 5)), (2, 1, 113, 203),
+               ("producer-first", 1, "shuffled"), 1.0))
+@example(case=(Spec(head_dim=256, causal=True, layout="varlen"), (2, 2, 70, 130), ("consumers-first", 2, "grid"), 0.01))
 def test_random_backward_cases_match_the_fp64_gradients(case):
     spec, shape, schedule, scale = case
     note(f"{spec} shape (B, HKV, Sq, Skv)={shape} schedule={schedule} softmax_scale={scale}")
+    if spec.layout == "varlen":
+        return run_varlen(spec, shape, schedule, scale)
     grads, args, variant = run(spec, shape, schedule, scale)
     checks = check_grads(grads, *args, spec.causal, dtype=spec.dtype, scale=scale, **variant)
     bad = {n: str(c) for n, c in checks.items() if not c.ok}
@@ -132,6 +188,11 @@ def test_random_backward_cases_match_the_fp64_gradients(case):
         visible = _variant_scores(np.zeros((h, sq, k.shape[1])), bi, range(h), sq, k.shape[1], spec.causal, **variant)[1]
         empty = ~visible.any(axis=-1)  # [h, sq]
         assert (dq[bi].transpose(1, 0, 2)[empty] == 0).all()
+    if spec.deterministic:  # the same bits under another policy, seed and block order
+        policy, seed, order = schedule
+        other = (POLICIES[(POLICIES.index(policy) + 1) % 3], seed + 1, "grid" if order == "shuffled" else "shuffled")
+        again, _, _ = run(spec, shape, other, scale, input_seed=seed)
+        assert all(np.array_equal(grads[n], again[n]) for n in grads)
 
 
 ZERO_CASES = [  # every row sees one key: the exact dq and dk are 0, the kernel's hold float32 noise

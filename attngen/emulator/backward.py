@@ -18,6 +18,7 @@ from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
 
 def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "random", source: str | None = None,
                      out=None, lse=None, alibi_slopes=None, sinks=None, softmax_scale=None, scale=None,
+                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, block_order: str = "grid", **tensors):
     """Gradients of sum(attention(q, k, v) * dout) from the emitted backward kernels on the CPU model.
 
@@ -27,8 +28,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     are given. Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
     tensors for torch input, else float32 numpy arrays holding values of the dtype. `seed` and
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
-    `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks: blocks are
-    unordered on a GPU, so a sum of float atomics from several blocks may vary with it;
+    `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
+    on a GPU: a sum of float atomics from several blocks may vary with it);
     the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
     from attngen.plan import Plan, plan_backward
     from attngen.render_bwd import render_backward_source
@@ -48,21 +49,39 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
     if (out is None) != (lse is None):
         raise InputError("out" if out is None else "lse", "None", "both out and lse, or neither (the forward then runs)")
+    varlen = bp.forward.varlen
+    seq = {}
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise InputError("cu_seqlens_q/cu_seqlens_k", "None", "both prefix sums for a varlen spec")
+        cq, ck = (np.asarray(to_numpy(c)).astype(np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+        max_q = int(np.diff(cq).max(initial=0)) if max_seqlen_q is None else int(max_seqlen_q)
+        max_k = int(np.diff(ck).max(initial=0)) if max_seqlen_k is None else int(max_seqlen_k)
+        seq = dict(cu_seqlens_q=cq.astype(np.int32), cu_seqlens_k=ck.astype(np.int32), max_seqlen_q=max_q)
     if out is None:
         out, lse = emulate(bp.forward, q, k, v, seed=seed, policy=policy, proxy_fences=proxy_fences,
-                           softmax_scale=sm_scale, **named)
+                           softmax_scale=sm_scale, **seq, **named)
     qa, ka, va, do, oa, la = (_host_array(x) for x in (q, k, v, dout, out, lse))
-    b, sq, h, d = qa.shape
-    skv, hkv = ka.shape[1], ka.shape[2]
-    if do.shape != oa.shape or oa.shape != (b, sq, h, va.shape[3]):
-        raise InputError("dout", f"shape {tuple(do.shape)}", f"the output's shape {(b, sq, h, va.shape[3])}")
-    if la.shape != (b, h, sq):
-        raise InputError("lse", f"shape {tuple(la.shape)}", f"[B, H, Sq] = {(b, h, sq)}")
+    lead = qa.shape[:-2]  # (B, Sq) or (total_q,)
+    h, hkv = qa.shape[-2], ka.shape[-2]
+    want = lead + (h, va.shape[-1])
+    if do.shape != oa.shape or oa.shape != want:
+        raise InputError("dout", f"shape {tuple(do.shape)}", f"the output's shape {want}")
+    lse_want = (h, lead[0]) if varlen else (lead[0], h, lead[1])
+    if la.shape != lse_want:
+        raise InputError("lse", f"shape {tuple(la.shape)}", f"{lse_want} ({'[H, total_q]' if varlen else '[B, H, Sq]'})")
     if not np.isfinite(do).all():
         raise InputError("dout", "a non-finite value", "finite values")
 
     text = render_backward_source(bp) if source is None else source
-    dims = {"batch": b, "q_len": sq, "kv_len": skv, "kv_heads": hkv, "heads": h}
+    if varlen:
+        b = len(seq["cu_seqlens_q"]) - 1
+        dims = {"batch": b, "total_q": lead[0], "total_k": ka.shape[0], "kv_heads": hkv, "heads": h}
+        ints = [seq["cu_seqlens_q"], seq["cu_seqlens_k"], max_q, max_k]
+    else:
+        b = lead[0]
+        dims = {"batch": b, "q_len": lead[1], "kv_len": ka.shape[1], "kv_heads": hkv, "heads": h}
+        ints = []
     extra = [t for t in bp.forward.extra if not t.output and t.name != "sinks"]
     for t in extra:  # free axes of the call-time tensors are T.dynamic extents
         x = np.asarray(to_numpy(named[t.name]))
@@ -72,24 +91,33 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
         pre = [oa, do, la, None, None] + ([] if bp.deterministic else [None])
-        if spec.sinks:
+        if spec.sinks and not bp.deterministic:
             pre += [_host_array(named["sinks"]), np.zeros(h, np.float32)]
-        rt.run(pre, entry="build_preprocess_kernel", **run)
+        rt.run(pre + ints, entry="build_preprocess_kernel", **run)
         t = rt.tensors
         dsinks = t.get("dSinks")
         lse2, dpsum = t["LSE2"], t["dPsum"]
-        calls = [_host_array(named[x.name]) for x in extra] + [np.float32(sm_scale)]
+        sm = [np.float32(sm_scale)]
+        calls = [_host_array(named[x.name]) for x in extra] + ints
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])
         main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
-        rt.run(main + calls, **run)
+        if varlen and not bp.kv_accum:  # rows of dK/dV past the last sequence are padding: written by no block
+            main[-2:] = [np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)]
+        rt.run(main + calls + sm, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
         if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics
-            dq = rt.run([qa, ka, va, do, lse2, dpsum, None] + calls, entry="build_dq_kernel", **run)
+            dq_in = [qa, ka, va, do, lse2, dpsum, np.zeros(qa.shape, np.float32) if varlen else None]
+            dq = rt.run(dq_in + calls + sm, entry="build_dq_kernel", **run)
+            dq = rt.tensors["dQ"] if varlen else dq
         else:
-            dq = rt.run([t["dQ_accum"], None, np.float32(sm_scale)], entry="build_postprocess_kernel", **run)
+            dq_out = np.zeros(qa.shape, np.float32) if varlen else None
+            dq = rt.run([t["dQ_accum"], dq_out] + ints + sm, entry="build_postprocess_kernel", **run)
+            dq = rt.tensors["dQ"] if varlen else dq
+        if bp.deterministic and spec.sinks:  # one block per head sums the rows in order
+            dsinks = rt.run([la, dpsum, _host_array(named["sinks"]), None] + ints, entry="build_dsinks_kernel", **run)
         if bp.kv_accum:
-            dk, dv = rt.run([dk, dv, None, None], entry="build_postprocess_kv_kernel", **run)
+            dk, dv = rt.run([dk, dv, None, None] + ints, entry="build_postprocess_kv_kernel", **run)
     grads = [dq, dk, dv] + ([dsinks] if spec.sinks else [])
     if hasattr(q, "detach"):
         import torch
