@@ -118,19 +118,25 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
 
 
 def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "float16", scale: float | None = None, *,
-                           batch_offset: int = 0, **variant) -> Grads:
+                           batch_offset: int = 0, out=None, **variant) -> Grads:
     """The backward kernel's arithmetic on the CPU (FlashAttention-3's): inputs and dout rounded to
     `dtype`; O the low-precision forward's output (in `dtype`, as the kernel reads it); S = Q K^T
     in float32; P = exp2(z - LSE2) in float32 with LSE2 the float32 log2-sum-exp (0 where it is
     -inf, as the preprocess writes); dP = dO V^T in float32; D = rowsum(dO * O) in float32;
     dS = P (dP - D) dz/ds in float32; then P and dS rounded to `dtype` before dV = P^T dO,
     dK = dS^T Q and dQ = dS K (float32 accumulators, the scale applied to dQ and dK in float32);
-    each gradient rounded to `dtype`. dsinks stays float32. Returns float64 arrays."""
+    each gradient rounded to `dtype`. dsinks stays float32. Returns float64 arrays. `out`: the
+    forward output the backward kernel read (rounded to `dtype`) in place of the twin's own, so that
+    D holds the same rounding of O as the kernel's."""
     q, k, v, dout, group = _inputs(q, k, v, dout, lambda t: round_to(t, dtype))
     b, sq, h, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = round_to(attention_lowprec(q, k, v, causal, dtype, scale, batch_offset=batch_offset, **variant), dtype)
+    if out is None:
+        out = attention_lowprec(q, k, v, causal, dtype, scale, batch_offset=batch_offset, **variant)
+    elif np.shape(to_numpy(out)) != q.shape[:3] + (v.shape[3],):
+        raise InputError("out", f"shape {np.shape(to_numpy(out))}", f"the output's shape {q.shape[:3] + (v.shape[3],)}")
+    out = round_to(to_numpy(out), dtype)
     prescaled = _prescaled(variant)
     c = np.float32(scale * LOG2E)
     f32 = np.float32
@@ -198,15 +204,17 @@ def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: boo
 
 
 def check_grads(grads, q, k, v, dout, causal: bool, *, dtype: str, eps: float | None = None,
-                scale: float | None = None, **variant) -> dict:
+                scale: float | None = None, out=None, **variant) -> dict:
     """Each gradient of `grads` (a Grads, or a dict with dq, dk, dv and dsinks) against the fp64
     reference under the rule above: {name: reference.Check}. The reference is computed from the
-    inputs rounded to `dtype` (what the kernel reads). A shape mismatch is a FAIL (err = inf)."""
+    inputs rounded to `dtype` (what the kernel reads). A shape mismatch is a FAIL (err = inf).
+    `out`: the forward output the backward kernel read, for the twin's D (attention_grad_lowprec);
+    check that output with reference.check_close, since this check then takes it as given."""
     if dtype not in ("float16", "bfloat16"):
         raise InputError("dtype", repr(dtype), "'float16' or 'bfloat16'")
     q, k, v, dout = (round_to(to_numpy(t), dtype) for t in (q, k, v, dout))
     ref, mag = _attention_grad(q, k, v, dout, causal, scale, 0, True, **variant)
-    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, **variant)
+    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, **variant)
     got = grads._asdict() if isinstance(grads, Grads) else dict(grads)
     out = {}
     for name in Grads._fields:
