@@ -27,8 +27,8 @@ from pathlib import Path
 from attngen import toolchain
 from attngen.cache import cache_key, cache_root, locked, tool_versions
 from attngen.lower import lower_source
-from attngen.plan import Plan, Shape, as_plan
-from attngen.render import render_source
+from attngen.plan import AppendPlan, Plan, Shape, as_plan
+from attngen.render import render_append_source, render_source
 from attngen.spec import Spec
 
 SASS_OPS = ("HGMMA", "USETMAXREG", "UTMALDG", "UTMASTG", "LDL", "STL")
@@ -177,6 +177,13 @@ def build(spec_or_plan: Spec | Plan, shape: Shape | None = None, cache_dir=None)
         result.report["combine"] = {k: combine.report[k] for k in COMBINE_REPORT}
         result.combine = combine
     return result
+
+
+def build_append(plan: AppendPlan, cache_dir=None) -> BuildResult:
+    """Build the KV-cache append kernel (its own emitted module; flash_attn_with_kvcache's k=, v=)."""
+    extra = {"shape": "dynamic", "threads": plan.threads}
+    return build_source(render_append_source(plan), plan.name, plan.compile_flags, plan_smem=0, cache_dir=cache_dir,
+                        extra=extra, builder="build_append_kernel")
 
 
 def format_report(r: dict) -> str:

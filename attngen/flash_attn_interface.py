@@ -8,6 +8,8 @@ attngen.attention's keywords (docs/interfaces.md has the table); the op resolves
 the spec per call signature (attngen.ops.resolve) and the runtime memoizes the compiled kernel
 per spec, so a repeated call plans nothing new. An FA3 argument attngen cannot serve raises an
 InputError naming it and why, unless it has FA3's default; none is silently ignored.
+flash_attn_with_kvcache's k=, v= are written into the cache in place by a generated append
+kernel (torch.ops.attngen.append_kv) before the attention reads the grown cache.
 
 Returns as FA3 does: `out`, or `(out, softmax_lse)` with return_attn_probs (flash_attn_func,
 flash_attn_varlen_func) or return_softmax_lse (flash_attn_with_kvcache); softmax_lse is float32
@@ -20,7 +22,7 @@ import numbers
 
 import torch
 
-from attngen.ops import attention
+from attngen.ops import append_kv, attention, check_attention
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
 
@@ -45,11 +47,13 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
-    if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers FA3's backward only
+    if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers the backward only
         raise InputError("deterministic", deterministic, "a bool")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
     kw = {"causal": bool(causal)}
+    if deterministic:  # the spec field: the backward's dQ in a fixed order (docs/backward.md); the forward's kernel is the same
+        kw["deterministic"] = True
     if tuple(window_size) != (-1, -1):
         kw["window"] = tuple(window_size)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -57,7 +61,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     if softcap != 0:
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = float(softmax_scale)
+        kw["softmax_scale"] = softmax_scale  # not float(): a SymFloat under torch.compile stays symbolic
     return kw
 
 
@@ -165,6 +169,47 @@ def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
     return k_pages, v_pages, table.contiguous()
 
 
+def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch: int) -> None:
+    """The append's checks in FA3's names (k, v against the cache and q's batch, the dense cache's
+    capacity); serving.check_append then checks the page view the kernel writes (a paged cache's
+    capacity and pages, rows no two sequences share)."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            other = "v" if name == "k" else "k"
+            raise InputError(name, type(t).__name__, f"a torch.Tensor [batch, seqlen_new, nheads_k, headdim], "
+                                                     f"given with {other}: k and v are appended together")
+    want = f"[{batch}, seqlen_new, {int(k_cache.shape[2])}, {int(k_cache.shape[3])}] (batch, seqlen_new, nheads_k, headdim)"
+    if k.dim() != 4 or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+        raise InputError("k.shape", list(k.shape), f"{want}: q's batch, k_cache's nheads_k and headdim")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != v_cache.shape[3]:
+        raise InputError("v.shape", list(v.shape), f"{[*k.shape[:3], int(v_cache.shape[3])]}: k's shape with v_cache's headdim")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dtype != cache.dtype:
+            raise InputError(f"{name}.dtype", t.dtype, f"{cache.dtype}, the dtype of {name}_cache")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise InputError(f"{name}.stride()", tuple(t.stride()), "a contiguous cache: the append writes it in place")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+        raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
+                         f"an int or an int32 tensor [{batch}]")
+    s_new = int(k.shape[1])
+    if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
+        capacity = int(k_cache.shape[1])
+        room = f"the dense cache's seqlen_cache = {capacity} rows"
+    else:
+        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
+        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
+    for b, n in enumerate(cache_seqlens.cpu().tolist()):
+        if n < 0 or n + s_new > capacity:
+            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {s_new} new keys must fit {room}")
+    if page_table is None:
+        if cache_batch_idx is not None:
+            rows = cache_batch_idx.cpu().tolist()
+            if len(set(rows)) != len(rows):
+                raise InputError("cache_batch_idx", rows, "distinct rows with k and v: two sequences appending "
+                                                          "into one cache row would race")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                             cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
@@ -172,17 +217,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
-    """FA3's flash_attn_with_kvcache without the append: q [B, Sq, H, D] (or packed with
-    cu_seqlens_q), k_cache/v_cache dense [B_cache, S_cache, HKV, D] or paged [num_pages,
-    page_size, HKV, D] with page_table int32 [B, max_pages]; cache_seqlens an int or int32 [B]
-    (None: the whole dense cache). Causal aligns each sequence bottom-right at its cache length.
-    num_splits 0 is attngen's "auto". Returns out, or (out, softmax_lse) with return_softmax_lse."""
-    for name, x in (("k", k), ("v", v), ("cu_seqlens_k_new", cu_seqlens_k_new)):
-        _unsupported(name, x, None, "appending new keys and values into the cache needs a companion kernel "
-                                    "that attngen does not have yet; write them into k_cache/v_cache and "
-                                    "raise cache_seqlens, then call without k and v")
+    """FA3's flash_attn_with_kvcache: q [B, Sq, H, D] (or packed with cu_seqlens_q), k_cache/v_cache
+    dense [B_cache, S_cache, HKV, D] or paged [num_pages, page_size, HKV, D] with page_table int32
+    [B, max_pages]; cache_seqlens an int or int32 [B] (None: the whole dense cache).
+    k, v [B, S_new, HKV, D(v)], when given, are written into the caches in place at rows
+    cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (a generated append kernel: on the CPU model
+    for CPU tensors), and the attention then reads cache_seqlens + S_new keys per sequence.
+    Causal aligns each sequence bottom-right at that length, as FA3. num_splits 0 is attngen's
+    "auto". Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    _unsupported("cu_seqlens_k_new", cu_seqlens_k_new, None, "attngen appends k and v of one length per sequence, "
+                                                             "[batch, seqlen_new, nheads_k, headdim]; packed new keys "
+                                                             "of different lengths are not offered")
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)):
-        _unsupported(name, x, None, "attngen applies no rotary embedding (FA3 applies it only with k and v)")
+        _unsupported(name, x, None, "attngen applies no rotary embedding: rotate q and k before the call")
     if not isinstance(rotary_interleaved, bool):
         raise InputError("rotary_interleaved", rotary_interleaved, "a bool (it matters only with rotary_cos)")
     _unsupported("cache_leftpad", cache_leftpad, None, "attngen's caches start at key 0")
@@ -211,6 +258,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)
     elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise InputError("cache_seqlens", type(cache_seqlens).__name__, "an int or an int32 tensor [batch]")
+    if (k is not None or v is not None) and cache_seqlens is None:
+        raise InputError("cache_seqlens", None, "an int or an int32 tensor [batch] with k and v: the new keys go to "
+                                                "rows cache_seqlens[b] onwards")
     if page_table is not None:
         _unsupported("cache_batch_idx", cache_batch_idx, None, "a paged cache's sequences are its page_table's rows")
         k_pages, v_pages, table = k_cache, v_cache, page_table
@@ -227,6 +277,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         k_pages, v_pages, table = _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx)
         if cache_seqlens is None:
             cache_seqlens = torch.full((batch,), int(k_cache.shape[1]), dtype=torch.int32, device=k_cache.device)
+    appending = k is not None or v is not None
+    if appending:
+        _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
+        old_seqlens = cache_seqlens
+        cache_seqlens = cache_seqlens + int(k.shape[1])  # what the attention reads (an int32 tensor stays int32)
     serving = {}
     if table is not None:
         serving.update(block_table=table, seqused_k=cache_seqlens)
@@ -243,6 +298,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         serving.update(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     elif max_seqlen_q is not None:
         raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
+    if appending:  # every check of the attention first: a refused call leaves the cache as it was
+        check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
     return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
 
 

@@ -39,7 +39,8 @@ from attngen.spec import FIELDS
 
 # names a call-time tensor may not take: the language's, the spec fields and attention's keywords
 TAKEN = expr.RESERVED | set(FIELDS) | {"softmax_scale", "scale", "out", "cu_seqlens_q", "cu_seqlens_k",
-                                       "max_seqlen_q", "block_table", "seqused_k", "num_splits"}
+                                       "max_seqlen_q", "block_table", "seqused_k", "num_splits", "block_mask",
+                                       "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"}
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -352,6 +353,8 @@ class BlockMask:
     full_q_indices: torch.Tensor
     mask_mod: object
     states: np.ndarray  # int8 [B, H, nq, nk]: tiles.EMPTY / PARTIAL / FULL
+    mask_text: str = ""  # the mask_mod translated (the kernel's spec mask_mod)
+    mask_tensors: dict = dataclasses.field(default_factory=dict)  # its captured tensors when the tiles were classified
 
     @property
     def shape(self) -> tuple:
@@ -360,6 +363,27 @@ class BlockMask:
     def sparsity(self) -> float:
         """Percent of tiles that are empty."""
         return 100.0 * float((self.states == tiles.EMPTY).mean())
+
+    def retiled(self, block_m: int, block_n: int) -> "BlockMask":
+        """The same mask over tiles of block_m x block_n, each a whole multiple or divisor of its
+        BLOCK_SIZE (tiles.retile_states): the tiles a kernel with other tile sizes visits."""
+        st = tiles.retile_states(self.states, self.BLOCK_SIZE, (block_m, block_n), self.seq_lengths)
+        return _block_mask(self.seq_lengths, (block_m, block_n), st, self.mask_mod, self.mask_text, self.mask_tensors,
+                           self.kv_num_blocks.device)
+
+
+def _block_mask(lengths, block_size, st, mask_mod, text, tensors, dev) -> BlockMask:
+    def lists(sel):
+        counts, idx = tiles.tile_lists(sel)
+        return torch.from_numpy(counts).to(dev), torch.from_numpy(idx).to(dev)
+
+    partial, full = st == tiles.PARTIAL, st == tiles.FULL
+    kv_n, kv_i = lists(partial)
+    fkv_n, fkv_i = lists(full)
+    q_n, q_i = lists(np.swapaxes(partial, -1, -2))
+    fq_n, fq_i = lists(np.swapaxes(full, -1, -2))
+    return BlockMask(tuple(lengths), tuple(block_size), kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, mask_mod, st,
+                     text, dict(tensors))
 
 
 def _positive(name, x):
@@ -381,27 +405,14 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     tr = translate(mask_mod, "mask_mod")
     e = expr.parse(tr.text, "mask_mod")
     arrays = {n: t.cpu().numpy() for n, t in tr.tensors.items()}
-    states = []
-    for q0 in range(0, Q_LEN, bm):  # one row of tiles at a time: memory B*H*bm*KV_LEN
+
+    def rows(q0, q1):
         env = {"b": np.arange(B)[:, None, None, None], "h": np.arange(H)[None, :, None, None],
-               "q_idx": np.arange(q0, min(q0 + bm, Q_LEN))[None, None, :, None],
-               "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
-        shape = (B, H, min(q0 + bm, Q_LEN) - q0, KV_LEN)
-        vis = np.broadcast_to(expr.evaluate(e, env, arrays), shape)
-        states.append(tiles.tile_states(vis, bm, bn))
-    st = np.concatenate(states, axis=2)
+               "q_idx": np.arange(q0, q1)[None, None, :, None], "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
+        return np.broadcast_to(expr.evaluate(e, env, arrays), (B, H, q1 - q0, KV_LEN))
+    st = tiles.mask_states(rows, Q_LEN, bm, bn)
     dev = torch.device("cpu") if device is None else torch.device(device)
-
-    def lists(sel):
-        counts, idx = tiles.tile_lists(sel)
-        return torch.from_numpy(counts).to(dev), torch.from_numpy(idx).to(dev)
-
-    partial, full = st == tiles.PARTIAL, st == tiles.FULL
-    kv_n, kv_i = lists(partial)
-    fkv_n, fkv_i = lists(full)
-    q_n, q_i = lists(np.swapaxes(partial, -1, -2))
-    fq_n, fq_i = lists(np.swapaxes(full, -1, -2))
-    return BlockMask((Q_LEN, KV_LEN), (bm, bn), kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, mask_mod, st)
+    return _block_mask((Q_LEN, KV_LEN), (bm, bn), st, mask_mod, tr.text, tr.tensors, dev)
 
 
 # -- flex_attention --------------------------------------------------------------------------------------
@@ -443,6 +454,40 @@ def _to_bshd(t):
     return view if view.is_contiguous() else view.contiguous()
 
 
+KERNEL_Q_TILES = (128, 64, 192)  # 64 rows per consumer warpgroup; the default first
+
+
+def kernel_block_mask(bm, bshape, query, value, kw: dict) -> BlockMask:
+    """The block mask the kernel visits: attngen's own (a torch BlockMask is classified again by
+    create_block_mask from its mask_mod), over the kernel's tiles. Its BLOCK_SIZE is taken as
+    the tiles when a kernel plans with them; else the first Q tile (128, 64, 192) and the
+    largest block_n that plan and divide or are divided by its blocks (BlockMask.retiled)."""
+    from attngen.plan import BLOCK_N_CANDIDATES, make_plan
+    from attngen.runtime import spec_dtype
+    from attngen.spec import Spec, SpecError
+
+    if not isinstance(bm, BlockMask):
+        size = bm.BLOCK_SIZE if isinstance(bm.BLOCK_SIZE, (tuple, list)) else (bm.BLOCK_SIZE, bm.BLOCK_SIZE)
+        bm = create_block_mask(bm.mask_mod, bshape[0], bshape[1], *bm.seq_lengths,
+                               BLOCK_SIZE=(int(size[0]), int(size[-1])))
+    bq, bk = bm.BLOCK_SIZE
+    fields = dict(head_dim=int(query.shape[-1]), dtype=spec_dtype(query.dtype) or "float16", block_mask=True,
+                  mask_mod=kw["mask_mod"], score_mod=kw.get("score_mod", ""), head_dim_v=int(value.shape[-1]))
+
+    def plans(m, n) -> bool:
+        try:
+            make_plan(Spec(**fields, consumers=m // 64, block_n=n))
+            return True
+        except SpecError:
+            return False
+    for m in ([bq] if bq in KERNEL_Q_TILES else []) + [t for t in KERNEL_Q_TILES if t != bq and tiles.retiles(bq, t)]:
+        for n in [bk] + [c for c in BLOCK_N_CANDIDATES if c != bk]:
+            if n % 16 == 0 and n <= 256 and tiles.retiles(bk, n) and plans(m, n):
+                return bm if (m, n) == (bq, bk) else bm.retiled(m, n)
+    raise InputError("block_mask.BLOCK_SIZE", (bq, bk), "blocks that kernel tiles divide or are divided by (a Q tile "
+                                                        "of 64, 128 or 192 rows, a KV tile a multiple of 16)")
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None):
     """torch.nn.attention.flex_attention's call, on attngen's kernel: [B, H, S, D] in and out;
@@ -468,14 +513,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         for axis, (got, want) in enumerate(zip(bshape, (query.shape[0], query.shape[1]))):
             if got not in (1, want):
                 raise InputError(f"block_mask {'BH'[axis]}", got, f"1 or {want}")
-        tr = translate(mm, "mask_mod")
+        tr = translate(mm, "mask_mod")  # afresh: its captures as they are now, as torch's flex_attention reads them
         clash = set(tr.tensors) & set(kw)
         if clash:  # the two mods captured different tensors under one name
             raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
         kw["mask_mod"] = tr.text
         kw.update(tr.tensors)
+        kw["block_mask"] = kernel_block_mask(block_mask, bshape, query, value, kw)
     if scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = float(scale)
+        kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
     kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
     out, lse = result if return_lse else (result, None)

@@ -60,6 +60,9 @@ ACCUM_BYTES = 4  # wgmma accumulates in float32
 # sinks fit with the base estimate's 4 spare (docs/variants.md, "Registers"); a window is a
 # diagonal mask (DIAGONAL_MASK_REG_OVERHEAD).
 VARIANT_REG_OVERHEAD = 28
+# A block mask's consumer keeps its two list cursors, the lists' row and the visit's tile live
+# (measured, hd128 f16 2 consumers at 232: block_n 112 spilled 4 B, 96 fitted; attngen build).
+BLOCK_MASK_REG_OVERHEAD = 12
 
 
 # -- element types ---------------------------------------------------------------------

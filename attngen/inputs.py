@@ -65,9 +65,9 @@ def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool 
     if cpu and torch_ok and t.device.type == "meta":
         raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them; a meta tensor has only a shape)")
     kind = dtype_name(t)
-    if kind == dtype or (cpu and kind in HOLDERS):
+    if kind == dtype or (cpu and kind in HOLDERS and dtype != "int32"):  # indices are not rounded
         return
-    if cpu:
+    if cpu and dtype != "int32":
         origin = ", the spec's dtype" if spec_dtype else ""
         want = f"{dtype}{origin} (or float32/float64 holding values to round)"
     else:
@@ -173,6 +173,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     (extra_dims for a serving call)."""
     batch, heads, kv_heads, q_len, kv_len = dims
     extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    if getattr(plan, "block_mask", False):  # (a stand-in plan of a test may lack the field)
+        extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
     unknown = sorted(set(tensors) - {t.name for t in wanted})
     if unknown:
@@ -183,8 +185,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
         x = tensors.get(t.name)
         if x is None:
-            raise InputError(t.name, None, f"a float32 tensor of shape {shape_text}: the spec uses it")
-        check_kind(t.name, x, "float32", cpu=cpu)
+            raise InputError(t.name, None, f"a {t.dtype} tensor of shape {shape_text}: the spec uses it")
+        check_kind(t.name, x, t.dtype, cpu=cpu)
         if len(x.shape) != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
                 or math.prod(x.shape) == 0:
             raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
@@ -195,6 +197,20 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
             _check_finite(t.name, x)
         ordered.append(x)
     return ordered
+
+
+def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
+    """The extents a block mask's tensors must have (plan.BLOCK_MASK_TENSORS): its Q and KV tiles are
+    the kernel's (block_m x block_n), and its batch and heads are 1 (broadcast) or the call's."""
+    batch, heads, _, q_len, kv_len = dims
+    spec = plan.spec
+    first = tensors.get("kv_indices")
+    shape = tuple(int(n) for n in first.shape) if first is not None and len(first.shape) == 4 else (batch, heads)
+    for axis, (name, full) in enumerate((("batch", batch), ("heads", heads))):
+        if shape[axis] not in (1, full):
+            raise InputError(f"kv_indices.shape[{axis}] ({name})", shape[axis], f"1 (broadcast) or {full}, the call's {name}")
+    return {"bm_batch": shape[0], "bm_heads": shape[1], "bm_q_tiles": -(-q_len // spec.block_m),
+            "bm_kv_tiles": -(-kv_len // spec.block_n)}
 
 
 def _check_finite(name: str, x) -> None:
@@ -254,3 +270,42 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
         for name in ("q", "k", "v"):
             if _overlap(out, given[name]):
                 raise InputError("out", f"memory overlapping {name}", "a buffer that shares no memory with q, k or v")
+
+
+def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
+    """The tensor side of a KV-cache append that serving.check_append (shapes and values) leaves:
+    a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
+    declare no strides, and the caches are written in place: a copy would lose the append), int32
+    tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
+    Device not checked (runtime.check_device). `cpu`: numpy arrays too."""
+    from attngen.hw import DTYPES
+
+    if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):
+        raise InputError("k_cache", type(k_cache).__name__, "a torch.Tensor")
+    dtype = dtype_name(k_cache)
+    if dtype not in DTYPES:
+        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in DTYPES))
+    given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+    for name, t in given.items():
+        if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
+            raise InputError(name, type(t).__name__, "a torch.Tensor")
+        if dtype_name(t) != dtype:
+            raise InputError(f"{name}.dtype", t.dtype, f"{k_cache.dtype}, the dtype of k_cache")
+        if cpu and is_torch(t) and t.device.type == "meta":
+            raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them)")
+    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        shape, strides, _, _, packed = _layout(t)
+        if not packed:
+            raise InputError(f"{name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+    for name, t in given.items():
+        shape, strides, _, _, packed = _layout(t)
+        if not packed:
+            why = "the append writes it in place, so a copy would lose the new keys" if name.endswith("cache") else \
+                "the kernel's buffers declare no strides"
+            raise InputError(f"{name}.stride()", strides,
+                             f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)}: {why}")
+    for new in ("k", "v"):
+        for cache in ("k_cache", "v_cache"):
+            if _overlap(given[new], given[cache]):
+                raise InputError(new, f"memory overlapping {cache}", "new keys and values that share no memory with the cache")
+    return dtype

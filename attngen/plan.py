@@ -15,7 +15,7 @@ import hashlib
 import json
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, Spec, SpecError
+from attngen.spec import FIELDS, HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, Spec, SpecError
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 SHAPE_FIELDS = ("batch", "heads", "kv_heads", "q_len", "kv_len")
@@ -64,6 +64,17 @@ class Shape:
 # then takes 64); vLLM and FlashInfer default to 16, which here would force 16-key tiles.
 DEFAULT_PAGE_SIZE = 128
 
+# A block mask's call-time tensors (FlexAttention's BlockMask fields), int32, in parameter order.
+# Axes "bm_batch" and "bm_heads" are 1 (broadcast) or the call's batch and heads; "bm_q_tiles" is
+# ceildiv(q_len, block_m) and "bm_kv_tiles" ceildiv(kv_len, block_n) (attngen/inputs.py checks them).
+BLOCK_MASK_TENSORS = (
+    ("kv_num_blocks", "KV_num_blocks", ("bm_batch", "bm_heads", "bm_q_tiles")),
+    ("kv_indices", "KV_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
+    ("full_kv_num_blocks", "Full_kv_num_blocks", ("bm_batch", "bm_heads", "bm_q_tiles")),
+    ("full_kv_indices", "Full_kv_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
+)
+BLOCK_MASK_AXES = ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")
+
 SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the hand-written seed kernel's static shape (docs/seed-parity.md)
 
 
@@ -81,8 +92,9 @@ class ExtraTensor:
 
     name: str  # the call-time keyword (alibi_slopes, sinks, a score_mod/mask_mod tensor) or "lse"
     param: str  # the prim_func parameter
-    shape: tuple  # per axis: "batch", "heads", "q_len", "kv_len", or None (any extent >= 1)
+    shape: tuple  # per axis: "batch", "heads", "q_len", "kv_len", a block mask's "bm_*", or None (any extent >= 1)
     output: bool = False
+    dtype: str = "float32"  # int32: a block mask's counts and indices
 
     def dim(self, axis: int) -> str:
         """The kernel's name for an axis extent (a T.dynamic for a free axis)."""
@@ -124,6 +136,7 @@ class Plan:
     page_size: int = 0  # keys per page of the paged K/V cache; 0: K and V are dense
     split_kv: bool = False  # each block also takes a split of the K tiles; a combine kernel merges the splits
     pack_gqa: bool = False  # the query heads of one KV head are rows of one tile (decode: 1 query still fills M)
+    block_mask: bool = False  # the kernel visits the KV tiles of a call-time block mask (BLOCK_MASK_TENSORS)
 
     @property
     def smem_bytes(self) -> int:
@@ -186,6 +199,8 @@ def variant_tags(spec: Spec) -> list:
             tags.append(tag + hashlib.sha256(text.strip().encode()).hexdigest()[:6])
     if spec.lse:
         tags.append("lse")
+    if spec.block_mask:
+        tags.append("bmask")
     return tags
 
 
@@ -240,7 +255,8 @@ def sequence_regs(spec: Spec) -> int:
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
     return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
-            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec))
+            + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec)
+            + (hw.BLOCK_MASK_REG_OVERHEAD if spec.block_mask else 0))
 
 
 def reg_split(spec: Spec) -> tuple:
@@ -248,7 +264,7 @@ def reg_split(spec: Spec) -> tuple:
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
     n = spec.consumers
     producer, consumer = hw.REG_SPLIT[n]
-    if spec.paged_kv or spec.splits != 1:
+    if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
         producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
         pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
         consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
@@ -433,6 +449,8 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
     if per_sequence:  # no kernel-wide q_len/kv_len to size a mod's tensor by: those axes are free
         used = {name: (field, tuple(None if a in ("q_len", "kv_len") else a for a in axes)) for name, (field, axes) in used.items()}
     extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
+    if spec.block_mask:
+        extra += [ExtraTensor(name, param, axes, dtype="int32") for name, param, axes in BLOCK_MASK_TENSORS]
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
     if mask_expr is not None or left is not None or per_sequence or spec.splits != 1:
@@ -457,6 +475,7 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         # consumers TileLang 0.1.15's codegen fails on the paged varlen form ("Let cannot bind
         # the same var to two different values"), and more rows only add empty ones.
         "pack_gqa": spec.splits != 1 and spec.gqa_group > 1 and spec.consumers == 1,
+        "block_mask": spec.block_mask,
     }
 
 
@@ -639,7 +658,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
-    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
+    # A block mask's backward is its mask_mod's: every tile masked, exact (the transposed q_* lists
+    # that would let it skip tiles are not read yet; docs/backward.md)
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, block_mask=False), shape)
     forward_spec = forward.spec
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
@@ -681,3 +702,44 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         deterministic=rspec.deterministic,
         dq_block_m=hw.WGMMA_M * consumers, dq_block_n=DQ_BLOCK_N, dq_kv_stages=DQ_KV_STAGES,
         dq_smem=dq_smem_layout(rspec, hw.WGMMA_M * consumers, DQ_BLOCK_N, DQ_KV_STAGES) if rspec.deterministic else {})
+
+
+# -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------
+APPEND_ROWS = 8  # appended rows of one KV head per append block: 8 x 128 columns is one 16-byte store per thread
+APPEND_THREADS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendPlan:
+    """The append companion kernel's numbers: it copies the new keys and values k, v
+    [batch, seqlen_new, kv_heads, D(v)] into a paged cache [num_pages, page_size, kv_heads, D(v)]
+    at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, through the block table
+    (a dense cache is appended through its page view, as the forward reads it). No Spec: the
+    kernel depends only on these fields, so one build serves every forward spec of the cache."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    rows: int = APPEND_ROWS
+    threads: int = APPEND_THREADS
+    compile_flags: tuple = COMPILE_FLAGS
+    shape: None = None  # always dynamic (the runtime's cache entries read plan.shape)
+
+    @property
+    def name(self) -> str:
+        dv = f"_dv{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
+        return f"fa3_kvappend_hd{self.head_dim}{dv}_{hw.DTYPES[self.dtype].tag}_page{self.page_size}"
+
+
+def append_plan(dtype: str, head_dim: int, head_dim_v: int, page_size: int) -> AppendPlan:
+    """The append kernel of a cache: its dtype, head dims (the spec's HEAD_DIMS) and page size
+    (the spec's page rule). SpecError naming the value otherwise; callers validate tensors first."""
+    if dtype not in hw.DTYPES:
+        raise SpecError("dtype", dtype, f"expected one of {', '.join(hw.DTYPES)}")
+    for field, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if type(value) is not int or value not in HEAD_DIMS:
+            raise SpecError(field, value, f"expected one of {', '.join(map(str, HEAD_DIMS))}")
+    if type(page_size) is not int or not (PAGE_SIZE_STEP <= page_size <= MAX_PAGE_SIZE and page_size % PAGE_SIZE_STEP == 0):
+        raise SpecError("page_size", page_size, f"expected a multiple of {PAGE_SIZE_STEP} from {PAGE_SIZE_STEP} to {MAX_PAGE_SIZE}")
+    return AppendPlan(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size)

@@ -19,10 +19,11 @@ import jinja2
 
 from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.plan import Plan, Shape, as_plan, masks_some_tile
+from attngen.plan import AppendPlan, BLOCK_MASK_AXES, Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
+APPEND_TEMPLATE = "fa3_kv_append.py.j2"  # the KV-cache append: a module of its own
 DIMS = ("batch", "q_len", "kv_len", "kv_heads")
 
 
@@ -80,6 +81,8 @@ def row_head(plan: Plan) -> str:
 
 def key_tile(plan: Plan, tile: str) -> str:
     """The K tile index of visit `tile` (the loop variable, or "0" for the prologue)."""
+    if plan.block_mask:
+        return "kv_tile"  # bound by visit_lines from the block mask's lists
     if not has_first_tile(plan):
         return tile
     return "first_tile" if tile == "0" else f"(first_tile + {tile})"
@@ -274,6 +277,8 @@ def masked_visit_expr(plan: Plan) -> tuple[str, str]:
     with a branch, not a masked and an unmasked copy of the loop: TileLang's layout inference grows
     with the square of a warpgroup's tile operations, and the copy made the lowering 1.3 to 1.4
     times slower (docs/build.md)."""
+    if plan.block_mask:
+        return BLOCK_MASK_TEST
     if plan.mask_expr is not None:
         return "", ""  # a custom mask_mod masks every visit, unconditionally
     if lead_tiles_expr(plan):
@@ -292,7 +297,7 @@ def steady_loops(plan: Plan) -> tuple[list[str], list[dict]]:
     (docs/build.md)."""
     spec = plan.spec
     if spec.steady_loop == "one":  # also every spec with nothing to split (make_plan resolves it to "one")
-        mask = "always" if plan.mask_expr is not None else "test" if masks_some_tile(spec) else "never"
+        mask = "always" if plan.mask_expr is not None and not plan.block_mask else "test" if masks_some_tile(spec) else "never"
         return [], [{"start": "1", "end": "n_tiles", "comment": "", "mask": mask}]
     masked = {"end": "n_tiles", "comment": "diagonal and partial tiles: masked", "mask": "always"}
     if not lead_tiles_expr(plan):
@@ -315,6 +320,9 @@ def first_tile_expr(plan: Plan) -> str:
 def n_tiles_expr(plan: Plan) -> str:
     """K tiles a block of query rows visits (with its comment): the window's or the diagonal's, and
     at least one (a block whose rows see no key runs one fully masked tile)."""
+    if plan.block_mask:
+        return (tiles.text(tiles.at_least_one(tiles.add(tiles.Sym("bm_partial_n", 0), tiles.Sym("bm_full_n", 0))))
+                + "  # the block mask's partial and full tiles of this Q tile; >= 1: a Q tile with none runs one masked visit")
     stop = tile_frame(plan).kv_stop(block_rows(plan))
     windowed_first = windowed(plan) and has_first_tile(plan)
     visits = _visits(plan, stop) if windowed_first else stop
@@ -324,6 +332,56 @@ def n_tiles_expr(plan: Plan) -> str:
     if n != visits:  # the clamp is not proven redundant: say why it is there
         return tiles.text(n) + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
     return tiles.text(n)
+
+
+# -- a call-time block mask (FlexAttention's BlockMask): the visits are its listed tiles -------------
+# Each agent (the producer warp, every consumer warpgroup) walks the two ascending lists of its Q
+# tile, partial (KV_indices) and full (Full_kv_indices), with a cursor per list, and visits the lower
+# head first: the tiles in ascending order, the dense kernel's order, so that skipping the empty
+# tiles (which add exactly 0 and rescale by exactly 1 there) leaves every bit of the result as it was.
+BLOCK_MASK_TEST = ("partial", "a partial tile of the block mask: masked (a full tile needs no mask)")
+
+
+def block_mask_setup(plan: Plan) -> list[str]:
+    """The block's row of the block mask (a batch or head extent of 1 broadcasts) and its counts."""
+    if not plan.block_mask:
+        return []
+    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
+            "bm_h = T.min(head, bm_heads - 1)",
+            "bm_partial_n = KV_num_blocks[bm_b, bm_h, q_block]  # KV tiles of this Q tile that the mask cuts",
+            "bm_full_n = Full_kv_num_blocks[bm_b, bm_h, q_block]  # KV tiles it sees whole"]
+
+
+def visit_init(plan: Plan) -> list[str]:
+    """An agent's cursors into the two lists, before its first visit."""
+    if not plan.block_mask:
+        return []
+    return ['bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of KV_indices (partial tiles)',
+            'bm_next_f = T.alloc_var("int32", 0)  # and of Full_kv_indices (full tiles)']
+
+
+def visit_lines(plan: Plan) -> list[str]:
+    """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
+    if not plan.block_mask:
+        return []
+    row = "bm_b, bm_h, q_block"
+    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, KV_indices[{row}, T.min(bm_next_p, bm_kv_tiles - 1)], bm_kv_tiles)"
+            "  # the next partial tile (bm_kv_tiles: none left)",
+            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, Full_kv_indices[{row}, T.min(bm_next_f, bm_kv_tiles - 1)], bm_kv_tiles)"
+            "  # the next full tile",
+            "kv_tile = T.min(T.min(bm_p, bm_f), bm_kv_tiles - 1)  # the lower of the two: tiles in ascending order",
+            "partial = bm_p <= bm_f  # equal only when both lists are spent: a Q tile with no tile runs one masked visit",
+            "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
+            "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
+
+
+def visit_comments(plan: Plan) -> tuple[str, str]:
+    """What the prologue's and the steady loop's visits are, for their comments."""
+    if plan.block_mask:
+        return "the block mask's first listed tile", "visit k (the block mask's k-th listed tile, kv_tile)"
+    if has_first_tile(plan):
+        return "the first visited tile", "visit k (K tile first_tile + k)"
+    return "tile 0", "tile k"
 
 
 def split_exprs(plan: Plan) -> dict:
@@ -438,7 +496,7 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
         if t.output and plan.split_kv:
             continue  # the combine kernel writes the LSE
         dims = [t.dim(a) for a in range(len(t.shape))]
-        lines.append(_tensor(t.param, dims, '"float32"',
+        lines.append(_tensor(t.param, dims, f'"{t.dtype}"',
                              "output: log-sum-exp per row, natural log" if t.output else f"call time: {t.name}"))
     if plan.varlen:
         lines.append(_tensor("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"))
@@ -484,7 +542,7 @@ def block_setup(plan: Plan) -> list[str]:
                   "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
     if per_sequence(plan) and has_offset(plan):
         lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
-    return lines
+    return lines + block_mask_setup(plan)
 
 
 def has_offset(plan: Plan) -> bool:
@@ -501,6 +559,8 @@ def q_box(plan: Plan, g: int) -> str:
 
 
 def kv_tile_setup(plan: Plan, tile: str) -> list[str]:
+    if plan.block_mask:
+        return visit_lines(plan)
     if not plan.page_size:
         return []
     t = key_tile(plan, tile)
@@ -540,6 +600,8 @@ def consumer_args(plan: Plan) -> str:
         names.append("q_start")
     if plan.split_kv:
         names.append("split_idx")
+    if plan.block_mask:
+        names += ["q_block", "bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
     names.append("softmax_scale")
     return ", ".join(names)
 
@@ -639,10 +701,13 @@ def header_lines(plan: Plan) -> list[str]:
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
     ]
-    inputs = [t for t in plan.extra if not t.output]
+    inputs = [t for t in plan.extra if not t.output and t.dtype == "float32"]
     if inputs:  # a free axis takes any extent >= 1
         lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
                      + " (float32, passed by name at call time)")
+    if plan.block_mask:
+        lines.append("block mask: " + ", ".join(f"{t.name} [{', '.join(t.shape)}]" for t in plan.extra if t.dtype == "int32")
+                     + " (int32, by name at call time; bm_batch, bm_heads: 1 or the call's)")
     lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]
     lines.append("=" * 78)
@@ -655,6 +720,8 @@ def template_context(plan: Plan) -> dict:
     has_masked = masks_some_tile(spec)
     dv = "HEAD_DIM" if plan.head_dim_v == spec.head_dim else "HEAD_DIM_V"
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
+    if plan.block_mask:
+        free_dims += list(BLOCK_MASK_AXES)
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     return {
@@ -704,7 +771,12 @@ def template_context(plan: Plan) -> dict:
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),
-        "visits_from_first_tile": has_first_tile(plan),
+        "first_visit_comment": visit_comments(plan)[0],
+        "visit_comment": visit_comments(plan)[1],
+        "block_mask": plan.block_mask,
+        "first_visit_mask": BLOCK_MASK_TEST if plan.block_mask else ("", ""),
+        "visit_init": visit_init(plan),
+        "visit_setup": visit_lines(plan),
         "grid": grid(plan),
         "block_vars": block_vars(plan),
         "block_setup": block_setup(plan),
@@ -757,6 +829,75 @@ def _numbered(name: str, err: jinja2.TemplateError) -> str:
     lo, hi = (max(0, lineno - 4), min(len(text), lineno + 3)) if lineno else (0, 0)
     shown = "\n".join(f"{'>' if i + 1 == lineno else ' '}{i + 1:5d} | {text[i]}" for i in range(lo, hi))
     return f"{name}:{lineno}: {err}\n{shown}"
+
+
+# -- the KV-cache append kernel (fa3_kv_append.py.j2) ------------------------------------------
+def cache_slot(key: str, batch: str = "batch_idx") -> str:
+    """The paged cache row (page, row in page) of key position `key` of sequence `batch`: the
+    serving ABI's rule, key t of sequence b is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE]
+    (docs/serving.md). The forward's kv_tile_setup is its tile form (a K tile is BLOCK_N keys of one
+    page); serving.cache_slots is its host side."""
+    return f"block_table[{batch}, ({key}) // PAGE_SIZE], ({key}) % PAGE_SIZE"
+
+
+def append_context(plan: AppendPlan) -> dict:
+    """Names of the append kernel: grid (ceildiv(seqlen_new, APPEND_ROWS), kv_heads, batch); block
+    (x, y, z) copies new rows [x R, x R + R) of KV head y of sequence z to cache positions
+    cache_seqlens[z] + those rows, through the block table."""
+    new = "r0 + i"
+    position = f"start + {new}"
+    params = [_tensor("K_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM"], "DTYPE",
+                      "written in place: the appended rows only"),
+              _tensor("V_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM_V"], "DTYPE",
+                      "written in place: the appended rows only"),
+              _tensor("K_new", ["batch", "seqlen_new", "kv_heads", "HEAD_DIM"], "DTYPE"),
+              _tensor("V_new", ["batch", "seqlen_new", "kv_heads", "HEAD_DIM_V"], "DTYPE"),
+              _tensor("block_table", ["batch", "max_pages"], '"int32"',
+                      "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"),
+              _tensor("cache_seqlens", ["batch"], '"int32"',
+                      "keys of sequence b before the append: its new keys go to positions cache_seqlens[b] ..")]
+    header = [
+        "=" * 78,
+        "attngen auto-generated kernel: do not edit; emitted by attngen.render.render_append_source.",
+        f"kernel:    {plan.name}",
+        f"generator: attngen {__version__}, template {APPEND_TEMPLATE}",
+        "role:      flash_attn_with_kvcache(k=, v=): appends the new keys and values into the paged cache",
+        "shape:     dynamic: batch, seqlen_new, kv_heads, num_pages, max_pages are runtime values",
+        f"fields:    dtype {plan.dtype}, head_dim {plan.head_dim}, head_dim_v {plan.head_dim_v}, "
+        f"page_size {plan.page_size}",
+        "=" * 78,
+    ]
+    return {
+        "header": header,
+        "kernel_name": plan.name,
+        "dtype": plan.dtype,
+        "head_dim": plan.head_dim,
+        "head_dim_v": plan.head_dim_v,
+        "page_size": plan.page_size,
+        "rows": plan.rows,
+        "threads": plan.threads,
+        "compile_flags": plan.compile_flags,
+        "dims": ["batch", "seqlen_new", "kv_heads", "num_pages", "max_pages"],
+        "params": params,
+        "grid": "T.ceildiv(seqlen_new, APPEND_ROWS), kv_heads, batch",
+        "block_vars": "row_block, kv_head, batch_idx",
+        "setup": ["r0 = row_block * APPEND_ROWS  # this block's first new row",
+                  "start = cache_seqlens[batch_idx]  # the sequence's keys before the append"],
+        "stores": [{"cache": "K_cache", "new": "K_new", "dim": "HEAD_DIM"},
+                   {"cache": "V_cache", "new": "V_new", "dim": "HEAD_DIM_V"}],
+        "guard": f"{new} < seqlen_new",
+        "new_index": f"batch_idx, {new}, kv_head, d",
+        "cache_index": f"{cache_slot(position)}, kv_head, d",
+    }
+
+
+def render_append_source(plan: AppendPlan) -> str:
+    """The emitted TileLang source of the append kernel (its own module: build_append_kernel())."""
+    template = environment().get_template(APPEND_TEMPLATE)
+    try:
+        return template.render(**append_context(plan))
+    except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
+        raise TemplateError(_numbered(APPEND_TEMPLATE, e)) from e
 
 
 def output_path(plan: Plan, out_dir: str | Path) -> Path:

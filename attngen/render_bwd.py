@@ -10,6 +10,10 @@ scores name their rows and keys that way. docs/backward.md describes each kernel
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import jinja2
+
 from attngen import expr, hw, tiles
 from attngen.plan import BackwardPlan, plan_backward
 from attngen.render import (TemplateError, _numbered, _tensor, environment, has_offset, mod_at, score_text,
@@ -445,17 +449,12 @@ def render_backward_source(spec_or_plan, shape=None) -> str:
     template = environment().get_template(TEMPLATE)
     try:
         return template.render(**template_context(bp))
-    except Exception as e:  # a bug in attngen, never the user's input
-        import jinja2
-
-        if isinstance(e, jinja2.TemplateError):
-            raise TemplateError(_numbered(TEMPLATE, e)) from e
-        raise
+    except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
+        raise TemplateError(_numbered(TEMPLATE, e)) from e
 
 
-def generate_backward(spec_or_plan, out_dir="generated", shape=None):
-    from pathlib import Path
-
+def generate_backward(spec_or_plan, out_dir="generated", shape=None) -> Path:
+    """Write the emitted backward module under `out_dir` (fa3_bwd_<name>.py); return its path."""
     bp = as_backward_plan(spec_or_plan, shape)
     path = Path(out_dir) / f"{bp.name}.py"
     write_if_different(path, render_backward_source(bp))

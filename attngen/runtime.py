@@ -37,12 +37,12 @@ from attngen.cache import RUNTIME, cache_key, cache_root, locked, package_versio
 from attngen.hw import CAPABILITY, DTYPES
 # The input checks live in attngen/inputs.py, shared with the CPU model (attngen.emulate);
 # re-exported here, where the GPU path's callers have always found them.
-from attngen.inputs import (check_extra, check_layout, check_serving_tensors, check_tensors,  # noqa: F401
-                            extra_dims, packed_strides)
+from attngen.inputs import (check_append_tensors, check_extra, check_layout, check_serving_tensors,  # noqa: F401
+                            check_tensors, extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
-from attngen.plan import Plan, Shape, as_plan
+from attngen.plan import AppendPlan, Plan, Shape, append_plan, as_plan
 from attngen.reference import InputError, resolve_scale  # noqa: F401  (re-exported: attngen.runtime.InputError)
-from attngen.render import render_source
+from attngen.render import render_append_source, render_source
 from attngen.spec import Spec, check_keys
 from attngen.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
@@ -433,24 +433,37 @@ def _build(plan: Plan, source: str | None = None) -> Kernel:
                   combine_jit=combine_jit)
 
 
-def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | None = None, require: bool = False):
+def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | None = None, require: bool = False,
+                 kernels: dict | None = None):
     """Build (under the entry's lock: one build per entry across processes) and store the entry;
     returns (jit, combine jit, origin). `require`: a kernel whose entry cannot be stored is an error
-    (precompile's whole point), where a first call would still run it."""
+    (precompile's whole point), where a first call would still run it. `kernels`: part -> the
+    module's builder (default: build_kernel, and build_combine_kernel for a split spec)."""
+    parts = kernels
+    if parts is None:
+        parts = {"main": "build_kernel"}
+        if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
+            parts["combine"] = "build_combine_kernel"
+    jits, origin = _built_parts(plan, source, entry, parts, module_name=module_name, require=require)
+    return jits["main"], jits.get("combine"), origin
+
+
+def _built_parts(plan, source: str, entry: Path, parts: dict, *, module_name: str | None = None,
+                 require: bool = False) -> tuple[dict, str]:
+    """Build each prim_func of the emitted module (`parts`: part -> its builder, e.g. main ->
+    build_kernel) and store them as one entry; returns ({part: jit}, origin). `plan` is a forward
+    Plan, a BackwardPlan or an AppendPlan (name, shape, compile_flags)."""
     with locked(entry.parent / f".{entry.name}.lock"):
         if (entry / "meta.json").exists():  # another process built it while we waited
-            return (*_load_entry(entry, plan), "disk")
+            return _load_parts(entry, plan), "disk"
         import tilelang
         from tvm.target import Target
 
         name = plan.name if plan.shape is None else f"{plan.name}_static"
         module = load_module(source, module_name or name)
         target = Target(TARGET)
-        kernels = {"main": "build_kernel"}
-        if serving.serving_fields(plan).split:  # the split-KV kernel's partials are merged by a second prim_func
-            kernels["combine"] = "build_combine_kernel"
         built, start = {}, time.time()
-        for part, builder in kernels.items():
+        for part, builder in parts.items():
             with target:  # T.tma_copy and the sm_90a intrinsics need the arch while the TIR is built
                 prim_func = getattr(module, builder)()
             # out_idx=None (not [3]): the caller's `out` buffer is passed in, so tests can poison it;
@@ -463,9 +476,10 @@ def _built_entry(plan: Plan, source: str, entry: Path, *, module_name: str | Non
             raise RuntimeError(f"{name}: TileLang wrote no kernel-cache entry to copy into {entry.parent} "
                                "(is TileLang's cache disabled? unset TILELANG_DISABLE_CACHE)")
         # TileLang's entry appears by an atomic rename during its build: one older than this call was loaded
-        tl_entry = getattr(built["main"][1], "_tilelang_cache_path", None)
+        first = next(iter(parts))
+        tl_entry = getattr(built[first][1], "_tilelang_cache_path", None)
         origin = "disk" if tl_entry and os.path.isdir(tl_entry) and os.stat(tl_entry).st_mtime < start else "compiled"
-        return built["main"][1], built.get("combine", (None, None))[1], origin
+        return {part: jit for part, (_, jit) in built.items()}, origin
 
 
 def _store_entry(entry: Path, built: dict, pass_configs: dict) -> bool:
@@ -510,6 +524,12 @@ LIBRARIES = ("executable.so", "kernel_lib.so")  # TileLang's library file, by ex
 def _load_entry(entry: Path, plan: Plan) -> tuple:
     """(jit, combine jit or None) from a runtime entry, the way TileLang loads its own disk cache:
     no lowering, no nvcc, no emitted code run."""
+    jits = _load_parts(entry, plan)
+    return jits["main"], jits.get("combine")
+
+
+def _load_parts(entry: Path, plan) -> dict:
+    """{part: jit} of a runtime entry (a forward Plan's or a BackwardPlan's compile flags)."""
     import tilelang  # noqa: F401  (first: it puts its bundled tvm on the path)
     import tvm
     from tilelang.engine.param import load_kernel_params
@@ -530,7 +550,221 @@ def _load_entry(entry: Path, plan: Plan) -> tuple:
             target=Target(TARGET), target_host=None, out_idx=None, execution_backend=info["execution_backend"],
             pass_configs=meta["pass_configs"], compile_flags=list(plan.compile_flags),
         )
-    return jits["main"], jits.get("combine")
+    return jits
+
+
+# -- the backward kernels (docs/backward.md): preprocess, main, postprocess --------------------------
+
+def backward_part(builder: str) -> str:
+    """A backward module's part name from its builder: build_kernel -> main, build_dq_kernel -> dq, ..."""
+    return "main" if builder == "build_kernel" else builder.removeprefix("build_").removesuffix("_kernel")
+
+
+@dataclasses.dataclass(eq=False)
+class BackwardKernel:
+    """The compiled backward module of a spec: its kernels by part (render_bwd.entries: preprocess,
+    main, then postprocess, or with deterministic = true the dq kernel and with sinks the dsinks
+    kernel, and for GQA/MQA the dK/dV postprocess). `run` launches them in order on CUDA tensors."""
+
+    plan: object  # plan.BackwardPlan
+    jits: dict  # part -> tilelang JITKernel
+    cache_path: str | None
+    origin: str
+    compile_seconds: float
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def run(self, q, k, v, out, lse, dout, *, extra=(), softmax_scale: float, call=None) -> tuple:
+        """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) for the
+        forward (out, lse [B, H, Sq]) that the plan's forward kernel returned. `extra` are the
+        forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
+        the caller (attngen.ops: the forward's checks, dout and lse against out). The launches
+        and their arguments follow emulate_backward's (docs/backward.md, "The kernels' parameters");
+        a varlen call passes its checked ServingCall (packed q [total_q, H, D], lse [H, total_q])."""
+        torch = _torch()
+        bp = self.plan
+        varlen = bp.forward.varlen
+        if (call is not None) != varlen:
+            raise InputError("call", "a serving call" if call is not None else None,
+                             "a varlen call's checked ServingCall for a varlen spec, else none")
+        names = [t.name for t in bp.forward.extra if not t.output]
+        tensors = dict(zip(names, extra))
+        h, d = int(q.shape[-2]), int(q.shape[-1])
+        f32 = dict(dtype=torch.float32, device=q.device)
+        rows = (h, int(q.shape[0])) if varlen else (int(q.shape[0]), h, int(q.shape[1]))  # render_bwd.rows_shape
+        seq = []
+        if varlen:  # every kernel takes the prefix sums and the longest sequence's rows and keys (last but the scale)
+            given = dict(zip(call.arg_names, call.args))
+            max_k = int(call.kv_lens.max()) if call.kv_lens is not None and len(call.kv_lens) else 0
+            seq = [given["cu_seqlens_q"], given["cu_seqlens_k"], int(call.max_seqlen_q), max_k]
+        dpsum, lse2 = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        # deterministic: the dq kernel computes dQ in order, no accumulator; else the preprocess zeroes it
+        dq_accum = None if bp.deterministic else torch.empty(q.shape, **f32)
+        accum = [] if dq_accum is None else [dq_accum]
+        pre = [out, dout, lse, dpsum, lse2] + accum
+        dsinks = torch.zeros((h,), **f32) if bp.spec.sinks else None
+        if bp.spec.sinks and not bp.deterministic:  # the preprocess subtracts each row's share (atomics)
+            pre += [tensors["sinks"], dsinks]
+        if bp.kv_accum:  # summed over each KV head's query heads by atomics: start at zero
+            dk_main, dv_main = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
+        elif varlen:  # rows past the last sequence are padding no block writes
+            dk_main, dv_main = torch.zeros_like(k), torch.zeros_like(v)
+        else:
+            dk_main, dv_main = torch.empty_like(k), torch.empty_like(v)
+        calls = [tensors[n] for n in names if n != "sinks"] + seq
+        scale = [float(softmax_scale)]
+        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + calls + scale
+        dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
+        with torch.cuda.device(q.device):
+            self.jits["preprocess"](*(_detach(a) for a in pre + seq))
+            self.jits["main"](*(_detach(a) for a in main))
+            if bp.deterministic:
+                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls + scale))
+            else:
+                self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
+            if bp.deterministic and bp.spec.sinks:  # one block per head sums the rows in order
+                self.jits["dsinks"](*(_detach(a) for a in [lse, dpsum, tensors["sinks"], dsinks] + seq))
+            if bp.kv_accum:
+                dk, dv = torch.zeros_like(k) if varlen else torch.empty_like(k), \
+                    torch.zeros_like(v) if varlen else torch.empty_like(v)
+                self.jits["postprocess_kv"](*(_detach(a) for a in [dk_main, dv_main, dk, dv] + seq))
+            else:
+                dk, dv = dk_main, dv_main
+        return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
+
+
+_bwd_memo: dict = {}
+
+
+def _backward_build(spec_or_plan):
+    """(backward plan, its emitted module, its runtime entry, its parts)."""
+    from attngen.render_bwd import as_backward_plan, entries, render_backward_source
+
+    if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    bp = as_backward_plan(spec_or_plan)
+    text = render_backward_source(bp)
+    return bp, text, {backward_part(builder): builder for builder in entries(bp)}
+
+
+def precompile_backward(spec_or_plan, *, cache_dir=None) -> Precompiled:
+    """precompile() for the spec's backward module: every part into one runtime entry, so that
+    compile_backward (and autograd through attngen.attention) in a later process only loads it."""
+    bp, text, parts = _backward_build(spec_or_plan)
+    start = time.time()
+    entry = runtime_entry(bp, text, cache_dir=cache_dir)
+    if (entry / "meta.json").exists():
+        return Precompiled(entry, True, time.time() - start)
+    _built_parts(bp, text, entry, parts, require=True)
+    return Precompiled(entry, False, time.time() - start)
+
+
+def compile_backward(spec_or_plan) -> BackwardKernel:
+    """The backward module of a spec (or forward Plan, or BackwardPlan), JIT-built for sm_90a
+    through the attngen cache (a runtime entry of its own) and memoized per process. A spec the
+    backward refuses (paged KV, split-KV, ...) is the backward plan's SpecError."""
+    if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
+        raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
+    # looked up before planning and rendering: a call of the op pays a dict lookup here
+    key = ("bwd", spec_or_plan.spec, getattr(spec_or_plan, "shape", None)) if not isinstance(spec_or_plan, Spec) \
+        else ("bwd", spec_or_plan, None)
+    with _memo_lock:
+        if key in _bwd_memo:
+            return _bwd_memo[key]
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key in _bwd_memo:
+            return _bwd_memo[key]
+        bp, text, parts = _backward_build(spec_or_plan)
+        entry = runtime_entry(bp, text)
+        start = time.time()
+        try:
+            if (entry / "meta.json").exists():
+                jits, origin = _load_parts(entry, bp), "disk"
+            else:
+                jits, origin = _built_parts(bp, text, entry, parts)
+        except Exception as e:
+            raise KernelBuildError(_failure_message(bp, e)) from None
+        kernel = BackwardKernel(bp, jits, str(entry), origin, time.time() - start)
+        with _memo_lock:
+            _bwd_memo[key] = kernel
+        return kernel
+
+
+# -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------
+
+
+@dataclasses.dataclass(eq=False)
+class AppendKernel:
+    """The compiled append kernel of one cache kind (dtype, head dims, page size): it writes
+    k, v into a paged cache in place (render.render_append_source, its own module)."""
+
+    plan: AppendPlan
+    jit: object  # tilelang JITKernel of build_append_kernel
+    cache_path: str | None
+    origin: str  # "compiled" or "disk", as Kernel.origin
+    compile_seconds: float
+
+    def launch(self, call: serving.AppendCall, k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+        """Launch on a checked call (append_kv's checks); nothing for an append of no key."""
+        torch = _torch()
+        if call.empty:  # seqlen_new = 0: an empty grid would be a launch error
+            return
+        with torch.cuda.device(k_cache.device):
+            self.jit(*(_detach(a) for a in (k_cache, v_cache, k, v, block_table, cache_seqlens)))
+
+
+_append_memo: dict[AppendPlan, AppendKernel] = {}
+
+
+def compile_append(plan: AppendPlan) -> AppendKernel:
+    """The append kernel for sm_90a, from the attngen cache's runtime entry or built (and stored)
+    as the forward's are; memoized per process."""
+    with _memo_lock:
+        if plan in _append_memo:
+            return _append_memo[plan]
+        lock = _key_locks.setdefault(plan, threading.Lock())
+    with lock:
+        if plan in _append_memo:
+            return _append_memo[plan]
+        text = render_append_source(plan)
+        entry = runtime_entry(plan, text)
+        start = time.time()
+        try:
+            if (entry / "meta.json").exists():
+                jit, _ = _load_entry(entry, plan)
+                origin = "disk"
+            else:
+                jit, _, origin = _built_entry(plan, text, entry, kernels={"main": "build_append_kernel"})
+        except Exception as e:
+            raise KernelBuildError(_failure_message(plan, e)) from None
+        kernel = AppendKernel(plan=plan, jit=jit, cache_path=str(entry), origin=origin,
+                              compile_seconds=time.time() - start)
+        with _memo_lock:
+            _append_memo[plan] = kernel
+        return kernel
+
+
+def check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens) -> tuple[serving.AppendCall, AppendPlan]:
+    """Every check of a GPU append, no launch: shapes and values (serving.check_append, one host copy
+    of each int32 tensor), dtypes and layouts (inputs.check_append_tensors), one sm_90 device."""
+    call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    dtype = check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    check_device({"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+                  "cache_seqlens": cache_seqlens})
+    return call, append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+
+
+def append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> serving.AppendCall:
+    """Write k, v [batch, seqlen_new, kv_heads, D(v)] into the paged CUDA caches k_cache/v_cache
+    [num_pages, page_size, kv_heads, D(v)] in place, at positions cache_seqlens[b] .. + seqlen_new - 1
+    through block_table (int32 [batch, max_pages]); returns the checked call (its seqused_k is
+    cache_seqlens + seqlen_new, what the attention then reads)."""
+    call, plan = check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    compile_append(plan).launch(call, k_cache, v_cache, k, v, block_table, cache_seqlens)
+    return call
 
 
 def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
@@ -645,7 +879,9 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
 
 __all__ = [
-    "CAPABILITY", "InputError", "Kernel", "KernelBuildError", "Precompiled", "attention", "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
+    "AppendKernel", "BackwardKernel", "CAPABILITY", "InputError", "Kernel", "append_kv", "check_append_call",
+    "compile_append", "compile_backward", "precompile_backward", "KernelBuildError", "Precompiled", "attention",
+    "precompile", "runtime_entry", "check_device", "check_extra", "check_layout",
     "check_serving_call", "check_serving_tensors", "check_tensors", "check_written", "compile_kernel", "extra_dims",
     "launch_arguments", "serving_outputs", "serving_overrides", "spec_for", "torch_dtype", "spec_dtype",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from attngen import hw
-from attngen.plan import DEFAULT_PAGE_SIZE
+from attngen.plan import APPEND_ROWS, DEFAULT_PAGE_SIZE
 from attngen.reference import EPS, TINY, Check, InputError, attention, check_close, check_lse, round_to, to_numpy
 
 LAYOUTS = ("bshd", "varlen")
@@ -532,6 +532,116 @@ def _check_limits(call: ServingCall, qs, ks, vs) -> None:
             raise InputError(f"{name}.numel()", n, f"at most {hw.INT32_MAX}: the kernel indexes with int32{hint}")
 
 
+# -- the KV-cache append (flash_attn_with_kvcache's k=, v=) ----------------------------------------
+def cache_slots(block_table_row: np.ndarray, positions: np.ndarray, page_size: int) -> tuple:
+    """(pages, rows) of key positions of one sequence in a paged cache, the ABI's rule (key t of
+    sequence b is row t % page_size of page block_table[b, t // page_size]); the host side of
+    render.cache_slot, for checks (disjoint appends, ownership)."""
+    positions = np.asarray(positions, np.int64)
+    return np.asarray(block_table_row)[positions // page_size].astype(np.int64), positions % page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendCall:
+    """One validated append: k, v [batch, seqlen_new, kv_heads, D(v)] into a paged cache."""
+
+    batch: int
+    seqlen_new: int
+    kv_heads: int
+    page_size: int
+    head_dim: int
+    head_dim_v: int
+    dims: dict  # the append kernel's T.dynamic extents
+    cache_seqlens: np.ndarray  # int64 (batch,): keys before the append
+    block_table: np.ndarray  # int32 host copy
+
+    @property
+    def seqused_k(self) -> np.ndarray:
+        """Each sequence's keys after the append: what the attention then reads."""
+        return self.cache_seqlens + self.seqlen_new
+
+    @property
+    def empty(self) -> bool:
+        return self.seqlen_new == 0
+
+    @property
+    def grid(self) -> tuple:
+        return (-(-self.seqlen_new // APPEND_ROWS), self.kv_heads, self.batch)
+
+    def slots(self) -> tuple:
+        """(pages, rows) of every appended key, sequence by sequence: the cache rows the append writes."""
+        positions = self.cache_seqlens[:, None] + np.arange(self.seqlen_new)[None, :]
+        got = [cache_slots(self.block_table[b], positions[b], self.page_size) for b in range(self.batch)]
+        return (np.concatenate([p for p, _ in got]), np.concatenate([r for _, r in got]))
+
+
+def check_append(k_cache, v_cache, k, v, block_table, cache_seqlens) -> AppendCall:
+    """Validate an append into a paged cache k_cache/v_cache [num_pages, page_size, kv_heads, D(v)]
+    of k, v [batch, seqlen_new, kv_heads, D(v)] at cache_seqlens[b] (int32 [batch]) through
+    block_table (int32 [batch, max_pages]): shapes, int dtypes, every sequence fits its listed
+    pages, the written pages exist, and no two sequences write one cache row (their stores would
+    race). Each failure is one InputError; dtypes and layouts of the float tensors are inputs.py's."""
+    cs, vcs, ks, vs = (_shape(x, n) for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v")))
+    cache_text = "[num_pages, page_size, kv_heads, head_dim]"
+    new_text = "[batch, seqlen_new, kv_heads, head_dim]"
+    for name, s, text in (("k_cache", cs, cache_text), ("v_cache", vcs, cache_text), ("k", ks, new_text), ("v", vs, new_text)):
+        if len(s) != 4:
+            raise InputError(f"{name}.shape", list(s), f"4 dimensions {text}")
+    if vcs[:-1] != cs[:-1]:
+        raise InputError("v_cache.shape", list(vcs), f"{[*cs[:-1], vcs[-1]]}: k_cache's shape but the head dim")
+    num_pages, page_size, kv_heads, head_dim = cs
+    head_dim_v = vcs[-1]
+    if num_pages < 1:
+        raise InputError("k_cache.shape[0] (num_pages)", num_pages, "at least 1")
+    if ks[2:] != (kv_heads, head_dim):
+        raise InputError("k.shape", list(ks), f"[batch, seqlen_new, {kv_heads}, {head_dim}]: the cache's kv_heads and head_dim")
+    if vs[:3] != ks[:3] or vs[3] != head_dim_v:
+        raise InputError("v.shape", list(vs), f"{[*ks[:3], head_dim_v]}: k's shape with v_cache's head dim")
+    batch, seqlen_new = ks[0], ks[1]
+    if batch < 1:
+        raise InputError("k.shape[0] (batch)", batch, "at least 1")
+    bt_shape = _int_tensor("block_table", block_table, "[batch, max_pages]", 2)
+    if bt_shape[0] != batch:
+        raise InputError("block_table.shape[0] (batch)", bt_shape[0], f"{batch}, k's batch")
+    su_shape = _int_tensor("cache_seqlens", cache_seqlens, "[batch]", 1)
+    if su_shape[0] != batch:
+        raise InputError("cache_seqlens.shape[0] (batch)", su_shape[0], f"{batch}, k's batch")
+    table = _host("block_table", block_table)
+    lens = _host("cache_seqlens", cache_seqlens).astype(np.int64)
+    capacity = bt_shape[1] * page_size
+    bad = np.flatnonzero((lens < 0) | (lens + seqlen_new > capacity))
+    if bad.size:
+        b = int(bad[0])
+        raise InputError(f"cache_seqlens[{b}]", int(lens[b]),
+                         f"0 to {capacity - seqlen_new}: {seqlen_new} new keys must fit the sequence's "
+                         f"max_pages x page_size = {bt_shape[1]} x {page_size} = {capacity} rows")
+    positions = lens[:, None] + np.arange(seqlen_new)[None, :]  # [batch, seqlen_new]: where each new key goes
+    cols = positions // page_size
+    pages = np.take_along_axis(table.astype(np.int64), cols, axis=1)
+    bad = np.argwhere((pages < 0) | (pages >= num_pages))
+    if bad.size:
+        b, t = (int(x) for x in bad[0])
+        raise InputError(f"block_table[{b}, {int(cols[b, t])}]", int(pages[b, t]),
+                         f"a page in [0, {num_pages}): sequence {b} appends keys into it")
+    slots = (pages * page_size + positions % page_size).reshape(-1)
+    order = np.argsort(slots, kind="stable")
+    dup = np.flatnonzero(slots[order][1:] == slots[order][:-1])
+    if dup.size:
+        first, second = (int(order[i]) // max(seqlen_new, 1) for i in (dup[0], dup[0] + 1))
+        slot = int(slots[order[dup[0]]])
+        raise InputError("block_table", f"page {slot // page_size} row {slot % page_size} for sequences {first} and {second}",
+                         "pages that no two sequences append into (their writes would race)")
+    dims = {"batch": batch, "seqlen_new": seqlen_new, "kv_heads": kv_heads, "num_pages": num_pages,
+            "max_pages": bt_shape[1]}
+    for name, n in (("k_cache", math.prod(cs)), ("v_cache", math.prod(vcs)), ("k", math.prod(ks))):
+        if n > hw.INT32_MAX:
+            raise InputError(f"{name}.numel()", n, f"at most {hw.INT32_MAX}: the kernel indexes with int32")
+    if kv_heads > hw.GRID_YZ_MAX or batch > hw.GRID_YZ_MAX:
+        raise InputError("kv_heads, batch", f"{kv_heads}, {batch}", f"each at most {hw.GRID_YZ_MAX} (grid y and z)")
+    return AppendCall(batch=batch, seqlen_new=seqlen_new, kv_heads=kv_heads, page_size=page_size, head_dim=head_dim,
+                      head_dim_v=head_dim_v, dims=dims, cache_seqlens=lens, block_table=table)
+
+
 # -- the reference, one sequence at a time -------------------------------------------------------
 def sequence(q, k, v, call: ServingCall, b: int):
     """Sequence b as dense BSHD arrays q [1, q_len, H, D], k and v [1, kv_len, HKV, D(V)] (numpy),
@@ -768,7 +878,7 @@ def random_serving_inputs(layout: str, paged: bool, page_size: int | None, dtype
 
 
 __all__ = [
-    "DEFAULT_PAGE_SIZE", "KEYWORDS", "LAYOUTS", "MAX_SPLITS", "Serving", "ServingCall", "ServingCheck", "ServingInputs",
-    "check_serving", "check_serving_close", "choose_splits", "random_serving_inputs", "sequence", "serving_fields",
+    "AppendCall", "DEFAULT_PAGE_SIZE", "KEYWORDS", "LAYOUTS", "MAX_SPLITS", "Serving", "ServingCall", "ServingCheck", "ServingInputs",
+    "cache_slots", "check_append", "check_serving", "check_serving_close", "choose_splits", "random_serving_inputs", "sequence", "serving_fields",
     "serving_reference",
 ]

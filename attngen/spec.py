@@ -94,6 +94,9 @@ class Spec:
     head_dim_v: int | None = None  # V and O head dim; None: head_dim
     score_mod: str = ""  # expression over score, b, h, q_idx, kv_idx and call-time tensors (attngen/expr.py)
     mask_mod: str = ""  # boolean expression over b, h, q_idx, kv_idx and call-time tensors
+    # true: the kernel takes a block mask at call time (FlexAttention's kv_num_blocks/kv_indices and
+    # full_*, int32): it loads only the listed KV tiles and runs mask_mod on the partial ones only
+    block_mask: bool = False
     # Serving (docs/serving.md); at their defaults they too leave the kernel byte-identical.
     layout: str = "bshd"  # "varlen": q, k, v packed (total, heads, D) with cu_seqlens at call time
     paged_kv: bool = False  # K and V in a paged cache (num_pages, page_size, kv_heads, D) with a block_table
@@ -131,7 +134,7 @@ class Spec:
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 STEADY_LOOPS = ("one", "split")
 VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
-                    "head_dim_v": None, "score_mod": "", "mask_mod": "",
+                    "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
                     "deterministic": False}
 
@@ -200,7 +203,7 @@ def check_fields(s: Spec) -> None:
 
 
 def check_variant_fields(s: Spec) -> None:
-    for field in ("lse", "alibi", "sinks", "deterministic"):
+    for field in ("lse", "alibi", "sinks", "block_mask", "deterministic"):
         _need_bool(s, field)
     w = s.window
     valid = "expected [left, right], two integers >= -1 (-1: unbounded on that side)"
@@ -243,6 +246,7 @@ def check_serving_fields(s: Spec) -> None:
         if not 1 <= s.splits <= MAX_SPLITS:
             raise SpecError("splits", s.splits, f'expected an integer from 1 to {MAX_SPLITS}, or "auto" (chosen per call)')
     serving = s.layout != "bshd" or s.paged_kv
+    check_block_mask_field(s)
     if serving and s.aligned:
         raise SpecError("aligned", s.aligned, "varlen and paged kernels read each sequence's length at call time; "
                         "aligned = true needs tile-multiple lengths known ahead")
@@ -252,6 +256,24 @@ def check_serving_fields(s: Spec) -> None:
     if s.splits != 1 and s.window != (-1, -1):
         raise SpecError("splits", s.splits, "split-KV with a sliding window is not supported; use splits = 1 "
                         "(a window already bounds each row's keys)")
+
+
+def check_block_mask_field(s: Spec) -> None:
+    """A block mask lists the tiles of its mask_mod; causal, a window and the serving layouts have
+    tile ranges of their own, which the block mask's lists would have to be merged with (not done)."""
+    if not s.block_mask:
+        return
+    if not s.mask_mod.strip():
+        raise SpecError("block_mask", s.block_mask, "needs a mask_mod: the partial tiles of the block mask run it")
+    if s.causal:
+        raise SpecError("causal", s.causal, "false with block_mask = true: write causality into the mask_mod "
+                        "(q_idx >= kv_idx), whose tiles the block mask lists")
+    if s.window != (-1, -1):
+        raise SpecError("window", s.window, "[-1, -1] with block_mask = true: write the window into the mask_mod")
+    for field in ("layout", "paged_kv", "splits"):
+        if getattr(s, field) != VARIANT_DEFAULTS[field]:
+            raise SpecError(field, getattr(s, field), f"{toml_value(VARIANT_DEFAULTS[field])} with block_mask = true "
+                            "(a block mask serves bshd, dense, unsplit kernels)")
 
 
 def serving_field(s: Spec) -> tuple:

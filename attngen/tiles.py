@@ -437,6 +437,13 @@ def tile_states(visible: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     return np.where(seen == 0, EMPTY, np.where(seen == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
 
 
+def mask_states(visible_rows, q_len: int, block_m: int, block_n: int) -> np.ndarray:
+    """tile_states of a mask given one row of tiles at a time (memory: one row of tiles):
+    visible_rows(q0, q1) is the boolean mask of query rows q0..q1-1, [..., q1 - q0, kv_len]."""
+    return np.concatenate([tile_states(visible_rows(q0, min(q0 + block_m, q_len)), block_m, block_n)
+                           for q0 in range(0, q_len, block_m)], axis=-2)
+
+
 def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of tiles [..., rows, cols] of booleans: (counts [..., rows], indices [..., rows, cols]),
     each row's selected columns ascending, then padded with the remaining columns ascending (as
@@ -444,3 +451,38 @@ def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = selected.sum(axis=-1).astype(np.int32)
     order = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
     return counts, order
+
+
+def retile_states(states: np.ndarray, block: tuple, kernel: tuple, lengths: tuple) -> np.ndarray:
+    """Tile states [..., nq, nk] of a block mask's (bq, bk) tiles as states of (block_m, block_n)
+    tiles, per axis a whole multiple or a whole divisor of the mask's block. A larger tile is EMPTY
+    when every block in it is, FULL when every one is (a block past the grid counts EMPTY: it
+    runs past a length), else PARTIAL. A smaller tile takes its block's state, except that a
+    FULL block's piece past a length is PARTIAL; a PARTIAL block's pieces stay PARTIAL (some may be
+    empty or full: masked anyway, so exact, only less is skipped)."""
+    st = states
+    for axis, (b, t, n) in enumerate(zip(block, kernel, lengths)):
+        ax = st.ndim - 2 + axis
+        tiles_needed = ceildiv(n, t)
+        if t >= b:
+            f = t // b
+            pad = [(0, 0)] * st.ndim
+            pad[ax] = (0, tiles_needed * f - st.shape[ax])
+            fine = np.pad(st, pad, constant_values=EMPTY)
+            fine = fine.reshape(*fine.shape[:ax], tiles_needed, f, *fine.shape[ax + 1:])
+            empty, full = (fine == EMPTY).all(axis=ax + 1), (fine == FULL).all(axis=ax + 1)
+            st = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        else:
+            st = np.take(np.repeat(st, b // t, axis=ax), np.arange(tiles_needed), axis=ax)
+    kq, kk = kernel
+    q_len, kv_len = lengths
+    if q_len % kq:  # a tile past a length is never FULL
+        st[..., -1, :] = np.where(st[..., -1, :] == FULL, PARTIAL, st[..., -1, :])
+    if kv_len % kk:
+        st[..., :, -1] = np.where(st[..., :, -1] == FULL, PARTIAL, st[..., :, -1])
+    return st
+
+
+def retiles(block: int, kernel: int) -> bool:
+    """Can a block mask's block be seen as kernel tiles (one a whole multiple of the other)?"""
+    return kernel % block == 0 or block % kernel == 0

@@ -98,7 +98,7 @@ fi
 export ATTNGEN_HYPOTHESIS_PROFILE=gpu
 "${PY[@]}" -c "import pytest_timeout" 2>/dev/null && PYTEST_SELECT+=(--timeout=90)  # the H200 image has it
 stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 \
-  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_serving.py tests/test_ops.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
+  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_serving.py tests/test_ops.py tests/test_ops_backward.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
 TEST_RC=${PIPESTATUS[0]}
 
 # 6. compute-sanitizer racecheck and synccheck on one small launch of two presets (skipped in a dry run)

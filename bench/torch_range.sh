@@ -10,7 +10,8 @@
 # Then the CPU tests that touch torch: the runtime's input checks (and its slow test, which
 # compiles a kernel through tilelang.compile in two processes), the CPU model's torch
 # in/torch out path, the torch SDPA oracle of the reference tests, and the custom ops
-# (tests/test_ops.py: torch.library, compile, export and opcheck, whose APIs move between releases).
+# (tests/test_ops.py, tests/test_ops_backward.py: torch.library, compile, export, opcheck and autograd,
+# whose APIs move between releases).
 # The venv lives in /tmp (TORCH_RANGE_VENV to move it); PyPI's Linux torch wheels are CUDA
 # builds (about 2.5 GB with their nvidia-* requirements for 2.4.0); they import without a GPU.
 set -euo pipefail
@@ -32,5 +33,5 @@ fi
 cd "$ROOT"
 # -p no:cacheprovider: leave the checkout as it was (python -m puts the checkout first on sys.path,
 # so the tests run this attngen; the install above brought its requirements)
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_runtime_validation.py tests/test_reference.py tests/test_ops.py \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_runtime_validation.py tests/test_reference.py tests/test_ops.py tests/test_ops_backward.py \
     "tests/test_emulator.py::test_torch_in_torch_out_numpy_in_numpy_out"

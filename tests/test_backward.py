@@ -16,7 +16,7 @@ from attngen import tiles
 from attngen.emulator import HazardError, emulate_backward
 from attngen.emulator.driver import variant_inputs
 from attngen.plan import make_plan, plan_backward
-from attngen.reference import variant_of
+from attngen.reference import InputError, variant_of
 from attngen.reference_bwd import check_grads
 from attngen.render import render_source
 from attngen.render_bwd import q_range, render_backward_source
@@ -297,11 +297,23 @@ def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
     heads = 2 * spec.gqa_group
     q, k, v, tensors = variant_inputs(plan, 1, heads, 2, 150, 170, 0)
     dout = np.random.default_rng(9).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
-    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, **tensors)
-            for s, p in [(0, "random"), (5, "random"), (1, "producer-first"), (2, "consumers-first")]]
+    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, block_order=o, **tensors)
+            for s, p, o in [(0, "random", "grid"), (5, "random", "shuffled"), (1, "producer-first", "shuffled"),
+                            (2, "consumers-first", "shuffled")]]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert np.array_equal(a, b)
+
+
+def test_without_deterministic_the_dq_bits_depend_on_the_block_order():
+    """The check above can fail: the reduce-adds of dQ sum in the order the blocks run."""
+    spec = Spec(head_dim=64, causal=True)
+    q, k, v, _ = variant_inputs(make_plan(spec), 1, 2, 2, 300, 300, 0)
+    dout = np.random.default_rng(9).standard_normal(q.shape).astype(np.float32)
+    grid = emulate_backward(spec, q, k, v, dout, seed=0)
+    shuffled = emulate_backward(spec, q, k, v, dout, seed=5, block_order="shuffled")
+    assert not np.array_equal(grid[0], shuffled[0])
+    assert np.array_equal(grid[1], shuffled[1]) and np.array_equal(grid[2], shuffled[2])  # dK, dV: one block each
 
 
 def test_deterministic_leaves_the_forward_kernel_and_hash_alone():
@@ -371,3 +383,29 @@ def test_a_column_split_dq_added_into_the_wrong_columns_fails():
     assert old in text
     _, checks = run_case(spec, 70, 90, source=text.replace(old, "dQ_accum[batch_idx, m0:m0 + BLOCK_M, head, 0:DK_COLS]"))
     assert not checks["dq"].ok and checks["dk"].ok
+
+
+def test_given_out_and_lse_skip_the_forward_with_the_same_result():
+    spec = Spec(head_dim=64, causal=True)
+    plan = plan_backward(spec)
+    q, k, v, _ = variant_inputs(plan.forward, 1, 2, 2, 90, 120, 0)
+    dout = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+    out, lse = attngen.emulate(plan.forward, q, k, v)
+    given = emulate_backward(spec, q, k, v, dout, out=out, lse=lse)
+    for a, b in zip(given, emulate_backward(spec, q, k, v, dout)):
+        assert np.array_equal(a, b)
+    with pytest.raises(InputError, match="lse"):
+        emulate_backward(spec, q, k, v, dout, out=out)
+    with pytest.raises(InputError, match="dout"):
+        emulate_backward(spec, q, k, v, dout[:, :-1], out=out, lse=lse)
+
+
+def test_a_score_mod_tensor_that_requires_grad_is_refused():
+    torch = pytest.importorskip("torch")
+    spec = Spec(head_dim=64, score_mod="score + rel_bias[h, min(max(q_idx - kv_idx, -255), 255) + 255]")
+    plan = make_plan(spec)
+    q, k, v, tensors = variant_inputs(plan, 1, 2, 2, 40, 40, 0)
+    dout = np.ones(q.shape, np.float32)
+    bias = torch.from_numpy(tensors["rel_bias"]).requires_grad_()
+    with pytest.raises(InputError, match="rel_bias.*requires grad"):
+        emulate_backward(spec, q, k, v, dout, rel_bias=bias)

@@ -512,3 +512,53 @@ def test_a_forward_kernel_gives_the_same_output_in_any_block_order():
     assert np.isfinite(grid).all()
     with pytest.raises(ValueError, match="block_order"):
         emulate_stats(spec, q, k, v, block_order="backwards")
+
+
+CLI_KERNEL = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+
+    @T.prim_func
+    def one_key(Q: T.Tensor([1, q_len, 1, 128], "float16"), K: T.Tensor([1, kv_len, 1, 128], "float16"),
+                V: T.Tensor([1, kv_len, 1, 128], "float16"), O: T.Tensor([1, q_len, 1, 128], "float16"),
+                softmax_scale: T.float32):
+        with T.Kernel(1, threads=128) as bx:
+            S = T.alloc_shared([32, 128], "float16")
+            F = T.alloc_fragment([64, 128], "float")
+            G = T.alloc_fragment([32, 128], "float")
+            T.fill(F, 0)
+            T.copy(F, O[0, 0:64, 0, :])
+            for i, d in T.Parallel(32, 128):
+                T.atomic_add(O[0, i, 0, d], V[0, 0, 0, d])  # one key: every row's output is v[0]
+            for i, d in T.Parallel(32, 128):
+                G[i, d] = V[0, 0, 0, d]
+            T.copy(G, S)
+            T.fence_proxy_async()
+            T.sync_threads(1, 128)
+            T.atomic_add(O[0, 32:64, 0, :], S, use_tma=True)
+
+    return one_key
+'''
+
+
+def test_the_cli_prints_atomics_and_reduce_adds(tmp_path, capsys):
+    import argparse
+
+    from attngen.emulator import command
+
+    spec_path, source = tmp_path / "spec.toml", tmp_path / "one_key.py"
+    spec_path.write_text("head_dim = 128\n")
+    source.write_text(CLI_KERNEL)
+    args = argparse.Namespace(spec=str(spec_path), batch=1, heads=None, kv_heads=1, q_len=64, kv_len=1, seed=0,
+                              policy="random", source=str(source))
+    assert command(args) == 0
+    out = capsys.readouterr().out
+    assert "1 atomics, 1 TMA reduce-adds" in out and "PASS" in out, out
+    source.write_text(CLI_KERNEL.replace("T.atomic_add(O[0, i, 0, d], V[0, 0, 0, d])", "pass"))
+    assert command(args) == 1  # rows 0..31 stay 0: the check sees the atomics' values
+    assert "1 TMA reduce-adds" in capsys.readouterr().out

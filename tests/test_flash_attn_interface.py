@@ -181,7 +181,6 @@ REFUSED = [  # (function, the argument, a value that attngen cannot serve)
     *[(f, "sm_margin", 4) for f in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")],
     ("flash_attn_varlen_func", "seqused_q", T), ("flash_attn_varlen_func", "seqused_k", T),
     ("flash_attn_varlen_func", "attention_chunk", 16), ("flash_attn_with_kvcache", "attention_chunk", 16),
-    ("flash_attn_with_kvcache", "k", T), ("flash_attn_with_kvcache", "v", T),
     ("flash_attn_with_kvcache", "cu_seqlens_k_new", T), ("flash_attn_with_kvcache", "rotary_cos", T),
     ("flash_attn_with_kvcache", "rotary_sin", T), ("flash_attn_with_kvcache", "rotary_seqlens", T),
     ("flash_attn_with_kvcache", "cache_leftpad", T), ("flash_attn_with_kvcache", "scheduler_metadata", T),
@@ -205,10 +204,11 @@ def test_an_fa3_argument_attngen_cannot_serve_is_refused_by_name(name, arg, valu
     assert "\n" not in msg
 
 
-def test_k_and_v_given_say_the_append_kernel_does_not_exist_yet():
+def test_k_and_v_are_appended_together():  # the append itself: tests/test_kv_append.py
     q, k, v = QKV
-    with pytest.raises(InputError, match="companion kernel"):
-        fa.flash_attn_with_kvcache(q, k, v, k=k, v=v, cache_seqlens=3)
+    for given, missing in (({"k": k[:, :1]}, "v"), ({"v": v[:, :1]}, "k")):
+        with pytest.raises(InputError, match=f"^{missing} = NoneType: .*appended together"):
+            fa.flash_attn_with_kvcache(q, rand(1, 16, 2, D), rand(1, 16, 2, D), cache_seqlens=3, **given)
 
 
 @pytest.mark.parametrize("name", sorted(FA3))

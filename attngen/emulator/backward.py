@@ -47,6 +47,10 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
     sm_scale = check_scale(resolve_scale(softmax_scale, scale, head_dim=spec.head_dim), spec.head_dim)
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
+    for n, t in named.items():  # only sinks get a gradient; the other call-time tensors are constants
+        if n != "sinks" and getattr(t, "requires_grad", False):
+            raise InputError(n, "a tensor that requires grad", "a constant: the backward gives no gradient for "
+                             "alibi_slopes or a score_mod/mask_mod tensor (detach it)")
     if (out is None) != (lse is None):
         raise InputError("out" if out is None else "lse", "None", "both out and lse, or neither (the forward then runs)")
     varlen = bp.forward.varlen

@@ -50,6 +50,8 @@ class Stats:
     tma: int = 0
     atomics: int = 0  # T.atomic_add statements executed by a warpgroup (register and shared sources)
     reduce_adds: int = 0  # TMA reduce-adds: T.atomic_add(..., use_tma=True)
+    k_tiles: int = 0  # TMA loads from the kernel's K tensor: the K tiles the blocks loaded
+    k_tiles_by_cta: dict = dataclasses.field(default_factory=dict)  # (x, y, z) -> K tiles that block loaded
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
@@ -216,7 +218,7 @@ class Runtime:
                 c += 1
 
         digest = hashlib.sha1()
-        counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0}
+        counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0, "k_tiles": 0}
         launch = Launch()  # the blocks of this launch are unordered: their global accesses are checked across
         gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
         blocks = [(bx, by, bz) for bz in range(gz) for by in range(gy) for bx in range(gx)]
@@ -240,6 +242,7 @@ class Runtime:
             for b in tensors:
                 b.tracker = tracker
             sched.on_finish = self._finish_agent
+            k_before = counters["k_tiles"]
             self.cta = CTA(index, tuple(grid), threads, tracker, counters)
             self.sched = sched
             sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
@@ -248,6 +251,7 @@ class Runtime:
                                   "(their mbarrier phase never completed)\n"
                                   f"{tracker.pending_report()}\n  where: {self.context}")
             launch.end()
+            stats.k_tiles_by_cta[index] = counters["k_tiles"] - k_before
             digest.update(repr(sched.trace).encode())
             stats.ctas += 1
             stats.handovers += len(sched.trace)
@@ -255,6 +259,7 @@ class Runtime:
         stats.tma += counters["tma"]
         stats.atomics += counters["atomic"]
         stats.reduce_adds += counters["reduce_add"]
+        stats.k_tiles += counters["k_tiles"]
         stats.schedule = digest.hexdigest()[:16]
         self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]
@@ -355,6 +360,60 @@ def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int, ser
     return owner
 
 
+def append_ownership(call, rows_per_block: int):
+    """The ownership rule of the KV-cache append kernel: block (x, y, z) owns, in K_cache and V_cache,
+    the cache rows of new keys [x R, x R + R) (below seqlen_new) of sequence z at KV head y, found
+    through the block table at positions cache_seqlens[z] + those rows (serving.cache_slots). It may
+    write nothing else: not another row, head or page, not K_new, V_new or the int tensors."""
+    from attngen.serving import cache_slots
+
+    shape = (call.dims["num_pages"], call.page_size, call.kv_heads, 1)
+
+    def owner(index, name):
+        if name not in ("K_cache", "V_cache"):
+            return np.False_
+        x, y, z = index
+        new = np.arange(x * rows_per_block, min((x + 1) * rows_per_block, call.seqlen_new))
+        pages, rows = cache_slots(call.block_table[z], call.cache_seqlens[z] + new, call.page_size)
+        mask = np.zeros(shape, bool)
+        mask[pages, rows, y] = True
+        return mask
+
+    return owner
+
+
+def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: int = 0, policy: str = "random",
+                   source: str | None = None, stats: Stats | None = None):
+    """Run the KV-cache append kernel (render.render_append_source) on the CPU model: k, v
+    [batch, seqlen_new, kv_heads, D(v)] into the paged caches [num_pages, page_size, kv_heads, D(v)]
+    at cache_seqlens[b] through block_table. Returns the caches as the kernel left them (float32
+    numpy arrays holding the cache dtype's values; the caller copies them back for in-place
+    semantics). Every store is held to append_ownership: a write outside the block's appended rows
+    is a KernelError. Inputs are checked first (serving.check_append, inputs.check_append_tensors)."""
+    from attngen.plan import append_plan
+    from attngen.render import render_append_source
+    from attngen.serving import check_append
+
+    seed = check_seed(seed)
+    if policy not in POLICIES:
+        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    dtype = call_checks.check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, cpu=True)
+    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+    caches = [_host_array(x) for x in (k_cache, v_cache)]
+    if call.empty:  # no new key: nothing to launch
+        return caches[0], caches[1]
+    text = render_append_source(plan) if source is None else source
+    stats = stats if stats is not None else Stats()
+    inputs = caches + [_host_array(x) for x in (k, v)] + [call.block_table, call.cache_seqlens.astype(np.int32)]
+    t0 = time.perf_counter()
+    rt = Runtime(text, f"<emitted {plan.name}>", call.dims)
+    rt.run(inputs, seed=seed, policy=policy, stats=stats, entry="build_append_kernel",
+           owner=append_ownership(call, plan.rows))
+    stats.seconds += time.perf_counter() - t0
+    return rt.tensors["K_cache"], rt.tensors["V_cache"]
+
+
 # -- public API ----------------------------------------------------------------------------
 def _host_array(x) -> np.ndarray:
     """A checked input (inputs.py) as the float32 array the emulator's buffers take."""
@@ -396,6 +455,8 @@ def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
 
 
 def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
+    from attngen.plan import BLOCK_MASK_AXES
+
     """`args` + the LSE output and the checked call-time tensors (docs/variants.md), in parameter
     order; a free axis's extent joins `dims` (its T.dynamic)."""
     given = iter(extra)
@@ -404,8 +465,9 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
             if not plan.split_kv:  # a split kernel's LSE_partial is already in; the combine writes the LSE
                 args.append(None)
             continue
-        x = _host_array(next(given))
-        dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
+        x = next(given)
+        x = np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+        dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None or a in BLOCK_MASK_AXES})
         args.append(x)
     return args
 
@@ -526,7 +588,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
     tensors = {}
     for t in plan.extra:
-        if t.output:
+        if t.output or t.dtype == "int32":  # a block mask's lists: from the mask_mod, below
             continue
         if t.name == "alibi_slopes":
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
@@ -535,7 +597,26 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.float32)
+    if plan.block_mask:
+        tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
     return q, k, v, tensors
+
+
+def block_mask_lists(plan, batch: int, heads: int, q_len: int, kv_len: int, tensors: dict) -> dict:
+    """A block-mask kernel's four int32 lists for its own mask_mod over these lengths and tensors
+    (what attngen.create_block_mask computes: tiles.mask_states, tiles.tile_lists)."""
+    from attngen import expr, tiles
+
+    def rows(q0, q1):
+        env = {"b": np.arange(batch)[:, None, None, None], "h": np.arange(heads)[None, :, None, None],
+               "q_idx": np.arange(q0, q1)[None, None, :, None], "kv_idx": np.arange(kv_len)[None, None, None, :]}
+        return np.broadcast_to(expr.evaluate(plan.mask_expr, env, tensors), (batch, heads, q1 - q0, kv_len))
+    st = tiles.mask_states(rows, q_len, plan.spec.block_m, plan.spec.block_n)
+    out = {}
+    for prefix, state in (("", tiles.PARTIAL), ("full_", tiles.FULL)):
+        counts, idx = tiles.tile_lists(st == state)
+        out[f"{prefix}kv_num_blocks"], out[f"{prefix}kv_indices"] = counts, idx
+    return out
 
 
 def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,

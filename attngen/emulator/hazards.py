@@ -452,9 +452,9 @@ CONFLICTS = ((WRITE, ATOMIC_RMW), (READ, WRITE, ATOMIC_RMW), (READ, WRITE))
 
 class _Touched:
     """Which elements of one global tensor earlier CTAs of the launch touched, by kind of access:
-    an int32 map per kind holding the id of the last access (-1: none). Reads are kept as a log
-    and written into their map only when a write or an atomic needs it (inputs, only ever read,
-    never get one)."""
+    an int32 map per kind holding the id of the last access (-1: none). Reads of boxes are kept as
+    a log and written into their map only when a write or an atomic needs it (inputs, only ever
+    read by TMA, never get one)."""
 
     __slots__ = ("maps", "reads")
 
@@ -514,9 +514,9 @@ class Launch:
             t = self.touched.get(buf)
             if t is None:
                 t = self.touched[buf] = _Touched()
-            if mode == READ:
-                t.reads.append((index, rid))
-            else:
+            if mode == READ and all(isinstance(x, (slice, int)) for x in index):
+                t.reads.append((index, rid))  # a box: cheap to keep until a write or an atomic needs it
+            else:  # element gathers keep index arrays: put them in their map now, not in memory until then
                 t._put(buf, mode, [(index, rid)])
         self.pending = []
 

@@ -372,6 +372,19 @@ class TLang:
         name = rt.alloc_name(self._site())
         return Buffer(name, shape, dtype, "fragment", owner=rt.agent, tracker=rt.cta.tracker)
 
+    def alloc_var(self, dtype, *args, scope="local.var", init=None):
+        """A per-thread scalar variable (a block mask's cursors). TileLang reads the name as its
+        value and stores on assignment, so here it is the plain value: each agent runs its code in
+        order, and an assignment in a loop carries to the next iteration as on the GPU. Only
+        uniform values are modeled (what every thread of the warpgroup holds alike).
+        Positional forms as TileLang's: (dtype), (dtype, init), (dtype, scope), (dtype, init, scope)."""
+        if len(args) == 1 and not isinstance(args[0], str):
+            init = args[0]
+        elif len(args) == 2:
+            init = args[0]
+        value = 0 if init is None else init
+        return int(value) if str(dtype).startswith("int") else np.float32(value)
+
     def alloc_barrier(self, arrive_count):
         counts = list(arrive_count) if isinstance(arrive_count, (list, tuple)) else [arrive_count]
         cta = self._rt.cta
@@ -537,6 +550,8 @@ class TLang:
             if bar.complete_tx(nbytes):
                 self._land(bar)
             rt.cta.stats["tma"] += 1
+            if src.buf.name == "K":  # a K tile: what a block mask's skipped tiles save (Stats.k_tiles)
+                rt.cta.stats["k_tiles"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)

@@ -49,16 +49,17 @@ def sample_blocks(grid, chosen: int | None, limit: int) -> set | None:
 
 
 def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="random", source=None,
-           filename=None, blocks="auto", limit=64) -> Recording:
+           filename=None, blocks="auto", limit=64, tensors=None) -> Recording:
     """Emulate the plan's kernel (or `source`) on random inputs and record the blocks asked for (a set of
-    (x, y, z), or "auto": every block up to `limit`, else `limit` spread evenly)."""
+    (x, y, z), or "auto": every block up to `limit`, else `limit` spread evenly). `tensors`: the
+    call-time tensors by name (a mask_mod's, a block mask's lists), checked as the emulator checks them."""
     from attngen.reference import random_inputs
     from attngen.render import render_source
 
     spec = plan.spec
     heads = kv_heads * spec.gqa_group
     q, k, v = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
-    inputs, dims, _ = _prepare(plan, q, k, v)  # a bshd, dense kernel: no serving call
+    inputs, dims, _ = _prepare(plan, q, k, v, tensors)  # a bshd, dense kernel: no serving call
     grid = grid_of(plan, dims)
     wanted = sample_blocks(grid, None, limit) if blocks == "auto" else blocks
     text = render_source(plan) if source is None else source
