@@ -1,5 +1,8 @@
 """`attngen` command line: generate, show, diff, build, precompile, check, tune, emulate, timeline.
 
+`--backward` on show, generate, build and emulate selects the spec's backward module
+(attngen/cli_bwd.py); `check` runs both passes.
+
 Every user error (a bad spec, a bad shape or option, a missing file, a run too big for
 memory) is printed as one line, `attngen: error: ...`, naming the field or option, the
 value and what would be valid, with exit code 2; argparse's own errors (an unknown option,
@@ -43,13 +46,29 @@ def check_positive(args, *options: str) -> None:
 
 
 def cmd_generate(args) -> int:
+    from attngen.render_bwd import generate_backward
+
     check_dir_option("--output", args.output)
-    print(generate(plan_of(args.spec), args.output))
+    if args.presets:  # the goldens: every preset's forward kernel, each backward preset's backward module
+        if args.spec is not None:
+            raise InputError("--presets", args.spec, "no spec file beside it (it writes every preset)")
+        jobs = [] if args.backward else [(path, False) for path in preset_files()]
+        jobs += [(path, True) for path in backward_preset_files()]
+    elif args.spec is None:
+        raise InputError("SPEC", "none", "a spec file, or --presets")
+    else:
+        jobs = [(args.spec, args.backward)]
+    plans = [(plan_of(path), backward) for path, backward in jobs]  # every spec checked before a file is written
+    for plan, backward in plans:
+        print(generate_backward(plan, args.output) if backward else generate(plan, args.output))
     return 0
 
 
 def cmd_show(args) -> int:
-    sys.stdout.write(render_source(plan_of(args.spec)))
+    from attngen.render_bwd import render_backward_source
+
+    plan = plan_of(args.spec)
+    sys.stdout.write(render_backward_source(plan) if args.backward else render_source(plan))
     return 0
 
 
@@ -71,6 +90,12 @@ def cmd_build(args) -> int:
     if args.cuda:
         check_output_file("--cuda", args.cuda)
     shape = Shape.parse(args.shape) if args.shape else None  # a bad shape is one error, not one per kernel
+    if args.backward:
+        from attngen import cli_bwd
+
+        if args.cuda:
+            raise InputError("--cuda", args.cuda, "the forward kernel's CUDA only (drop --backward)")
+        return cli_bwd.build_command(make_plan(load(cli_bwd.only_one_spec(args.spec)), shape), args)
     if len(args.spec) > 1:  # several kernels: worker processes, progress on stderr, one row each
         if args.cuda:
             raise InputError("--cuda", args.cuda, "one spec file to write the CUDA of (it was given several)")
@@ -99,6 +124,21 @@ def preset_files() -> list:
         raise InputError("--presets", str(PRESETS), "a source checkout's examples/*.toml (the presets are not "
                          "installed with the package): pass the spec files instead")
     return [str(p) for p in found]
+
+
+# The backward presets: generated/ also holds their backward module (docs/backward.md, "Presets").
+# Chosen to cover the backward's features: hd128 causal (the default), hd64 without a mask, GQA
+# with sinks (dK/dV accumulators, dsinks), window + softcap, a score_mod (its symbolic
+# derivative), deterministic GQA with sinks (the dq and dsinks kernels), head_dim 192 with head_dim_v 128 (the column
+# split) and a varlen batch (packed training).
+BACKWARD_PRESETS = ("default", "hd64_f16_full_nopp", "hd128_bf16_gqa8_sinks", "hd128_f16_causal_window_softcap_lse",
+                    "hd128_f16_relbias_score_mod", "hd64_f16_gqa2_causal_sinks_deterministic", "hd192_dv128_bf16_causal",
+                    "varlen_hd128_bf16_causal")
+
+
+def backward_preset_files() -> list:
+    found = {Path(p).stem: p for p in preset_files()}
+    return [found[name] for name in BACKWARD_PRESETS]
 
 
 def _precompile_job(path: str, shape: str | None, cache_dir):
@@ -172,18 +212,26 @@ def build_verdicts(report: dict) -> list:
 
 
 def cmd_check(args) -> int:
-    """The main job: generate, build, and run the kernel on the CPU model against the fp64 reference."""
+    """The main job: generate, build, and run the kernel on the CPU model against the fp64 reference;
+    then the same for the backward kernels, where the backward supports the spec."""
+    from attngen import cli_bwd
     from attngen.build import build, format_report
 
     check_dir_option("--output", args.output)
     check_dir_option("--cache-dir", args.cache_dir)
     plan = plan_of(args.spec)
     check_run_args(plan, args)  # the CPU run's options, before generating or building anything
+    bp, refused = cli_bwd.backward_plan_or_reason(plan)
     print(f"generated  {generate(plan, args.output)}")
     result = build(plan, cache_dir=args.cache_dir)
     print(format_report(result.report))
     verdicts = build_verdicts(result.report)
     verdicts.append(emulate_verdict(plan, args))
+    if bp is None:
+        print(f"backward: not generated for this spec ({refused}); the forward is checked alone")
+    else:
+        heads, kv_heads, q_len, kv_len = run_shape(plan, args)
+        verdicts += cli_bwd.check_verdicts(bp, (heads, kv_heads, q_len, kv_len), args)
     for ok, what in verdicts:
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     failed = sum(not ok for ok, _ in verdicts)
@@ -285,6 +333,10 @@ def cmd_tune(args) -> int:
 def cmd_emulate(args) -> int:
     from attngen.emulator import command
 
+    if args.backward:
+        from attngen import cli_bwd
+
+        return cli_bwd.emulate_command(args, plan_of(args.spec))
     return command(args, plan_of(args.spec))
 
 
@@ -308,18 +360,24 @@ def parser() -> argparse.ArgumentParser:
     from attngen.emulator import POLICIES
 
     fmt = HelpFormatter
-    p = Parser(prog="attngen", description="FlashAttention-3 forward kernels for Hopper, from a spec.", formatter_class=fmt)
+    p = Parser(prog="attngen", description="FlashAttention-3 forward and backward kernels for Hopper, from a spec.",
+               formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"attngen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=lambda **kw: Parser(formatter_class=fmt, **kw))
 
     g = sub.add_parser("generate", help="write the emitted kernel source and print its path")
-    g.add_argument("spec", help="spec TOML file")
+    g.add_argument("spec", nargs="?", help="spec TOML file")
     g.add_argument("-o", "--output", default="generated", help="output directory")
+    g.add_argument("--backward", action="store_true", help="write the spec's backward module (fa3_bwd_<name>.py: preprocess, "
+                   "main and postprocess kernels, docs/backward.md) instead of its forward kernel")
+    g.add_argument("--presets", action="store_true", help="write every golden instead of one spec: each preset's forward "
+                   "kernel (examples/*.toml) and each backward preset's backward module (with --backward: those only)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("show", help="print the emitted kernel source")
     s.add_argument("spec", help="spec TOML file")
+    s.add_argument("--backward", action="store_true", help="print the spec's backward module instead of its forward kernel")
     s.set_defaults(func=cmd_show)
 
     d = sub.add_parser("diff", help="unified diff of two emitted sources")
@@ -334,6 +392,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV (default: dynamic shapes)")
     b.add_argument("--cuda", metavar="FILE", help="also write the lowered CUDA source to FILE")
     b.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    b.add_argument("--backward", action="store_true", help="build every kernel of one spec's backward module instead of "
+                   "its forward kernel: one row each (registers, spills, local and shared memory, setmaxnreg)")
     b.set_defaults(func=cmd_build)
 
     pc = sub.add_parser("precompile", help="fill the GPU runtime's kernel cache ahead of the first call (no GPU needed)")
@@ -345,12 +405,17 @@ def parser() -> argparse.ArgumentParser:
                     "(default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     pc.set_defaults(func=cmd_precompile)
 
-    c = sub.add_parser("check", help="generate, build and emulate a kernel; one verdict (the main job)")
+    c = sub.add_parser("check", help="generate, build and emulate a kernel and, where the backward supports the spec, "
+                       "its backward kernels; one verdict (the main job)",
+                       description="Generate, build and run on the CPU model the spec's forward kernel and, where the backward "
+                       "supports the spec, its backward kernels (docs/backward.md): each must build for sm_90a with 0 spills "
+                       "(setmaxnreg applied in the warp-specialised ones) and match the fp64 reference (the gradients under "
+                       "FlashAttention-3's rule); a spec the backward refuses (paged KV, split-KV, ...) is said so in one line.")
     c.add_argument("spec", help="spec TOML file")
     c.add_argument("-o", "--output", default="generated", help="where the emitted kernel is written")
     c.add_argument("--cache-dir", default=None, help="build cache directory (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
-    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU run (not a tile multiple)")
-    c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU run")
+    c.add_argument("--q-len", type=int, default=200, help="query length of the CPU runs (not a tile multiple)")
+    c.add_argument("--kv-len", type=int, default=333, help="key length of the CPU runs")
     c.add_argument("--seed", type=int, default=0, help="input and scheduler seed of the CPU run (>= 0)")
     c.add_argument("--softmax-scale", type=float, default=None,
                    help="the run-time softmax scale of the CPU run (default: 1/sqrt(head_dim))")
@@ -380,6 +445,8 @@ def parser() -> argparse.ArgumentParser:
                    "FILE is executed as Python with your privileges (like `python FILE`): only pass files you trust")
     e.add_argument("--softmax-scale", type=float, default=None,
                    help="the run-time softmax scale passed to the kernel and the reference (default: 1/sqrt(head_dim))")
+    e.add_argument("--backward", action="store_true", help="run the spec's backward kernels (after its forward) and compare "
+                   "dq, dk, dv (and dsinks) with the fp64 gradients; --source is then the backward module")
     e.set_defaults(func=cmd_emulate)
 
     from attngen.timeline.command import add_subcommand  # `attngen timeline` (docs/timeline.md)

@@ -664,6 +664,10 @@ def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
             "K": stages * block_n * d * e, "V": stages * block_n * dv * e}
 
 
+FORWARD_ONLY_FIELDS = {"consumers": 2, "k_stages": 2, "v_stages": 2, "block_m": None, "block_n": None,
+                       "pingpong": None, "aligned": False, "steady_loop": "one"}
+
+
 def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True,
                   block_m: int | None = None, columns: bool | None = None) -> BackwardPlan:
     """The backward kernels' plan: FlashAttention-3's tile for the head dim, brought to this
@@ -681,7 +685,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     # that would let it skip tiles are not read yet; docs/backward.md)
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, block_mask=False), shape)
     forward_spec = forward.spec
-    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic)
+    # The backward's identity (name, hash, header): the fields its kernels read; the forward's own tiling,
+    # stages, ping-pong, alignment and loop form at their defaults, so specs that differ only there
+    # share one backward module (default and seed_parity did, under one name with two headers)
+    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, **FORWARD_ONLY_FIELDS)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3

@@ -26,6 +26,7 @@ LAYERS = {
     "lower": 4, "cache": 4, "inputs": 4, "render_bwd": 4,  # render_bwd: the backward module, on render's pieces
     "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
     "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
+    "cli_bwd": 6,  # the backward pass's commands and check verdicts, under cli
     "cli": 7, "flex": 7, "flash_attn_interface": 7,  # the front doors (docs/interfaces.md) over ops
 }
 TOP = {"attngen", "attngen.__main__"}

@@ -409,3 +409,27 @@ def test_a_score_mod_tensor_that_requires_grad_is_refused():
     bias = torch.from_numpy(tensors["rel_bias"]).requires_grad_()
     with pytest.raises(InputError, match="rel_bias.*requires grad"):
         emulate_backward(spec, q, k, v, dout, rel_bias=bias)
+
+
+def test_one_backward_name_is_one_text_over_every_preset_and_forward_only_field():
+    """The backward's name, hash and header depend only on what its kernels read: presets and specs
+    that differ in the forward's tiling, stages, ping-pong, alignment or loop form share one module
+    (default and seed_parity once had one name with two headers), and a backward field does change it."""
+    from pathlib import Path
+
+    from attngen.spec import load
+    texts = {}
+    for path in sorted(Path(__file__).resolve().parent.parent.glob("examples/*.toml")):
+        try:
+            bp = plan_backward(load(path))
+        except SpecError:
+            continue  # paged or split-KV: an inference layout
+        texts.setdefault(bp.name, set()).add(render_backward_source(load(path)))
+    assert texts and all(len(t) == 1 for t in texts.values()), [n for n, t in texts.items() if len(t) > 1]
+    base = Spec(causal=True)
+    variants = [dict(block_n=64), dict(k_stages=3, v_stages=3), dict(aligned=True), dict(steady_loop="split"),
+                dict(consumers=1), dict(pingpong=False)]
+    ref = render_backward_source(base)
+    for fields in variants:
+        assert render_backward_source(dataclasses.replace(base, **fields)) == ref, fields
+    assert render_backward_source(dataclasses.replace(base, deterministic=True)) != ref

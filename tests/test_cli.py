@@ -91,7 +91,8 @@ def test_check_passes_the_default_spec(tmp_path, capsys, build_cache):
     assert main(["check", str(DEFAULT), "-o", str(tmp_path), "--cache-dir", str(build_cache)]) == 0
     out = capsys.readouterr().out
     lines = verdict_lines(out)
-    assert len(lines) == 6 and all(line.startswith("PASS") for line in lines) and "all checks passed" in out
+    # 6 of the forward kernel, and the backward's: preprocess, main, postprocess kernels and the gradients
+    assert len(lines) == 10 and all(line.startswith("PASS") for line in lines) and "all checks passed" in out
 
 
 def test_check_fails_when_the_cpu_model_disagrees(tmp_path, capsys, monkeypatch, build_cache):

@@ -78,14 +78,14 @@ INT_VALUES = st.one_of(
     st.integers(-5, 300).map(str), st.sampled_from(["0", "-1", "1000000000", "70000", "12345678901234567890123", "1e9",
                                                     "abc", "", "3.5", "0x10", " 7", "--", "nan"]))
 OPTIONS = {
-    "generate": {"-o": "dir", "--output": "dir"},
-    "show": {},
+    "generate": {"-o": "dir", "--output": "dir", "--backward": None, "--presets": None},
+    "show": {"--backward": None},
     "diff": {},
-    "build": {"--json": None, "--shape": "shape", "--cuda": "file", "--cache-dir": "dir"},
+    "build": {"--json": None, "--shape": "shape", "--cuda": "file", "--cache-dir": "dir", "--backward": None},
     "precompile": {"-j": "small", "--shape": "shape", "--cache-dir": "dir"},  # one spec: in-process, like build
     "check": {"-o": "dir", "--cache-dir": "dir", "--q-len": "int", "--kv-len": "int", "--seed": "int"},
     "emulate": {"--batch": "small", "--heads": "small", "--kv-heads": "small", "--q-len": "len", "--kv-len": "len",
-                "--seed": "int", "--policy": "policy", "--source": "file"},
+                "--seed": "int", "--policy": "policy", "--source": "file", "--backward": None},
     "tune": {"--seq-len": "int", "--shape": "shape", "--dry-run": None, "--max-candidates": "small", "-j": "small",
              "--cache-dir": "dir", "--table": "out"},
     "timeline": {"--batch": "small", "--kv-heads": "small", "--q-len": "len", "--kv-len": "len", "--block": "small",
@@ -165,6 +165,7 @@ def no_nvcc(monkeypatch):
         raise attngen.build.BuildError("nvcc not run in the fuzz test (stubbed)")
 
     monkeypatch.setattr(attngen.build, "build", stub)
+    monkeypatch.setattr(attngen.build, "build_backward", stub)  # build --backward's kernels
     monkeypatch.setattr("attngen.tune.build", stub)  # tune's candidates too
     monkeypatch.setattr("attngen.runtime.precompile", stub)  # and precompile's TileLang build
 

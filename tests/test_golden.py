@@ -1,4 +1,5 @@
-"""generated/ holds each preset's emitted kernel; regenerating must be byte-identical."""
+"""generated/ holds each preset's emitted kernel, and each backward preset's backward module
+(attngen.cli.BACKWARD_PRESETS); regenerating must be byte-identical."""
 
 import importlib
 from pathlib import Path
@@ -6,10 +7,13 @@ from pathlib import Path
 import pytest
 
 import attngen
+from attngen.cli import BACKWARD_PRESETS
 from attngen.render import generate, write_if_different
+from attngen.render_bwd import as_backward_plan, generate_backward
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "examples").glob("*.toml"))
+BACKWARD = [ROOT / "examples" / f"{name}.toml" for name in BACKWARD_PRESETS]
 
 
 def test_there_are_enough_presets():
@@ -32,8 +36,31 @@ def test_generated_file_is_byte_identical(preset, tmp_path):
     assert golden.read_bytes() == fresh.read_bytes(), f"generated/{fresh.name} drifted from the generator: regenerate it"
 
 
+@pytest.mark.parametrize("preset", BACKWARD, ids=lambda p: p.stem)
+def test_generated_backward_module_is_byte_identical(preset, tmp_path):
+    fresh = generate_backward(attngen.load_spec(preset), tmp_path)
+    golden = ROOT / "generated" / fresh.name
+    assert golden.exists(), f"generated/{fresh.name} is missing: run `attngen generate --backward {preset.relative_to(ROOT)}`"
+    assert golden.read_bytes() == fresh.read_bytes(), f"generated/{fresh.name} drifted from the generator: regenerate it"
+
+
+def test_the_backward_presets_cover_the_backward_features():
+    plans = [as_backward_plan(attngen.load_spec(p)) for p in BACKWARD]
+    specs = [bp.spec for bp in plans]
+    assert {64, 128} <= {s.head_dim for s in specs} and {True, False} == {s.causal for s in specs}
+    assert {"float16", "bfloat16"} == {s.dtype for s in specs}
+    assert any(bp.kv_accum for bp in plans)  # GQA: dK/dV accumulators and their postprocess
+    assert any(s.gqa_group > 1 and s.deterministic and s.sinks for s in specs)  # the dq and dsinks kernels, GQA heads in one CTA
+    assert any(s.sinks for s in specs) and any(s.softcap for s in specs) and any(s.window != (-1, -1) for s in specs)
+    assert any(s.score_mod.strip() for s in specs)  # the symbolic derivative
+    assert any(bp.forward.head_dim_v != s.head_dim for bp, s in zip(plans, specs))  # head_dim_v 128 of head_dim 192
+    assert any(s.layout == "varlen" for s in specs)
+    assert len({bp.name for bp in plans}) == len(plans)  # one golden each
+
+
 def test_no_stale_generated_files():
     expected = {attngen.make_plan(attngen.load_spec(p)).name + ".py" for p in PRESETS}
+    expected |= {as_backward_plan(attngen.load_spec(p)).name + ".py" for p in BACKWARD}
     present = {p.name for p in (ROOT / "generated").glob("*.py")}
     assert present == expected
 

@@ -37,9 +37,18 @@ def default():
     return preset(PRESETS[0])
 
 
+def backward_preset(path):
+    from attngen.render_bwd import render_backward_source
+
+    spec = attngen.load_spec(ROOT / path)
+    return spec, render_backward_source(spec)
+
+
 @pytest.fixture(scope="module")
 def all_mutants():
-    return {path: (spec, generate(src)) for path in PRESETS for spec, src in [preset(path)]}
+    out = {path: (spec, generate(src)) for path in PRESETS for spec, src in [preset(path)]}
+    out[PRESETS[0] + " (backward)"] = (lambda spec, src: (spec, generate(src)))(*backward_preset(PRESETS[0]))
+    return out
 
 
 def t_calls(source, names):
@@ -137,3 +146,35 @@ def test_ci_subset_of_default_mutants_is_caught_or_documented_equivalent(default
             assert not detail.startswith("KERNEL ERROR: TypeError"), detail  # a broken generator, not a caught mutant
     caught = [i for i, o in outcomes.items() if o != "survived"]
     assert {"hazard", "deadlock", "numeric"} <= set(outcomes.values()) and len(caught) >= 20
+
+
+def test_the_backward_modules_tile_ranges_are_mutated():
+    """The backward's q_first, n_q, full_first and full_stop count as tile counts (mutants.TILE_NAME)."""
+    _, source = backward_preset(PRESETS[0])
+    ids = [m.id for m in generate(source) if m.op == "bound"]
+    for name in ("q_first", "n_q", "full_first", "full_stop"):
+        assert any(i.startswith(f"bound {name} + 1 in {name} = ") for i in ids), name
+    assert any("q_tile < full_first -> q_tile <= full_first" in i for i in ids)
+
+
+@pytest.mark.expensive
+def test_ci_subset_of_backward_mutants_is_caught_or_documented_equivalent():
+    """Every third mutant of the default preset's backward module on the bench's backward runs
+    (emulate_backward, check_grads); the unmodified module passes them all first."""
+    spec, source = backward_preset(PRESETS[0])
+    ms = bench_module()
+    runner = ms.BackwardRunner(spec)
+    for run in runner.runs:
+        assert runner.run_once(source, run) == "pass", run
+    subset = generate(source)[::3]
+    assert len(subset) >= 20
+    outcomes = {}
+    for m in subset:
+        outcome, detail, _ = runner.classify(m.source)
+        outcomes[m.id] = outcome
+        if outcome == "survived":
+            assert equivalent(m, spec), f"survived and not a documented equivalent: {m.describe()}"
+        else:
+            assert not detail.startswith("KERNEL ERROR: TypeError"), detail
+    caught = [i for i, o in outcomes.items() if o != "survived"]
+    assert {"hazard", "deadlock"} <= set(outcomes.values()) and len(caught) >= 12

@@ -319,3 +319,24 @@ def test_an_honest_result_in_another_summation_order_passes():
             assert not all(np.array_equal(a, b) for a, b in zip(grads[:3], twin[:3]))
         checks = check_grads(grads, q, k, v, dout, False, dtype=dtype, softcap=3.0)
         assert all(c.ok for c in checks.values()), {n: str(c) for n, c in checks.items()}
+
+
+def test_the_twin_takes_the_forward_output_the_kernel_read():
+    """check_grads(out=): the twin's D = rowsum(dO * O) uses that O (the kernel's forward output), so
+    its rounding of O is the kernel's; with the twin's own O the result is unchanged, and another O
+    changes the twin's dsinks."""
+    from attngen.reference import attention_lowprec
+
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal(s) for s in [(2, 9, 2, 16), (2, 30, 1, 16), (2, 30, 1, 16), (2, 9, 2, 16)])
+    sinks = rng.standard_normal(2)
+    low = attention_grad_lowprec(q, k, v, dout, True, "bfloat16", sinks=sinks)
+    own = round_to(attention_lowprec(*(round_to(x, "bfloat16") for x in (q, k, v)), True, "bfloat16", sinks=sinks), "bfloat16")
+    same = attention_grad_lowprec(q, k, v, dout, True, "bfloat16", out=own, sinks=sinks)
+    assert all(np.array_equal(a, b) for a, b in zip(low, same))
+    other = attention_grad_lowprec(q, k, v, dout, True, "bfloat16", out=own * 1.01, sinks=sinks)
+    assert not np.array_equal(other.dsinks, low.dsinks)
+    checks = check_grads(low, q, k, v, dout, True, dtype="bfloat16", out=own, sinks=sinks)
+    assert all(c.ok for c in checks.values())
+    with pytest.raises(InputError, match="out"):
+        check_grads(low, q, k, v, dout, True, dtype="bfloat16", out=own[:, :3], sinks=sinks)

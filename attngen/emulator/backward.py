@@ -28,9 +28,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     are given. Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
     tensors for torch input, else float32 numpy arrays holding values of the dtype. `seed` and
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
-    the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale);
-    `block_order` "shuffled" runs each kernel's blocks in a seeded order (float atomics, whose
-    sums depend on it, may then differ in their last bits; a deterministic spec's may not)."""
+    `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
+    on a GPU: a sum of float atomics from several blocks may vary with it);
+    the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
     from attngen.plan import Plan, plan_backward
     from attngen.render_bwd import render_backward_source
     from attngen.spec import Spec
@@ -43,6 +43,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     seed = check_seed(seed)
     if policy not in POLICIES:
         raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    if block_order not in BLOCK_ORDERS:
+        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
     sm_scale = check_scale(resolve_scale(softmax_scale, scale, head_dim=spec.head_dim), spec.head_dim)
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
     for n, t in named.items():  # only sinks get a gradient; the other call-time tensors are constants
@@ -89,8 +91,6 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         x = np.asarray(to_numpy(named[t.name]))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
     stats = stats if stats is not None else Stats()
-    if block_order not in BLOCK_ORDERS:
-        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
     run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, block_order=block_order)
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)

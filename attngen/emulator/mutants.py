@@ -11,9 +11,9 @@ lines, so line numbers of untouched code stay put):
 - parity: the parity argument of an mbarrier wait flipped (`^ 1`);
 - bound: a comparison in a mask (`T.if_then_else` inside `T.Parallel`) or in a test of a
   tile count shifted by one (`<` <-> `<=`, `>` <-> `>=`); an integer constant in a
-  tile-count expression (an assignment to a name containing "tiles" or "split", or the
-  bounds of a `T.serial` loop) moved by one either way; a tile-count assignment's whole
-  right-hand side plus or minus one.
+  tile-count expression (an assignment to a name containing "tiles" or "split", or to the
+  backward's q_first, n_q, full_first, full_stop, or the bounds of a `T.serial` loop) moved by
+  one either way; a tile-count assignment's whole right-hand side plus or minus one.
 
 Each mutant has a stable id built from the statement texts (comments stripped), not
 from line numbers, so lists of ids survive template edits that move lines.
@@ -32,7 +32,8 @@ WAITS = {"mbarrier_wait_parity", "barrier_wait", "wait_wgmma", "tma_store_wait"}
 BARRIERS = {"sync_threads"}
 FENCES = {"fence_proxy_async"}
 PARITY_WAITS = {"mbarrier_wait_parity", "barrier_wait"}
-TILE_NAME = re.compile(r"tiles|split")
+# tile counts: the forward's n_tiles, full_tiles, split; the backward's Q-tile range of a KV tile
+TILE_NAME = re.compile(r"tiles|split|^n_q$|^q_first$|^full_first$|^full_stop$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +273,23 @@ REASONS = {
     "mask-no-op": "masks more than needed only where the mask keeps everything anyway (a full tile masked, a tile "
                   "past every row's last key loaded and masked whole): exp2(-inf) = 0 leaves every sum as it was",
     "same-value": "the edited expression has the same value for every shape: ceildiv(max(x, 2), BLOCK_N) = "
-                  "ceildiv(max(x, 1), BLOCK_N)",
+                  "ceildiv(max(x, 1), BLOCK_N); the backward's floordiv(max(x, 1), BLOCK_M) = floordiv(max(x, 0), BLOCK_M)",
+    # the backward module (render_bwd)
+    "do-release-ordered-by-q": "the backward's producer waits for q_empty[stage] before it loads Q and then dO into the "
+                               "stage, and q_empty is arrived on after the wait_wgmma(0) that retires every wgmma "
+                               "reading the stage's dO too (wgmmas retire oldest first): do_empty orders nothing "
+                               "that q_empty does not",
+    "masked-extra-visit": "the backward's KV tile visits one Q tile more than it needs (before q_first or from q_stop "
+                          "on): no row of that tile sees the KV tile, the visit is masked (q_tile < full_first, "
+                          "q_tile >= full_stop or past q_len) and its mask keeps no entry, so P = dS = 0 and it adds "
+                          "nothing to dK, dV or dQ",
+    "phantom-row": "row q_len, past the end: TMA zero-fills its Q, dO, LSE2 and dPsum rows, so S = 0, P = exp2(0 - 0) = 1, "
+                   "dP = dPsum = 0: it adds P^T dO = 0 to dV, dS = 0 to dK and dQ, and its dQ row is dropped (a "
+                   "score_mod could make that P infinite, hence the condition)",
+    "unstored-row": "the preprocess's rows past q_len read row q_len - 1 (the index is clamped) and are never stored "
+                    "(the store has its own r0 + i < q_len)",
+    "no-left-edge": "without a left window edge full_stop = ceil(q_len / BLOCK_M), which no visited Q tile reaches: "
+                    "q_tile >= full_stop is false with or without the edit",
 }
 
 
@@ -312,6 +329,26 @@ EQUIVALENT = [
     (r"^bound full_tiles < 1 -> full_tiles <= 1 in if full_tiles < 1:$", "mask-no-op", None),
     (r"^bound n_tiles \+ 1 in ", "mask-no-op", None),
     (r"^bound n_tiles: constant 1 -> 2 in n_tiles = T\.min\(T\.ceildiv\(kv_len, BLOCK_N\), T\.ceildiv\(T\.max\(", "same-value", None),
+    # the backward module: happens-before only grows
+    (r"^move-up T\.mbarrier_wait_parity\(kv_full, 0\) over T\.fill\(", "stronger", None),
+    (r"^move-up T\.mbarrier_wait_parity\(q_full\[stage\], phase\) over m0 = q_tile \* BLOCK_M$", "stronger", None),
+    (r"^move-up T\.mbarrier_wait_parity\(do_full\[stage\], phase\) over T\.wgmma_gemm\(K_shared", "stronger", None),
+    (r"^move-up T\.mbarrier_wait_parity\(q_empty\[stage\], .*\) over m0 = \(q_first \+ m\) \* BLOCK_M$", "stronger", None),
+    (r"^move-down T\.mbarrier_arrive\(q_empty\[stage\]\) under T\.mbarrier_arrive\(do_empty\[stage\]\)$", "stronger", None),
+    (r"^move-down T\.mbarrier_arrive\(do_empty\[stage\]\) under T\.copy\(acc_dq, dQ_shared", "stronger", None),
+    (r"^move-down T\.mbarrier_arrive\(q_full\[stage\]\) under T\.mbarrier_wait_parity\(do_empty\[stage\]", "stronger", None),
+    (r"^move-down T\.mbarrier_wait_parity\(do_empty\[stage\], .*\) under T\.tma_copy\(dO\[", "do-release-ordered-by-q", None),
+    # the backward module: bounds
+    (r"^bound r0 \+ i < q_len -> r0 \+ i <= q_len in prod\[i, j\] = ", "unstored-row", None),
+    (r"^bound m0 \+ j < q_len -> m0 \+ j <= q_len in acc_s\[i, j\] = ", "phantom-row", lambda spec: not spec.score_mod),
+    (r"^bound (m0 \+ BLOCK_M > q_len -> m0 \+ BLOCK_M >= q_len|q_tile < full_first -> q_tile <= full_first) in if q_tile ",
+     "mask-no-op", None),
+    (r"^bound full_first( \+ 1|: constant 0 -> 1|: constant 1 -> 0) in full_first = ", "mask-no-op", None),
+    (r"^bound full_stop - 1 in full_stop = ", "mask-no-op", None),
+    (r"^bound (q_tile >= full_stop -> q_tile > full_stop in if q_tile |full_stop \+ 1 in full_stop = )", "no-left-edge",
+     lambda spec: spec.window[0] < 0),
+    (r"^bound (q_first - 1|n_q \+ 1|n_q: constant 0 -> 1) in (q_first|n_q) = ", "masked-extra-visit", None),
+    (r"^bound q_first: constant 0 -> 1 in q_first = T\.floordiv\(T\.max\(", "same-value", None),
 ]
 
 

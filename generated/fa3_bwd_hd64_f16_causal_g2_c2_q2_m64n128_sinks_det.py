@@ -1,0 +1,369 @@
+# ==============================================================================
+# attngen auto-generated backward kernels: do not edit; regenerate with attngen.
+# kernel:    fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det
+# spec hash: 7272e1f65f4b
+# generator: attngen 0.1.0, template fa3_bwd.py.j2
+# shape:     dynamic: batch, q_len, kv_len, kv_heads are runtime values
+# schedule:  1 TMA producer warpgroup + 2 MMA warpgroup(s) of 64 keys, 384 threads, setmaxnreg 24/240; FA3's tile 128x128 (2 WGs)
+# smem:      66560 bytes dynamic (K 16384, V 16384, Q 16384, dO 16384, LSE2 512, dPsum 512)
+# entries:   build_preprocess_kernel, build_kernel, build_dq_kernel, build_dsinks_kernel
+# spec:
+#   head_dim = 64
+#   dtype = "float16"
+#   causal = true
+#   gqa_group = 2
+#   consumers = 2
+#   k_stages = 2
+#   v_stages = 2
+#   aligned = false
+#   lse = true
+#   sinks = true
+#   deterministic = true
+# ==============================================================================
+import tilelang
+import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
+
+KERNEL_NAME = "fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det"
+SPEC_HASH = "7272e1f65f4b"
+
+HEAD_DIM = 64
+DTYPE = "float16"
+ACCUM = "float"
+GQA_GROUP = 2  # query heads per KV head
+BLOCK_M = 64  # query rows per Q tile (the M of the dQ wgmma)
+BLOCK_N = 128  # keys per KV tile: 2 MMA warpgroup(s) x 64
+WG_KEYS = 64  # keys per MMA warpgroup (one wgmma M tile of S^T, dP^T, dK, dV)
+Q_STAGES = 2  # Q, dO, LSE2, dPsum tiles in flight
+LOG2E = 1.44269504
+THREADS = 384
+CONSUMER_THREADS = 256  # threads [0, 256) are MMA warpgroups, the rest the producer
+TMA_THREAD_END = 288  # one producer warp issues all TMA copies
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+TMA_ARRIVALS = 32
+RELEASE_ARRIVALS = CONSUMER_THREADS
+WARPGROUP_THREADS = 128
+DS_BAR = 1  # named barrier of consumer g's dS^T staging: DS_BAR + g
+DQ_BAR = 3  # ... and of its dQ staging: DQ_BAR + g
+PRE_ROWS = 64  # rows of one head per preprocess / postprocess block
+PRE_THREADS = 128
+POLICY = T.GemmWarpPolicy.FullRow
+
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,  # barriers are explicit below
+}
+COMPILE_FLAGS = [
+    "-O3",
+    "--use_fast_math",
+    "-Wno-deprecated-declarations",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-DNDEBUG",
+]
+
+
+def build_preprocess_kernel():
+    """dPsum = rowsum(dO * O), LSE2 = LSE * log2(e) (0 for -inf)."""
+    batch = T.dynamic("batch")
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+    kv_heads = T.dynamic("kv_heads")
+    heads = kv_heads * GQA_GROUP
+
+    @T.prim_func
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_preprocess(
+        O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),  # the forward's output
+        dO: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        LSE: T.Tensor([batch, heads, q_len], "float32"),  # the forward's log-sum-exp, natural log (-inf: a row with no key)
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),  # output: rowsum(dO * O)
+        LSE2: T.Tensor([batch, heads, q_len], "float32"),  # output: LSE * log2(e), 0 where LSE is -inf
+    ):
+        with T.Kernel(T.ceildiv(q_len, PRE_ROWS), heads, batch, threads=PRE_THREADS) as (row_block, head, batch_idx):
+            r0 = row_block * PRE_ROWS
+            prod = T.alloc_fragment([PRE_ROWS, HEAD_DIM], ACCUM)
+            dpsum = T.alloc_fragment([PRE_ROWS], ACCUM)
+            for i, j in T.Parallel(PRE_ROWS, HEAD_DIM):  # rows past q_len read row q_len - 1 and count 0
+                prod[i, j] = T.if_then_else(r0 + i < q_len, T.Cast(ACCUM, O[batch_idx, T.min(r0 + i, q_len - 1), head, j]) * T.Cast(ACCUM, dO[batch_idx, T.min(r0 + i, q_len - 1), head, j]), 0)
+            T.reduce_sum(prod, dpsum, dim=1)
+            for i in T.Parallel(PRE_ROWS):
+                if r0 + i < q_len:
+                    dPsum[batch_idx, head, r0 + i] = dpsum[i]
+                    LSE2[batch_idx, head, r0 + i] = T.if_then_else(LSE[batch_idx, head, r0 + i] == -T.infinity(ACCUM), 0, LSE[batch_idx, head, r0 + i] * LOG2E)
+
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_preprocess
+
+
+def build_kernel():
+    """The main kernel: one KV tile per block, its K and V resident, a loop over the Q tiles that see it."""
+    batch = T.dynamic("batch")
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+    kv_heads = T.dynamic("kv_heads")
+    heads = kv_heads * GQA_GROUP
+    causal_offset = kv_len - q_len  # bottom-right alignment: row i's diagonal is key i + causal_offset
+
+    @T.macro
+    def consumer(g, K_shared, V_shared, Q_shared, dO_shared, LSE_shared, dPsum_shared, kv_full, q_full, q_empty, do_full, do_empty, dK, dV, kv_block, kv_head, batch_idx, q_first, n_q, full_first, full_stop, kv_partial, softmax_scale):
+        """MMA warpgroup g: keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column; element (i, j) of a tile is key key0 + i, query row m0 + j."""
+        T.set_max_nreg(CONSUMER_REGS, 1)
+        key0 = kv_block * BLOCK_N + g * WG_KEYS
+        acc_s = T.alloc_fragment([WG_KEYS, BLOCK_M], ACCUM)  # S^T = K_g Q^T, then P^T
+        acc_dp = T.alloc_fragment([WG_KEYS, BLOCK_M], ACCUM)  # dP^T = V_g dO^T, then dS^T
+        p_reg = T.alloc_fragment([WG_KEYS, BLOCK_M], DTYPE)  # P^T: the A operand of dV += P^T dO
+        ds_reg = T.alloc_fragment([WG_KEYS, BLOCK_M], DTYPE)  # dS^T: the A operand of dK += dS^T Q
+        acc_dk = T.alloc_fragment([WG_KEYS, HEAD_DIM], ACCUM)
+        acc_dv = T.alloc_fragment([WG_KEYS, HEAD_DIM], ACCUM)
+        acc_dq = T.alloc_fragment([BLOCK_M, HEAD_DIM], ACCUM)  # dS_g K_g: this warpgroup's keys' share of dQ
+        scale_log2 = softmax_scale * LOG2E  # P = exp2(k . q * scale_log2 - LSE2)
+        T.fill(acc_dk, 0)
+        T.fill(acc_dv, 0)
+        T.mbarrier_wait_parity(kv_full, 0)
+        for v in T.serial(GQA_GROUP * n_q):  # each query head of the group in turn: dK and dV summed in registers, in order
+            head = kv_head * GQA_GROUP + v // n_q
+            m = v % n_q
+            stage = v % Q_STAGES
+            phase = (v // Q_STAGES) % 2
+            q_tile = q_first + m
+            m0 = q_tile * BLOCK_M
+            T.mbarrier_wait_parity(q_full[stage], phase)
+            T.wgmma_gemm(K_shared[g, :, :], Q_shared[stage, 0, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.mbarrier_wait_parity(do_full[stage], phase)
+            T.wgmma_gemm(V_shared[g, :, :], dO_shared[stage, 0, :, :], acc_dp, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.wait_wgmma(1)  # S^T done; dP^T may still run
+            for i, j in T.Parallel(WG_KEYS, BLOCK_M):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - LSE_shared[stage, j])  # P^T, as the forward weighed it
+            if q_tile < full_first or q_tile >= full_stop or m0 + BLOCK_M > q_len or kv_partial:  # a diagonal, edge or partial tile: masked
+                diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag
+                for i, j in T.Parallel(WG_KEYS, BLOCK_M):
+                    acc_s[i, j] = T.if_then_else(j + diag >= i and m0 + j < q_len, acc_s[i, j], 0)
+            T.copy(acc_s, p_reg)
+            T.wgmma_gemm(p_reg, dO_shared[stage, 0, :, :], acc_dv, policy=POLICY, clear_accum=False)  # dV += P^T dO
+            T.wait_wgmma(1)  # dP^T done; dV may still run
+            for i, j in T.Parallel(WG_KEYS, BLOCK_M):  # dS^T = P^T (dP^T - dPsum) (0 where P is)
+                acc_dp[i, j] = acc_s[i, j] * (acc_dp[i, j] - dPsum_shared[stage, j])
+            T.copy(acc_dp, ds_reg)
+            T.wgmma_gemm(ds_reg, Q_shared[stage, 0, :, :], acc_dk, policy=POLICY, clear_accum=False)  # dK += dS^T Q
+            T.wait_wgmma(0)  # dQ is the dq kernel's (KV tiles in one order): nothing leaves this loop
+            T.mbarrier_arrive(q_empty[stage])
+            T.mbarrier_arrive(do_empty[stage])
+        for i, j in T.Parallel(WG_KEYS, HEAD_DIM):
+            acc_dk[i, j] *= softmax_scale  # dK = scale * dS^T Q
+        T.copy(acc_dk, dK[batch_idx, key0:key0 + WG_KEYS, kv_head, :])  # keys past kv_len are not written
+        T.copy(acc_dv, dV[batch_idx, key0:key0 + WG_KEYS, kv_head, :])
+
+    @T.prim_func
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det(
+        Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
+        V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
+        dO: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        LSE2: T.Tensor([batch, heads, q_len], "float32"),
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),
+        dK: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),  # output: dK, scaled
+        dV: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),  # output: dV
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale
+    ):
+        with T.Kernel(T.ceildiv(kv_len, BLOCK_N), kv_heads, batch, threads=THREADS) as (kv_block, kv_head, batch_idx):
+            K_shared = T.alloc_shared([2, WG_KEYS, HEAD_DIM], DTYPE)  # one slice of keys per MMA warpgroup
+            V_shared = T.alloc_shared([2, WG_KEYS, HEAD_DIM], DTYPE)
+            Q_shared = T.alloc_shared([Q_STAGES, 1, BLOCK_M, HEAD_DIM], DTYPE)
+            dO_shared = T.alloc_shared([Q_STAGES, 1, BLOCK_M, HEAD_DIM], DTYPE)
+            LSE_shared = T.alloc_shared([Q_STAGES, BLOCK_M], ACCUM)
+            dPsum_shared = T.alloc_shared([Q_STAGES, BLOCK_M], ACCUM)
+            T.annotate_layout({K_shared: make_swizzled_layout(K_shared), V_shared: make_swizzled_layout(V_shared), Q_shared: make_swizzled_layout(Q_shared), dO_shared: make_swizzled_layout(dO_shared)})
+
+            kv_full = T.alloc_barrier([TMA_ARRIVALS])
+            q_full = T.alloc_barrier([TMA_ARRIVALS] * Q_STAGES)
+            q_empty = T.alloc_barrier([RELEASE_ARRIVALS] * Q_STAGES)
+            do_full = T.alloc_barrier([TMA_ARRIVALS] * Q_STAGES)
+            do_empty = T.alloc_barrier([RELEASE_ARRIVALS] * Q_STAGES)
+
+            kv0 = kv_block * BLOCK_N
+            kv_partial = kv0 + BLOCK_N > kv_len  # keys past kv_len: every visit masked
+            q_first = T.floordiv(T.max(kv_block * BLOCK_N - causal_offset, 0), BLOCK_M)  # the first Q tile with a row that sees this KV tile
+            n_q = T.max(T.ceildiv(q_len, BLOCK_M) - q_first, 0)  # Q tiles [q_first, q_first + n_q) see it (0: none; dK = dV = 0)
+            full_first = T.ceildiv(T.max(kv_block * BLOCK_N + BLOCK_N - 1 - causal_offset, 0), BLOCK_M)  # Q tiles [full_first, full_stop) see every key of it
+            full_stop = T.ceildiv(q_len, BLOCK_M)
+            tx = T.get_thread_binding()
+
+            # Producer warpgroup: K and V once, then Q with LSE2 and dO with dPsum per Q tile.
+            if tx >= CONSUMER_THREADS:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+            if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:
+                T.tma_copy(K[batch_idx, kv0:kv0 + 64, kv_head, :], K_shared[0, :, :], barrier=kv_full)
+                T.tma_copy(V[batch_idx, kv0:kv0 + 64, kv_head, :], V_shared[0, :, :], barrier=kv_full)
+                T.tma_copy(K[batch_idx, kv0 + 64:kv0 + 128, kv_head, :], K_shared[1, :, :], barrier=kv_full)
+                T.tma_copy(V[batch_idx, kv0 + 64:kv0 + 128, kv_head, :], V_shared[1, :, :], barrier=kv_full)
+                T.mbarrier_arrive(kv_full)
+                for v in T.serial(GQA_GROUP * n_q):
+                    head = kv_head * GQA_GROUP + v // n_q
+                    m = v % n_q
+                    stage = v % Q_STAGES
+                    m0 = (q_first + m) * BLOCK_M
+                    T.mbarrier_wait_parity(q_empty[stage], ((v // Q_STAGES) % 2) ^ 1)
+                    T.tma_copy(Q[batch_idx, m0:m0 + BLOCK_M, head, :], Q_shared[stage, 0, :, :], barrier=q_full[stage])
+                    T.tma_copy(LSE2[batch_idx, head, m0:m0 + BLOCK_M], LSE_shared[stage, :], barrier=q_full[stage])
+                    T.mbarrier_arrive(q_full[stage])
+                    T.mbarrier_wait_parity(do_empty[stage], ((v // Q_STAGES) % 2) ^ 1)
+                    T.tma_copy(dO[batch_idx, m0:m0 + BLOCK_M, head, :], dO_shared[stage, 0, :, :], barrier=do_full[stage])
+                    T.tma_copy(dPsum[batch_idx, head, m0:m0 + BLOCK_M], dPsum_shared[stage, :], barrier=do_full[stage])
+                    T.mbarrier_arrive(do_full[stage])
+
+            # MMA warpgroups: one body, instantiated per warpgroup.
+            with T.ws(0):
+                consumer(0, K_shared, V_shared, Q_shared, dO_shared, LSE_shared, dPsum_shared, kv_full, q_full, q_empty, do_full, do_empty, dK, dV, kv_block, kv_head, batch_idx, q_first, n_q, full_first, full_stop, kv_partial, softmax_scale)
+            with T.ws(1):
+                consumer(1, K_shared, V_shared, Q_shared, dO_shared, LSE_shared, dPsum_shared, kv_full, q_full, q_empty, do_full, do_empty, dK, dV, kv_block, kv_head, batch_idx, q_first, n_q, full_first, full_stop, kv_partial, softmax_scale)
+
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det
+DQ_BLOCK_M = 128  # the dq kernel's query rows per block: 2 MMA warpgroup(s) x WG_ROWS
+DQ_BLOCK_N = 64  # ... and keys per K/V tile
+WG_ROWS = 64
+KV_STAGES = 2
+
+
+def build_dq_kernel():
+    """dQ = softmax_scale * sum over the KV tiles, in order, of dS K (deterministic)."""
+    batch = T.dynamic("batch")
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+    kv_heads = T.dynamic("kv_heads")
+    heads = kv_heads * GQA_GROUP
+    causal_offset = kv_len - q_len
+
+    @T.macro
+    def dq_consumer(g, Q_shared, dO_shared, LSE_shared, dPsum_shared, K_shared, V_shared, q_full, k_full, k_empty, v_full, v_empty, dQ, q0, head, batch_idx, kv_first, n_kv, softmax_scale):
+        """MMA warpgroup g: rows [q0 + 64 g, q0 + 64 g + 64); element (i, j) is row q0 + row0 + i, key kv_tile * DQ_BLOCK_N + j."""
+        T.set_max_nreg(CONSUMER_REGS, 1)
+        row0 = g * WG_ROWS
+        acc_s = T.alloc_fragment([WG_ROWS, DQ_BLOCK_N], ACCUM)  # S = Q K^T, then P
+        acc_dp = T.alloc_fragment([WG_ROWS, DQ_BLOCK_N], ACCUM)  # dP = dO V^T, then dS
+        ds_reg = T.alloc_fragment([WG_ROWS, DQ_BLOCK_N], DTYPE)  # dS: the A operand of dQ += dS K
+        acc_dq = T.alloc_fragment([WG_ROWS, HEAD_DIM], ACCUM)
+        scale_log2 = softmax_scale * LOG2E  # P = exp2(k . q * scale_log2 - LSE2)
+        full_stop = T.floordiv(T.min(q0 + row0 + causal_offset + 1, kv_len), DQ_BLOCK_N)
+        T.fill(acc_dq, 0)
+        T.mbarrier_wait_parity(q_full, 0)
+        for k in T.serial(n_kv):
+            stage = k % KV_STAGES
+            phase = (k // KV_STAGES) % 2
+            kv_tile = kv_first + k
+            T.mbarrier_wait_parity(k_full[stage], phase)
+            T.wgmma_gemm(Q_shared[g, :, :], K_shared[stage, :, :], acc_s, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.mbarrier_wait_parity(v_full[stage], phase)
+            T.wgmma_gemm(dO_shared[g, :, :], V_shared[stage, :, :], acc_dp, transpose_B=True, policy=POLICY, clear_accum=True)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(v_empty[stage])
+            for i, j in T.Parallel(WG_ROWS, DQ_BLOCK_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - LSE_shared[g, i])
+            if kv_tile >= full_stop:  # a diagonal, edge or partial tile: masked
+                diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag
+                for i, j in T.Parallel(WG_ROWS, DQ_BLOCK_N):
+                    acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], 0)
+            for i, j in T.Parallel(WG_ROWS, DQ_BLOCK_N):  # dS = P (dP - dPsum)
+                acc_dp[i, j] = acc_s[i, j] * (acc_dp[i, j] - dPsum_shared[g, i])
+            T.copy(acc_dp, ds_reg)
+            T.wgmma_gemm(ds_reg, K_shared[stage, :, :], acc_dq, policy=POLICY, clear_accum=False)  # dQ += dS K, tile after tile
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(k_empty[stage])
+        for i, j in T.Parallel(WG_ROWS, HEAD_DIM):
+            acc_dq[i, j] *= softmax_scale
+        T.copy(acc_dq, dQ[batch_idx, q0 + row0:q0 + row0 + WG_ROWS, head, :])  # rows past q_len are not written
+
+    @T.prim_func
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dq(
+        Q: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        K: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
+        V: T.Tensor([batch, kv_len, kv_heads, HEAD_DIM], DTYPE),
+        dO: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
+        LSE2: T.Tensor([batch, heads, q_len], "float32"),
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),
+        dQ: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),  # output: dQ, scaled
+        softmax_scale: T.float32,  # call time: score = q . k * softmax_scale
+    ):
+        with T.Kernel(T.ceildiv(q_len, DQ_BLOCK_M), heads, batch, threads=THREADS) as (q_block, head, batch_idx):
+            Q_shared = T.alloc_shared([2, WG_ROWS, HEAD_DIM], DTYPE)
+            dO_shared = T.alloc_shared([2, WG_ROWS, HEAD_DIM], DTYPE)
+            LSE_shared = T.alloc_shared([2, WG_ROWS], ACCUM)
+            dPsum_shared = T.alloc_shared([2, WG_ROWS], ACCUM)
+            K_shared = T.alloc_shared([KV_STAGES, DQ_BLOCK_N, HEAD_DIM], DTYPE)
+            V_shared = T.alloc_shared([KV_STAGES, DQ_BLOCK_N, HEAD_DIM], DTYPE)
+            T.annotate_layout({Q_shared: make_swizzled_layout(Q_shared), dO_shared: make_swizzled_layout(dO_shared), K_shared: make_swizzled_layout(K_shared), V_shared: make_swizzled_layout(V_shared)})
+
+            q_full = T.alloc_barrier([TMA_ARRIVALS])
+            k_full = T.alloc_barrier([TMA_ARRIVALS] * KV_STAGES)
+            k_empty = T.alloc_barrier([RELEASE_ARRIVALS] * KV_STAGES)
+            v_full = T.alloc_barrier([TMA_ARRIVALS] * KV_STAGES)
+            v_empty = T.alloc_barrier([RELEASE_ARRIVALS] * KV_STAGES)
+
+            kv_head = head // GQA_GROUP
+            q0 = q_block * DQ_BLOCK_M
+            kv_first = 0  # the first KV tile these rows see
+            n_kv = T.max(T.min(T.ceildiv(kv_len, DQ_BLOCK_N), T.ceildiv(q0 + DQ_BLOCK_M + causal_offset, DQ_BLOCK_N)) - kv_first, 0)  # KV tiles [kv_first, kv_first + n_kv) (0: none, dQ = 0)
+            tx = T.get_thread_binding()
+
+            if tx >= CONSUMER_THREADS:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+            if tx >= CONSUMER_THREADS and tx < TMA_THREAD_END:
+                T.tma_copy(Q[batch_idx, q0:q0 + 64, head, :], Q_shared[0, :, :], barrier=q_full)
+                T.tma_copy(dO[batch_idx, q0:q0 + 64, head, :], dO_shared[0, :, :], barrier=q_full)
+                T.tma_copy(LSE2[batch_idx, head, q0:q0 + 64], LSE_shared[0, :], barrier=q_full)
+                T.tma_copy(dPsum[batch_idx, head, q0:q0 + 64], dPsum_shared[0, :], barrier=q_full)
+                T.tma_copy(Q[batch_idx, q0 + 64:q0 + 128, head, :], Q_shared[1, :, :], barrier=q_full)
+                T.tma_copy(dO[batch_idx, q0 + 64:q0 + 128, head, :], dO_shared[1, :, :], barrier=q_full)
+                T.tma_copy(LSE2[batch_idx, head, q0 + 64:q0 + 128], LSE_shared[1, :], barrier=q_full)
+                T.tma_copy(dPsum[batch_idx, head, q0 + 64:q0 + 128], dPsum_shared[1, :], barrier=q_full)
+                T.mbarrier_arrive(q_full)
+                for k in T.serial(n_kv):
+                    stage = k % KV_STAGES
+                    kv0 = (kv_first + k) * DQ_BLOCK_N
+                    T.mbarrier_wait_parity(k_empty[stage], ((k // KV_STAGES) % 2) ^ 1)
+                    T.tma_copy(K[batch_idx, kv0:kv0 + DQ_BLOCK_N, kv_head, :], K_shared[stage, :, :], barrier=k_full[stage])
+                    T.mbarrier_arrive(k_full[stage])
+                    T.mbarrier_wait_parity(v_empty[stage], ((k // KV_STAGES) % 2) ^ 1)
+                    T.tma_copy(V[batch_idx, kv0:kv0 + DQ_BLOCK_N, kv_head, :], V_shared[stage, :, :], barrier=v_full[stage])
+                    T.mbarrier_arrive(v_full[stage])
+            with T.ws(0):
+                dq_consumer(0, Q_shared, dO_shared, LSE_shared, dPsum_shared, K_shared, V_shared, q_full, k_full, k_empty, v_full, v_empty, dQ, q0, head, batch_idx, kv_first, n_kv, softmax_scale)
+            with T.ws(1):
+                dq_consumer(1, Q_shared, dO_shared, LSE_shared, dPsum_shared, K_shared, V_shared, q_full, k_full, k_empty, v_full, v_empty, dQ, q0, head, batch_idx, kv_first, n_kv, softmax_scale)
+
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dq
+
+
+
+def build_dsinks_kernel():
+    """dSinks[h] = -sum over every row of every sequence of exp(sink_h - LSE) dPsum, in one fixed order
+    (deterministic: one block per head walks the rows; no atomics)."""
+    batch = T.dynamic("batch")
+    q_len = T.dynamic("q_len")
+    kv_len = T.dynamic("kv_len")
+    kv_heads = T.dynamic("kv_heads")
+    heads = kv_heads * GQA_GROUP
+
+    @T.prim_func
+    def fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dsinks(
+        LSE: T.Tensor([batch, heads, q_len], "float32"),
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),
+        Sinks: T.Tensor([heads], "float32"),  # call time: sinks
+        dSinks: T.Tensor([heads], "float32"),  # output: -sum_rows exp(sink - LSE) dPsum
+    ):
+        with T.Kernel(heads, threads=PRE_THREADS) as head:
+            part = T.alloc_fragment([PRE_ROWS], ACCUM)
+            total = T.alloc_fragment([1], ACCUM)
+            T.fill(part, 0)
+            for batch_idx in T.serial(batch):
+                for row_block in T.serial(T.ceildiv(q_len, PRE_ROWS)):
+                    r0 = row_block * PRE_ROWS
+                    for i in T.Parallel(PRE_ROWS):
+                        part[i] += T.if_then_else(r0 + i < q_len, -T.exp(Sinks[head] - LSE[batch_idx, head, T.min(r0 + i, q_len - 1)]) * dPsum[batch_idx, head, T.min(r0 + i, q_len - 1)], 0)
+            T.reduce_sum(part, total, dim=0)
+            T.copy(total, dSinks[head:head + 1])
+
+    return fa3_bwd_hd64_f16_causal_g2_c2_q2_m64n128_sinks_det_dsinks
