@@ -642,6 +642,13 @@ def bwd_dq_regs_needed(spec: Spec) -> int:
     return r(hw.WGMMA_M * spec.head_dim, 4) + 2 * r(tile, 4) + r(tile, 2) + BWD_REG_OVERHEAD
 
 
+def varlen_variant_note(spec: Spec) -> str:
+    """The refusal's account of BWD_VARLEN_VARIANT_REGS, where it applies."""
+    if bwd_regs_needed(spec, hw.WGMMA_M, 2) == bwd_regs_needed(dataclasses.replace(spec, layout="bshd"), hw.WGMMA_M, 2):
+        return ""
+    return f" ({BWD_VARLEN_VARIANT_REGS} of them for layout 'varlen' beside an element-wise variant: that pair spilled at the edge)"
+
+
 def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> dict:
     e = hw.DTYPES[spec.dtype].bytes
     d, dv = spec.head_dim, head_dim_v(spec)
@@ -708,7 +715,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("head_dim", rspec.head_dim,
                         f"the generated backward keeps dK and dV of 64 keys in registers, split over {consumers} "
                         f"warpgroups by head-dim columns: about {needed} registers per thread at head_dim "
-                        f"{rspec.head_dim} / head_dim_v {head_dim_v(rspec)}, more than the {consumer_regs} setmaxnreg gives")
+                        f"{rspec.head_dim} / head_dim_v {head_dim_v(rspec)}{varlen_variant_note(rspec)}, more than the "
+                        f"{consumer_regs} setmaxnreg gives")
     block_n = hw.WGMMA_M if columns else hw.WGMMA_M * consumers
     q_stages = BWD_Q_STAGES
     smem = bwd_smem_layout(rspec, block_m, block_n, consumers, q_stages, columns)
