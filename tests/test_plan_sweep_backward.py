@@ -3,8 +3,9 @@ without spills, with setmaxnreg applied, and a tile the estimate refuses really 
 
 The sweep (docs/backward.md, "Registers") builds drawn backward specs; here the edges of the tile
 table: hd128 (64 x 128, estimate 240 of 240), hd256 by columns (240 of 240) and its deterministic
-dq kernel (240 of 240), and hd64's refused 128-row Q tile (FlashAttention-3's), which ptxas
-spills, so the estimate that refuses it is not merely conservative.
+dq kernel (240 of 240); and two tiles the estimate refuses, which ptxas spills, so it is not
+merely conservative there: hd64's 128-row Q tile (FlashAttention-3's) and the key split of hd128
+with softcap and packed sequences (the pair's BWD_VARLEN_VARIANT_REGS send it to the column split).
 """
 
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 import attngen
 from attngen.build import build_backward
-from attngen.plan import plan_backward
+from attngen.plan import BWD_VARLEN_VARIANT_REGS, plan_backward
 from attngen.spec import SpecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -53,6 +54,29 @@ def test_the_refused_128_row_tile_of_hd64_spills(build_cache):
     assert near.consumer_regs_needed > near.consumer_regs
     (row,) = plan_sweep.backward_rows(near, build_backward(near, cache_dir=build_cache))
     assert row.spill > 0
+
+
+SOFTCAP_VARLEN = dict(head_dim=128, dtype="bfloat16", softcap=15.0, layout="varlen")
+
+
+@pytest.mark.slow
+def test_the_refused_key_split_of_softcap_with_packed_sequences_spills(build_cache):
+    """Softcap alone (238 of 240 used) and varlen alone fit hd128's 64 x 128 key split; together
+    they spilled 28 B, so the plan takes the column split (64 x 64) and the key split spills."""
+    bp = plan_backward(attngen.Spec(**SOFTCAP_VARLEN))
+    assert (bp.block_m, bp.block_n, bp.columns) == (64, 64, True)
+    assert plan_backward(attngen.Spec(**{**SOFTCAP_VARLEN, "layout": "bshd"})).columns is False
+    near = plan_backward(attngen.Spec(**SOFTCAP_VARLEN), check_registers=False, block_m=64, columns=False)
+    assert near.consumer_regs_needed == near.consumer_regs + BWD_VARLEN_VARIANT_REGS
+    (row,) = plan_sweep.backward_rows(near, build_backward(near, cache_dir=build_cache))
+    assert row.spill > 0
+
+
+def test_a_varlen_variant_refusal_says_why():
+    fields = dict(head_dim=256, score_mod="score - 0.05 * abs(q_idx - kv_idx)", layout="varlen")
+    with pytest.raises(SpecError, match=r"about 248 registers .*8 of them for layout 'varlen' beside an element-wise variant"):
+        plan_backward(attngen.Spec(**fields))
+    assert plan_backward(attngen.Spec(**{**fields, "layout": "bshd"})).columns
 
 
 def test_a_fixed_tile_must_be_a_wgmma_m():
