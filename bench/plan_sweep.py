@@ -442,6 +442,10 @@ def summary_backward(rows: list) -> str:
         errs = [r.estimate - r.used for r in built if r.part == part and not r.spills and r.used]
         if errs:
             text += f"; {part} estimate - SASS: min {min(errs):+d}, max {max(errs):+d}, mean {sum(errs) / len(errs):+.1f}"
+    # far from the cap ptxas spends registers freely: the error that matters is at the edge
+    edge = [r.estimate - r.used for r in built if not r.spills and r.used and r.budget - r.estimate <= 8]
+    if edge:
+        text += f"; within 8 of the cap ({len(edge)}): min {min(edge):+d}, max {max(edge):+d}"
     return text
 
 
