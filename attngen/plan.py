@@ -562,6 +562,11 @@ BWD_REG_OVERHEAD = 32
 # at the edge (hd128 64x128 softcap 238 used, varlen with sinks 232), both spilled: softcap +
 # varlen 28 B, ALiBi + window + varlen 84 B (bf16/f16 hd128 64x128, estimate 240 of 240).
 BWD_VARLEN_VARIANT_REGS = 8
+# ...and 64 more when the CTA also loops over a GQA group's heads (deterministic, gqa_group > 1):
+# hd128 causal window ALiBi varlen deterministic GQA 8 spilled by keys (84 B, estimate 240) and by
+# columns too (416 B of spill, 152 B of stack at an estimate of 184). One measured spec, so a
+# coarse share: hd64 and hd96 take the column split, hd128 and up are refused.
+BWD_VARLEN_GROUPED_VARIANT_REGS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,8 +635,10 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
-    packed = spec.layout == "varlen"
-    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if elementwise and packed else 0)
+    packed = bool(elementwise) and spec.layout == "varlen"
+    grouped = packed and spec.deterministic and spec.gqa_group > 1
+    return (acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
+            + (BWD_VARLEN_GROUPED_VARIANT_REGS if grouped else 0))
 
 
 def bwd_dq_regs_needed(spec: Spec) -> int:
@@ -646,7 +653,8 @@ def varlen_variant_note(spec: Spec) -> str:
     """The refusal's account of BWD_VARLEN_VARIANT_REGS, where it applies."""
     if bwd_regs_needed(spec, hw.WGMMA_M, 2) == bwd_regs_needed(dataclasses.replace(spec, layout="bshd"), hw.WGMMA_M, 2):
         return ""
-    return f" ({BWD_VARLEN_VARIANT_REGS} of them for layout 'varlen' beside an element-wise variant: that pair spilled at the edge)"
+    extra = bwd_regs_needed(spec, hw.WGMMA_M, 2) - bwd_regs_needed(dataclasses.replace(spec, layout="bshd"), hw.WGMMA_M, 2)
+    return f" ({extra} of them for layout 'varlen' beside an element-wise variant{' and deterministic GQA' if extra > BWD_VARLEN_VARIANT_REGS else ''}: that combination spilled)"
 
 
 def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> dict:
