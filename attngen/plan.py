@@ -562,11 +562,12 @@ BWD_REG_OVERHEAD = 32
 # at the edge (hd128 64x128 softcap 238 used, varlen with sinks 232), both spilled: softcap +
 # varlen 28 B, ALiBi + window + varlen 84 B (bf16/f16 hd128 64x128, estimate 240 of 240).
 BWD_VARLEN_VARIANT_REGS = 8
-# ...and 64 more when the CTA also loops over a GQA group's heads (deterministic, gqa_group > 1):
-# hd128 causal window ALiBi varlen deterministic GQA 8 spilled by keys (84 B, estimate 240) and by
-# columns too (416 B of spill, 152 B of stack at an estimate of 184). One measured spec, so a
-# coarse share: hd64 and hd96 take the column split, hd128 and up are refused.
-BWD_VARLEN_GROUPED_VARIANT_REGS = 64
+# Refused: packed sequences, an element-wise variant and deterministic GQA together (the CTA loops
+# over the group's heads) spilled at every head dim measured, whatever the tile: causal, window
+# [511, -1], ALiBi, varlen, deterministic, GQA 8 by columns: hd64 113 B (estimate 216), hd96 270 B
+# (232), hd128 416 B + 152 B of stack (184); hd128 by keys 84 B (240). Not a register share: the
+# tiles are small there (docs/backward.md, "Registers").
+VARLEN_GROUPED_VARIANT_SPILLS = "hd64 113 B, hd96 270 B, hd128 by keys 84 B and by columns 416 B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -636,9 +637,7 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
     packed = bool(elementwise) and spec.layout == "varlen"
-    grouped = packed and spec.deterministic and spec.gqa_group > 1
-    return (acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
-            + (BWD_VARLEN_GROUPED_VARIANT_REGS if grouped else 0))
+    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
 
 
 def bwd_dq_regs_needed(spec: Spec) -> int:
@@ -653,8 +652,7 @@ def varlen_variant_note(spec: Spec) -> str:
     """The refusal's account of BWD_VARLEN_VARIANT_REGS, where it applies."""
     if bwd_regs_needed(spec, hw.WGMMA_M, 2) == bwd_regs_needed(dataclasses.replace(spec, layout="bshd"), hw.WGMMA_M, 2):
         return ""
-    extra = bwd_regs_needed(spec, hw.WGMMA_M, 2) - bwd_regs_needed(dataclasses.replace(spec, layout="bshd"), hw.WGMMA_M, 2)
-    return f" ({extra} of them for layout 'varlen' beside an element-wise variant{' and deterministic GQA' if extra > BWD_VARLEN_VARIANT_REGS else ''}: that combination spilled)"
+    return f" ({BWD_VARLEN_VARIANT_REGS} of them for layout 'varlen' beside an element-wise variant: that pair spilled at the edge)"
 
 
 def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> dict:
@@ -705,6 +703,11 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     # share one backward module (default and seed_parity did, under one name with two headers)
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, **FORWARD_ONLY_FIELDS)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
+    elementwise = rspec.softcap or rspec.alibi or rspec.score_mod.strip() or rspec.mask_mod.strip()
+    if check_registers and elementwise and rspec.layout == "varlen" and rspec.deterministic and rspec.gqa_group > 1:
+        raise SpecError("deterministic", True, "with layout 'varlen', an element-wise variant (softcap, alibi, score_mod, "
+                        f"mask_mod) and gqa_group {rspec.gqa_group} the deterministic backward spills at every head dim "
+                        f"(measured: {VARLEN_GROUPED_VARIANT_SPILLS}); use deterministic = false or gqa_group = 1")
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
     consumers = 2

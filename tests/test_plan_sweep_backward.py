@@ -77,11 +77,12 @@ def test_a_varlen_variant_refusal_says_why():
     with pytest.raises(SpecError, match=r"about 248 registers .*8 of them for layout 'varlen' beside an element-wise variant"):
         plan_backward(attngen.Spec(**fields))
     assert plan_backward(attngen.Spec(**{**fields, "layout": "bshd"})).columns
-    # with deterministic GQA too: hd128 spilled by keys and by columns (docs/backward.md)
-    grouped = dict(head_dim=128, causal=True, gqa_group=8, window=(511, -1), alibi=True, layout="varlen", deterministic=True)
-    with pytest.raises(SpecError, match=r"72 of them for layout 'varlen' beside an element-wise variant and deterministic GQA"):
+    # with deterministic GQA too: spilled at hd64, hd96 and hd128, by keys and by columns (docs/backward.md)
+    grouped = dict(head_dim=64, causal=True, gqa_group=8, window=(511, -1), alibi=True, layout="varlen", deterministic=True)
+    with pytest.raises(SpecError, match=r"`deterministic` = true: with layout 'varlen', an element-wise variant .* gqa_group 8"):
         plan_backward(attngen.Spec(**grouped))
-    assert plan_backward(attngen.Spec(**{**grouped, "gqa_group": 1})).consumer_regs_needed == 184  # the pair alone: columns
+    assert plan_backward(attngen.Spec(**{**grouped, "deterministic": False})).block_m == 64
+    assert plan_backward(attngen.Spec(**{**grouped, "head_dim": 128, "gqa_group": 1})).consumer_regs_needed == 184  # columns
 
 
 def test_a_fixed_tile_must_be_a_wgmma_m():
