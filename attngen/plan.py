@@ -559,8 +559,8 @@ BWD_Q_STAGES = 2  # Q, dO, LSE2 and dPsum of this many Q tiles in flight
 BWD_REG_OVERHEAD = 32
 # ...and with packed sequences and an element-wise variant together (softcap, ALiBi, score_mod,
 # mask_mod): the sequence's bounds stay live beside the variant's temporaries. Either alone fits
-# at the edge (hd128 64x128 softcap 238 used, varlen with sinks 232), both spilled: softcap +
-# varlen 28 B, ALiBi + window + varlen 84 B (bf16/f16 hd128 64x128, estimate 240 of 240).
+# at the edge (hd128 64x128 softcap 238 used, varlen 232), both spilled at an estimate of 240:
+# softcap + varlen 28 B (hd128 64x128), a score_mod + varlen 336 B (hd256 by columns).
 BWD_VARLEN_VARIANT_REGS = 8
 # Refused: packed sequences, an element-wise variant and deterministic GQA together (the CTA loops
 # over the group's heads) spilled at every head dim measured, whatever the tile: causal, window
