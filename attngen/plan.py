@@ -273,13 +273,17 @@ def regs_needed(spec: Spec, block_n: int) -> int:
 def reg_split(spec: Spec) -> tuple:
     """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
-    n = spec.consumers
-    producer, consumer = hw.REG_SPLIT[n]
     if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
-        producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
-        pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
-        consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
-    return producer, consumer
+        return walking_split(spec.consumers)
+    return hw.REG_SPLIT[spec.consumers]
+
+
+def walking_split(n: int) -> tuple:
+    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists)."""
+    producer, consumer = hw.REG_SPLIT[n]
+    producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
+    pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
+    return producer, min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
 
 
 # ALiBi with split-KV and 3 consumers: from block_n 80 nvcc keeps the S tile in local memory
@@ -687,7 +691,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
     consumers = 2
-    producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
+    # a block mask's producer walks its lists per Q tile: the forward's walking share (24 registers spilled)
+    producer_regs, consumer_regs = walking_split(consumers) if spec.block_mask else hw.REG_SPLIT[consumers]
     block_m = max(hw.WGMMA_M, fa3_m // hw.WGMMA_M * hw.WGMMA_M)
     while check_registers and block_m > hw.WGMMA_M and bwd_regs_needed(rspec, block_m) > consumer_regs:
         block_m -= hw.WGMMA_M
