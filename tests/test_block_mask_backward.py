@@ -171,3 +171,11 @@ def test_retiling_at_any_sizes_is_exact_and_the_lists_invert(q_len, kv_len, bq, 
     back = tiles.backward_lists({n: lists[n] for n in BM_NAMES}, (bq, bk), (q_len, kv_len), (kq, kk))
     assert np.array_equal(np.swapaxes(tiles.list_states(back["q_num_blocks"], back["q_indices"], back["full_q_num_blocks"],
                                                         back["full_q_indices"], got.shape[-2]), -1, -2), got)
+
+
+def test_the_backward_without_the_forwards_lists_is_an_input_error():
+    from attngen.reference import InputError
+    sparse, _ = specs("q_idx >= kv_idx", False)
+    q, k, v, do = inputs(1, 70, 70, 0)
+    with pytest.raises(InputError, match="kv_num_blocks"):
+        emulate_backward(sparse, q, k, v, do, out=np.zeros_like(do), lse=np.zeros((1, 1, 70), np.float32))
