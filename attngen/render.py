@@ -321,8 +321,8 @@ def n_tiles_expr(plan: Plan) -> str:
     """K tiles a block of query rows visits (with its comment): the window's or the diagonal's, and
     at least one (a block whose rows see no key runs one fully masked tile)."""
     if plan.block_mask:
-        return (tiles.text(tiles.at_least_one(tiles.add(tiles.Sym("bm_partial_n", 0), tiles.Sym("bm_full_n", 0))))
-                + "  # the block mask's partial and full tiles of this Q tile; >= 1: a Q tile with none runs one masked visit")
+        return (tiles.text(tiles.add(tiles.Sym("bm_partial_n", 0), tiles.Sym("bm_full_n", 0)))
+                + "  # the block mask's partial and full tiles of this Q tile; 0: none is loaded (visit_guard)")
     stop = tile_frame(plan).kv_stop(block_rows(plan))
     windowed_first = windowed(plan) and has_first_tile(plan)
     visits = _visits(plan, stop) if windowed_first else stop
@@ -363,8 +363,7 @@ def visit_lines(plan: Plan) -> list[str]:
     """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
     if not plan.block_mask:
         return []
-    return list_walk("KV_indices", "Full_kv_indices", "bm_b, bm_h, q_block", "bm_kv_tiles", "kv_tile",
-                     "a Q tile with no tile runs one masked visit")
+    return list_walk("KV_indices", "Full_kv_indices", "bm_b, bm_h, q_block", "bm_kv_tiles", "kv_tile", "n_tiles")
 
 
 def list_cursors(partial: str, full: str) -> list[str]:
@@ -373,19 +372,37 @@ def list_cursors(partial: str, full: str) -> list[str]:
             f'bm_next_f = T.alloc_var("int32", 0)  # and of {full} (full tiles)']
 
 
-def list_walk(partial: str, full: str, row: str, extent: str, tile: str, spent: str) -> list[str]:
+def list_walk(partial: str, full: str, row: str, extent: str, tile: str, count: str) -> list[str]:
     """One step of the walk over a row of two ascending block-mask lists (the forward's KV tiles
     of a Q tile, the backward's Q tiles of a KV tile): `tile` is the lower head, `partial` says
-    which list it came from, and that list's cursor steps. `spent`: what the visit is when both
-    lists are spent."""
+    which list it came from, and that list's cursor steps. `count`: the visits, both lists' counts."""
     return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {partial}[{row}, T.min(bm_next_p, {extent} - 1)], {extent})"
             f"  # the next partial tile ({extent}: none left)",
             f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {full}[{row}, T.min(bm_next_f, {extent} - 1)], {extent})"
             "  # the next full tile",
             f"{tile} = T.min(T.min(bm_p, bm_f), {extent} - 1)  # the lower of the two: tiles in ascending order",
-            f"partial = bm_p <= bm_f  # equal only when both lists are spent: {spent}",
+            f"partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list ({count} counts both)",
             "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
             "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
+
+
+def visit_guard(plan: Plan) -> tuple:
+    """(condition, comment) under which a consumer visits any tile, or (): only a block mask's Q tile
+    can list none (random block sparsity makes them). Such a block loads no K/V tile and skips the
+    prologue, the steady loop and the last PV; every consumer of the block skips together (the lists
+    are per Q tile), so the ping-pong ring keeps the primer's one arrival, as every block leaves it."""
+    if not plan.block_mask:
+        return ()
+    return ("n_tiles > 0", "a Q tile with no listed tile visits none: O = 0, LSE -inf (or the sink's own)")
+
+
+def no_visit_init(plan: Plan) -> list[str]:
+    """What the skipped prologue would have set for a row that sees no key: the row sum it starts
+    (0; with a sink it starts at the sink's 1). The running max is at its start and alpha 1, so the
+    epilogue writes what the dense kernel writes for such a row, bit for bit."""
+    if not plan.block_mask or plan.spec.sinks:
+        return []
+    return ["T.fill(row_sum, 0)  # read by the epilogue only if the block visits no tile (the prologue sets it)"]
 
 
 def visit_comments(plan: Plan) -> tuple[str, str]:
@@ -790,6 +807,8 @@ def template_context(plan: Plan) -> dict:
         "first_visit_mask": BLOCK_MASK_TEST if plan.block_mask else ("", ""),
         "visit_init": visit_init(plan),
         "visit_setup": visit_lines(plan),
+        "visit_guard": visit_guard(plan),
+        "no_visit_init": no_visit_init(plan),
         "grid": grid(plan),
         "block_vars": block_vars(plan),
         "block_setup": block_setup(plan),

@@ -233,7 +233,7 @@ def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tu
         return [], [f"{start} = ({first} + {step}) * {size}" if producer else f"{tile} = {first} + {step}"]
     extent = "bm_dq_kv_tiles" if dq else "bm_q_tiles"
     row = "bm_b, bm_h, " + ("q_block" if dq else "kv_block")
-    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "no visit is left (the loop has ended)")
+    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "n_kv" if dq else "n_q")
     return list_cursors(t[1][1], t[3][1]), walk + ([f"{start} = {tile} * {size}"] if producer else [])
 
 

@@ -3,9 +3,10 @@
 The evidence: for hypothesis-drawn mask_mods (causal, a sliding window, documents from random
 boundaries, prefix-LM, random block sparsity through a tensor) the block-mask kernel, run on the
 CPU model, equals the kernel without a block mask bit for bit (out and LSE), and every block
-loaded exactly its Q tile's non-empty KV tiles (one, masked, for a Q tile that has none).
-Three mutants of the emitted kernel's text are each caught: a full tile treated as empty, a
-partial tile run without the mask, kv_indices read one row off.
+loaded exactly its Q tile's non-empty KV tiles (none for a Q tile that has none: its rows give
+the dense kernel's bits for a row that sees no key, with or without a sink). Mutants of the
+emitted kernel's text are each caught: a full tile treated as empty, a partial tile run without
+the mask, kv_indices read one row off, and the zero-visit guard dropped, inverted or clamped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 import attngen
 from attngen import flex, tiles
 from attngen.emulator.driver import emulate_stats
+from attngen.emulator.errors import DeadlockError, EmulationError
 from attngen.plan import make_plan
 from attngen.reference import InputError, check_close, random_inputs
 from attngen.render import render_source
@@ -51,13 +53,15 @@ def mask_of(kind: str, q_len: int, kv_len: int, draw):
     return lambda b, h, q_idx, kv_idx: blk[q_idx // 32, kv_idx // 32] > 0
 
 
-def run_both(fn, batch, heads, q_len, kv_len, consumers, block_n, lse, seed=0, source=None):
+def run_both(fn, batch, heads, q_len, kv_len, consumers, block_n, lse, seed=0, source=None, sinks=False):
     """(dense out, block-mask out, the block-mask run's Stats, the BlockMask)."""
     bm = flex.create_block_mask(fn, None, None, q_len, kv_len, BLOCK_SIZE=(64 * consumers, block_n))
-    fields = dict(head_dim=D, consumers=consumers, block_n=block_n, mask_mod=bm.mask_text, lse=lse)
+    fields = dict(head_dim=D, consumers=consumers, block_n=block_n, mask_mod=bm.mask_text, lse=lse, sinks=sinks)
     dense, sparse = make_plan(Spec(**fields)), make_plan(Spec(**fields, block_mask=True))
     q, k, v = random_inputs("float16", D, batch, heads, heads, q_len, kv_len, seed)
     mod = dict(bm.mask_tensors)
+    if sinks:
+        mod["sinks"] = torch.from_numpy(np.random.default_rng(seed).standard_normal(heads).astype(np.float32))
     lists = {n: getattr(bm, n) for n in BM_NAMES}
     want, _ = emulate_stats(dense, q, k, v, tensors=mod, seed=seed)
     got, stats = emulate_stats(sparse, q, k, v, tensors={**mod, **lists}, seed=seed + 1, source=source)
@@ -71,10 +75,10 @@ def same_bits(a, b) -> bool:
 
 
 def expected_loads(bm, batch, heads) -> dict:
-    """K tiles each block (x = Q tile, y = head, z = batch) must load: its non-empty tiles, at least one."""
+    """K tiles each block (x = Q tile, y = head, z = batch) must load: its non-empty tiles, 0 if none."""
     nonempty = (bm.states != tiles.EMPTY).sum(axis=-1)  # [B or 1, H or 1, nq]
     nonempty = np.broadcast_to(nonempty, (batch, heads, nonempty.shape[-1]))
-    return {(x, h, b): max(int(nonempty[b, h, x]), 1) for b in range(batch) for h in range(heads)
+    return {(x, h, b): int(nonempty[b, h, x]) for b in range(batch) for h in range(heads)
             for x in range(nonempty.shape[-1])}
 
 
@@ -128,6 +132,59 @@ def test_each_mutant_of_the_kernel_text_is_caught(name):
     caught = not same_bits(want, got) or stats.k_tiles_by_cta != expected_loads(bm, 1, 1)
     assert caught, name
     _, clean, clean_stats, _, _ = run_both(causal, 1, 1, 384, 384, 2, 64, False, source=text)
+    assert same_bits(want, clean) and clean_stats.k_tiles_by_cta == expected_loads(bm, 1, 1)  # the checks pass unmutated
+
+
+# -- a Q tile with no listed tile: no load, no visit, the dense kernel's bits ----------------------------------
+def sparse_with_empty_rows(q_len, kv_len, block_m, seed, on, empty):
+    """Random 32 x 32 block sparsity with the Q tiles `empty` (indices mod the tile count) left with no key."""
+    blk = np.random.default_rng(seed).random((-(-q_len // 32), -(-kv_len // 32))) < on
+    nq = -(-q_len // block_m)
+    for x in {e % nq for e in empty}:
+        blk[x * block_m // 32:(x + 1) * block_m // 32] = False
+    blk = torch.from_numpy(blk).float()
+    return lambda b, h, q_idx, kv_idx: blk[q_idx // 32, kv_idx // 32] > 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(65, 400), st.integers(1, 300), st.sampled_from([(1, 64), (2, 64), (2, 128), (3, 64)]),
+       st.booleans(), st.booleans(), st.integers(0, 2**16), st.sampled_from([0.0, 0.3, 0.7]),
+       st.lists(st.integers(0, 7), min_size=1, max_size=3))
+def test_a_q_tile_with_no_listed_tile_loads_nothing_and_gives_the_dense_kernels_bits(
+        q_len, kv_len, tile, lse, sinks, seed, on, empty):
+    fn = sparse_with_empty_rows(q_len, kv_len, 64 * tile[0], seed, on, empty)
+    want, got, stats, bm, _ = run_both(fn, 1, 2, q_len, kv_len, *tile, lse, seed=seed, sinks=sinks)
+    loads = expected_loads(bm, 1, 2)
+    assert 0 in loads.values()  # the draw made an empty Q tile
+    assert same_bits(want, got)
+    assert stats.k_tiles_by_cta == loads and stats.k_tiles == sum(loads.values())
+
+
+ZERO_VISIT_MUTANTS = {
+    "the zero-visit guard dropped": [("if n_tiles > 0:", "if True:")],
+    "the zero-visit guard inverted": [("if n_tiles > 0:", "if n_tiles <= 0:")],
+    "an empty Q tile runs one visit (n_tiles >= 1)": [("n_tiles = bm_partial_n + bm_full_n", "n_tiles = T.max(bm_partial_n + bm_full_n, 1)")],
+    "the row sum of a skipped block left unset": [("T.fill(row_sum, 0)", "T.fill(row_sum, 1)")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_VISIT_MUTANTS))
+def test_each_zero_visit_mutant_is_caught(name):
+    fn = sparse_with_empty_rows(384, 256, 128, 7, 0.5, [0, 2])
+    text = render_source(make_plan(Spec(head_dim=D, block_n=64, mask_mod=flex.create_block_mask(
+        fn, None, None, 384, 256, BLOCK_SIZE=(128, 64)).mask_text, block_mask=True, lse=True)))
+    mutated = text
+    for old, new in ZERO_VISIT_MUTANTS[name]:
+        assert old in mutated, old
+        mutated = mutated.replace(old, new)
+    try:
+        want, got, stats, bm, _ = run_both(fn, 1, 1, 384, 256, 2, 64, True, source=mutated)
+        caught = not same_bits(want, got) or stats.k_tiles_by_cta != expected_loads(bm, 1, 1)
+    except EmulationError as e:  # a consumer waiting for a tile the producer never loads
+        caught = isinstance(e, DeadlockError)
+    assert caught, name
+    want, clean, clean_stats, bm, _ = run_both(fn, 1, 1, 384, 256, 2, 64, True, source=text)
+    assert 0 in expected_loads(bm, 1, 1).values()
     assert same_bits(want, clean) and clean_stats.k_tiles_by_cta == expected_loads(bm, 1, 1)  # the checks pass unmutated
 
 
