@@ -78,7 +78,10 @@ print('nvcc on PATH:', shutil.which('nvcc'), '| TileLang CUDA_HOME:', getattr(en
 # 3. every kernel the tests and the benchmark use, built in parallel (nvcc is single-threaded): the
 #    forward presets, the backward presets' modules (every part) with the forward autograd runs, and
 #    the benchmark's forward and backward rows, into the runtime cache the later stages load
-stage "build kernels" 200 200 "${PY[@]}" bench/bench_gpu.py --prebuild-only -j "$(nproc)" 2>&1 | grep -v "TileLang begins\|TileLang completes"
+#    200 s is for the H200 box's 16 cores; with fewer (a dry run here) the cap grows in proportion
+BUILD_CAP=$((200 * 16 / $(nproc)))
+((BUILD_CAP < 200)) && BUILD_CAP=200
+stage "build kernels" "$BUILD_CAP" 200 "${PY[@]}" bench/bench_gpu.py --prebuild-only -j "$(nproc)" 2>&1 | grep -v "TileLang begins\|TileLang completes"
 BUILD_RC=${PIPESTATUS[0]}
 
 # 4. one small launch per preset, each in its own process: a kernel that hangs costs one timeout here
