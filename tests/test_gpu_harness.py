@@ -283,3 +283,23 @@ def test_gpu_backward_checks_pass_the_emitted_kernels_on_the_cpu_model_and_catch
         assert not module.reference_failures(spec, drawn, grads), preset
         wrong = dict(grads, dq=grads["dq"] * 1.05)
         assert "dq" in module.reference_failures(spec, drawn, wrong), preset
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_the_smoke_stage_runs_a_backward_presets_backward_and_fails_a_nan_gradient(poison):
+    """gpu_smoke.backward_once through the op on CPU tensors (the CPU model): ok on real inputs; a
+    NaN in q reaches every gradient and fails the check."""
+    import torch
+
+    import attngen
+
+    spec = attngen.load_spec(ROOT / "examples" / "hd64_f16_gqa2_causal_sinks_deterministic.toml")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 4, 64, generator=g).half()
+    k, v = (torch.randn(1, 14, 2, 64, generator=g).half() for _ in range(2))
+    if poison:
+        q[0, 3, 1, 5] = float("nan")
+        with pytest.raises(AssertionError, match="NaN"):
+            smoke.backward_once(spec, q, k, v)
+    else:
+        assert smoke.backward_once(spec, q, k, v) == "backward ok (every gradient finite: dq, dk, dv, dsinks)"
