@@ -203,8 +203,10 @@ def backward_preset_keys(preset_paths) -> list[tuple]:
     return keys
 
 
-def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
-    """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
+def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]:
+    """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk
+    (load=False, the GPU check's build stage: only those no worker built, so that a failure is
+    reported here; the later stages load them)."""
     keys = list(dict.fromkeys([key for c in configs if c.seed is None for key in c.kernel_keys] + list(extra_keys)))
     built = {}
     t0 = time.time()
@@ -217,13 +219,21 @@ def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
                 # the backward modules first: each builds its 3-5 kernels in one worker, the longest jobs
                 futures = {pool.submit(_build_one, *key): key for key in sorted(keys, key=lambda k: k[2] != BACKWARD)}
                 for f in cf.as_completed(futures):
-                    name, source, seconds = f.result()
-                    built[futures[f]] = (source, seconds)
+                    try:
+                        name, source, seconds = f.result()
+                    except Exception as e:  # this kernel only: built again below, where its error is reported
+                        print(f"  a worker failed to build one kernel ({type(e).__name__}); retried here", flush=True)
+                        continue
+                    built[futures[f]] = (source, seconds, name)
                     print(f"  built {name}: {source} in {seconds:.1f} s", flush=True)
         except Exception as e:  # a broken pool (or a build error) is retried serially below, where it is reported
             print(f"  parallel build failed ({type(e).__name__}: {e}); building serially", flush=True)
     rows = []
     for key in keys:
+        if not load and key in built:
+            source, seconds, name = built[key]
+            rows.append({"kernel": name, "worker": source, "worker_s": seconds, "here": "-", "here_s": None, "cache": None})
+            continue
         try:
             k = kernel_for(*key)
         except Exception as e:  # one kernel that does not build must not cost the others their rows
@@ -234,8 +244,9 @@ def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
         worker = built.get(key)
         rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
-    cache = next((r["cache"] for r in rows if r.get("cache")), None)
-    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
+    from attngen.cache import cache_root
+
+    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {cache_root(None)})", flush=True)
     return rows
 
 
@@ -534,7 +545,7 @@ def main(argv=None) -> int:
     print(f"{len(presets)} presets, {len(configs)} rows ({sum(c.backward for c in configs)} backward), "
           f"{len({k for c in configs for k in c.kernel_keys})} kernels", flush=True)
     extra = preset_keys(presets) + backward_preset_keys(presets) if args.prebuild_only else ()
-    build_rows = prebuild(configs, args.jobs, extra)
+    build_rows = prebuild(configs, args.jobs, extra, load=not args.prebuild_only)
     if args.prebuild_only:
         return 1 if any(r.get("error") for r in build_rows) else 0
 
