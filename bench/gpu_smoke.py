@@ -70,7 +70,7 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
     if not res.ok:
         raise AssertionError(str(res))
-    return f"ok ({res})" + (f"; {backward_once(plan.spec, q, k, v)}" if backward else "")
+    return f"ok ({res})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
 
 
 def backward_kernels(preset: str):
