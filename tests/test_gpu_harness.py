@@ -218,8 +218,6 @@ class _NoCuda:
 def fake_backward(broken: str = ""):
     """A BackwardKernel of an MHA spec whose 'kernels' are torch functions writing what the real
     ones own (run's argument order), one of them `broken`: it leaves an element unwritten."""
-    import torch
-
     from attngen.plan import plan_backward
     from attngen.runtime import BackwardKernel
     from attngen.spec import Spec
