@@ -663,6 +663,12 @@ def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
             "K": stages * block_n * d * e, "V": stages * block_n * dv * e}
 
 
+def autograd_spec(spec: Spec) -> Spec:
+    """The forward attngen.attention runs when a gradient is wanted: the spec with its LSE, which the
+    backward reads (ops.fwd_arguments asks for it; runtime.precompile_training builds it)."""
+    return dataclasses.replace(spec, lse=True)
+
+
 FORWARD_ONLY_FIELDS = {"consumers": 2, "k_stages": 2, "v_stages": 2, "block_m": None, "block_n": None,
                        "pingpong": None, "aligned": False, "steady_loop": "one"}
 

@@ -40,7 +40,7 @@ from attngen.hw import CAPABILITY, DTYPES
 from attngen.inputs import (backward_block_mask, check_append_tensors, check_extra, check_layout, check_serving_tensors,  # noqa: F401
                             check_tensors, extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
-from attngen.plan import BLOCK_MASK_TENSORS, AppendPlan, Plan, Shape, append_plan, as_plan
+from attngen.plan import BLOCK_MASK_TENSORS, AppendPlan, Plan, Shape, append_plan, as_plan, autograd_spec, plan_backward
 from attngen.reference import InputError, resolve_scale  # noqa: F401  (re-exported: attngen.runtime.InputError)
 from attngen.render import render_append_source, render_source
 from attngen.spec import Spec, check_keys
@@ -664,6 +664,13 @@ def precompile_backward(spec_or_plan, *, cache_dir=None) -> Precompiled:
         return Precompiled(entry, True, time.time() - start)
     _built_parts(bp, text, entry, parts, require=True)
     return Precompiled(entry, False, time.time() - start)
+
+
+def precompile_training(spec: Spec, shape: Shape | None = None, *, cache_dir=None) -> list:
+    """What attngen.attention loads when a gradient is wanted, precompiled: the forward with its LSE
+    (plan.autograd_spec) and the backward module. A spec the backward refuses: its SpecError."""
+    plan_backward(spec)  # refuse before building anything
+    return [precompile(autograd_spec(spec), shape, cache_dir=cache_dir), precompile_backward(spec, cache_dir=cache_dir)]
 
 
 def compile_backward(spec_or_plan) -> BackwardKernel:

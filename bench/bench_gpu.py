@@ -47,7 +47,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 from attngen.gputime import n_sets, time_launches  # noqa: E402
-from attngen.plan import SEED_SHAPE, Shape, make_plan, plan_backward, tflops  # noqa: E402
+from attngen.plan import SEED_SHAPE, Shape, autograd_spec, make_plan, plan_backward, tflops  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -113,7 +113,7 @@ class Config:
 def autograd_forward(spec: Spec) -> Spec:
     """The forward that attngen.attention runs when a gradient is wanted: the spec with lse (for a
     deterministic spec its text differs from the backward plan's forward in the header's spec lines)."""
-    return make_plan(dataclasses.replace(spec, lse=True)).spec
+    return make_plan(autograd_spec(spec)).spec
 
 
 def heads_for(head_dim: int, group: int) -> int:
