@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import os
 import sys
@@ -141,21 +142,36 @@ def backward_preset_files() -> list:
     return [found[name] for name in BACKWARD_PRESETS]
 
 
-def _precompile_job(path: str, shape: str | None, cache_dir):
+def _precompile_one(plan, cache_dir, backward: bool) -> tuple[list, str | None]:
+    """Precompile a plan's kernel and, with --backward, what training with it loads too (the forward
+    with its LSE and the backward module: runtime.precompile_training). Returns the entries done and,
+    for a spec the backward refuses, that one line (the forward is still precompiled)."""
+    from attngen.runtime import precompile, precompile_training
+
+    done = [precompile(plan, cache_dir=cache_dir)]
+    if not backward:
+        return done, None
+    try:
+        return done + precompile_training(plan.spec, plan.shape, cache_dir=cache_dir), None
+    except SpecError as e:
+        return done, f"backward: not precompiled: {e}"
+
+
+def _precompile_job(path: str, shape: str | None, cache_dir, backward: bool = False):
     """One spec of `attngen precompile` (run in a worker process): never raises."""
     from attngen.build import Outcome, one_line
-    from attngen.runtime import precompile
 
     label = path if shape is None else f"{path} --shape {shape}"
     try:
         plan = make_plan(load(path), Shape.parse(shape) if shape else None)
-        done = precompile(plan, cache_dir=cache_dir)
+        done, note = _precompile_one(plan, cache_dir, backward)
     except SpecError as e:
         return Outcome(label, error=one_line(e), user_error=True)
     except Exception as e:  # noqa: BLE001 - reported per kernel, one line
         return Outcome(label, error=one_line(e))
-    report = {"kernel": plan.name, "cached": done.cached, "seconds": {"precompile": round(done.seconds, 1)},
-              "entry": done.path.name}
+    report = {"kernel": plan.name, "cached": all(d.cached for d in done),
+              "seconds": {"precompile": round(sum(d.seconds for d in done), 1)},
+              "entry": ", ".join(d.path.name for d in done), "note": note}
     return Outcome(label, report=report)
 
 
@@ -174,26 +190,30 @@ def cmd_precompile(args) -> int:
     hint = "" if args.cache_dir is None else f" (at run time: ATTNGEN_CACHE={cache_root(args.cache_dir)})"
     if len(specs) == 1:  # in this process, like `attngen build` of one spec: a bad spec is one error line
         from attngen.build import BuildError, one_line
-        from attngen.runtime import precompile
 
         plan = plan_of(specs[0], shape)
-        print(f"precompiling {plan.name} into {where} (TileLang's lowering and nvcc: tens of seconds)", flush=True)
+        what = " and what training loads (--backward)" if args.backward else ""
+        print(f"precompiling {plan.name}{what} into {where} (TileLang's lowering and nvcc: tens of seconds)", flush=True)
         try:
-            done = precompile(plan, cache_dir=args.cache_dir)
+            done, note = _precompile_one(plan, args.cache_dir, args.backward)
         except (BuildError, OSError):
             raise
         except Exception as e:  # TileLang and TVM raise many types: one line, exit 1
             raise BuildError(f"precompiling {plan.name} failed: {one_line(e)}") from None
-        how = "was there already" if done.cached else f"built in {done.seconds:.1f} s"
-        print(f"{done.path.name}  {how}{hint}")
+        for d in done:
+            how = "was there already" if d.cached else f"built in {d.seconds:.1f} s"
+            print(f"{d.path.name}  {how}{hint}")
+        if note:
+            print(note)
         return 0
+    job = functools.partial(_precompile_job, backward=args.backward)
     outcomes = build_many(specs, shape=args.shape, cache_dir=args.cache_dir, jobs=args.jobs, progress=Progress(sys.stderr),
-                          job=_precompile_job)
+                          job=job)
     for o in outcomes:
         if o.error is None:
             r = o.report
             how = "was there" if r["cached"] else f"built in {r['seconds']['precompile']} s"
-            print(f"{r['entry']}  {how}  ({o.label})")
+            print(f"{r['entry']}  {how}  ({o.label})" + (f"; {r['note']}" if r["note"] else ""))
     done = [o for o in outcomes if o.error is None]
     print(f"{len(done)} of {len(outcomes)} kernel(s) ready in {where}{hint}")
     return 2 if any(o.user_error for o in outcomes) else 1 if any(o.error for o in outcomes) else 0
@@ -403,6 +423,8 @@ def parser() -> argparse.ArgumentParser:
     pc.add_argument("--shape", help="specialize to a static shape B,H,HKV,SQ,SKV (default: dynamic shapes)")
     pc.add_argument("--cache-dir", default=None, help="cache directory to fill; point $ATTNGEN_CACHE at it at run time "
                     "(default: $ATTNGEN_CACHE or ~/.cache/attngen)")
+    pc.add_argument("--backward", action="store_true", help="also what training loads: the forward with its LSE and "
+                    "the backward module (docs/backward.md)")
     pc.set_defaults(func=cmd_precompile)
 
     c = sub.add_parser("check", help="generate, build and emulate a kernel and, where the backward supports the spec, "

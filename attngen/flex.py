@@ -373,17 +373,9 @@ class BlockMask:
 
 
 def _block_mask(lengths, block_size, st, mask_mod, text, tensors, dev) -> BlockMask:
-    def lists(sel):
-        counts, idx = tiles.tile_lists(sel)
-        return torch.from_numpy(counts).to(dev), torch.from_numpy(idx).to(dev)
-
-    partial, full = st == tiles.PARTIAL, st == tiles.FULL
-    kv_n, kv_i = lists(partial)
-    fkv_n, fkv_i = lists(full)
-    q_n, q_i = lists(np.swapaxes(partial, -1, -2))
-    fq_n, fq_i = lists(np.swapaxes(full, -1, -2))
-    return BlockMask(tuple(lengths), tuple(block_size), kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, mask_mod, st,
-                     text, dict(tensors))
+    lists = {n: torch.from_numpy(x).to(dev) for n, x in tiles.mask_lists(st).items()}
+    return BlockMask(tuple(lengths), tuple(block_size), mask_mod=mask_mod, states=st, mask_text=text,
+                     mask_tensors=dict(tensors), **lists)
 
 
 def _positive(name, x):

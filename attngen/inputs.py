@@ -213,6 +213,32 @@ def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
             "bm_kv_tiles": -(-kv_len // spec.block_n)}
 
 
+def backward_block_mask(bp, tensors: dict, q_len: int, kv_len: int) -> tuple[list, dict]:
+    """A block-mask backward's lists (render_bwd.block_mask_params' order: the main kernel's q_*,
+    then the deterministic dq kernel's kv_*) and their extents, from the forward's four lists in
+    `tensors` (tiles.backward_lists: transposed and retiled to the backward's tiles, host side)."""
+    from attngen import tiles
+    from attngen.plan import BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
+
+    if not bp.forward.block_mask:
+        return [], {}
+    names = [n for n, _, _ in BLOCK_MASK_TENSORS]
+    for n in names:
+        if tensors.get(n) is None:
+            raise InputError(n, "None", "the forward's block-mask lists (kv_num_blocks, kv_indices, full_kv_*): "
+                                        "the backward derives its own from them")
+    given = {n: np.asarray(to_numpy(tensors[n])) for n in names}
+    f = bp.forward.spec
+    dq_tile = (bp.dq_block_m, bp.dq_block_n) if bp.deterministic else None
+    lists = tiles.backward_lists(given, (f.block_m, f.block_n), (q_len, kv_len), (bp.block_m, bp.block_n), dq_tile)
+    order = BWD_BLOCK_MASK_TENSORS + (DQ_BLOCK_MASK_TENSORS if bp.deterministic else ())
+    dims = {"bm_batch": given["kv_indices"].shape[0], "bm_heads": given["kv_indices"].shape[1],
+            "bm_q_tiles": -(-q_len // bp.block_m), "bm_kv_tiles": -(-kv_len // bp.block_n)}
+    if bp.deterministic:
+        dims.update(bm_dq_q_tiles=-(-q_len // bp.dq_block_m), bm_dq_kv_tiles=-(-kv_len // bp.dq_block_n))
+    return [lists[n] for n, _, _ in order], dims
+
+
 def _check_finite(name: str, x) -> None:
     """A sink is a logit in every row's softmax denominator: NaN or inf has no meaning there.
     (A device tensor is read with one small host copy; a meta tensor is left to the device check.)"""

@@ -74,6 +74,17 @@ BLOCK_MASK_TENSORS = (
     ("full_kv_indices", "Full_kv_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
 )
 BLOCK_MASK_AXES = ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")
+# The backward's: the main kernel's transposed lists per KV tile (FlexAttention's q_* names and
+# layout), over its own tiles; the deterministic dq kernel's kv_* lists over its tiles (dq_*:
+# other extents than the forward's). tiles.backward_lists derives both from the forward's lists.
+BWD_BLOCK_MASK_TENSORS = (
+    ("q_num_blocks", "Q_num_blocks", ("bm_batch", "bm_heads", "bm_kv_tiles")),
+    ("q_indices", "Q_indices", ("bm_batch", "bm_heads", "bm_kv_tiles", "bm_q_tiles")),
+    ("full_q_num_blocks", "Full_q_num_blocks", ("bm_batch", "bm_heads", "bm_kv_tiles")),
+    ("full_q_indices", "Full_q_indices", ("bm_batch", "bm_heads", "bm_kv_tiles", "bm_q_tiles")),
+)
+DQ_BLOCK_MASK_TENSORS = tuple((f"dq_{n}", p, tuple({"bm_q_tiles": "bm_dq_q_tiles", "bm_kv_tiles": "bm_dq_kv_tiles"}.get(a, a)
+                                                   for a in axes)) for n, p, axes in BLOCK_MASK_TENSORS)
 
 SEED_SHAPE = Shape(1, 8, 8, 1024, 1024)  # the hand-written seed kernel's static shape (docs/seed-parity.md)
 
@@ -262,13 +273,17 @@ def regs_needed(spec: Spec, block_n: int) -> int:
 def reg_split(spec: Spec) -> tuple:
     """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
-    n = spec.consumers
-    producer, consumer = hw.REG_SPLIT[n]
     if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
-        producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
-        pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
-        consumer = min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
-    return producer, consumer
+        return walking_split(spec.consumers)
+    return hw.REG_SPLIT[spec.consumers]
+
+
+def walking_split(n: int) -> tuple:
+    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists)."""
+    producer, consumer = hw.REG_SPLIT[n]
+    producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
+    pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
+    return producer, min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
 
 
 # ALiBi with split-KV and 3 consumers: from block_n 80 nvcc keeps the S tile in local memory
@@ -677,6 +692,12 @@ def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
             "K": stages * block_n * d * e, "V": stages * block_n * dv * e}
 
 
+def autograd_spec(spec: Spec) -> Spec:
+    """The forward attngen.attention runs when a gradient is wanted: the spec with its LSE, which the
+    backward reads (ops.fwd_arguments asks for it; runtime.precompile_training builds it)."""
+    return dataclasses.replace(spec, lse=True)
+
+
 FORWARD_ONLY_FIELDS = {"consumers": 2, "k_stages": 2, "v_stages": 2, "block_m": None, "block_n": None,
                        "pingpong": None, "aligned": False, "steady_loop": "one"}
 
@@ -694,9 +715,11 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
-    # A block mask's backward is its mask_mod's: every tile masked, exact (the transposed q_* lists
-    # that would let it skip tiles are not read yet; docs/backward.md)
-    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, block_mask=False), shape)
+    if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
+        raise SpecError("deterministic", True, "false with block_mask = true and gqa_group > 1: the deterministic "
+                        "backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
+    # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
     forward_spec = forward.spec
     # The backward's identity (name, hash, header): the fields its kernels read; the forward's own tiling,
     # stages, ping-pong, alignment and loop form at their defaults, so specs that differ only there
@@ -711,7 +734,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
     consumers = 2
-    producer_regs, consumer_regs = hw.REG_SPLIT[consumers]
+    # a block mask's producer walks its lists per Q tile: the forward's walking share (24 registers spilled)
+    producer_regs, consumer_regs = walking_split(consumers) if spec.block_mask else hw.REG_SPLIT[consumers]
     if block_m is not None and (type(block_m) is not int or block_m < hw.WGMMA_M or block_m % hw.WGMMA_M):
         raise SpecError("block_m", block_m, f"expected a multiple of {hw.WGMMA_M} (the dQ wgmma's M)")
     fixed = block_m is not None

@@ -356,21 +356,32 @@ def visit_init(plan: Plan) -> list[str]:
     """An agent's cursors into the two lists, before its first visit."""
     if not plan.block_mask:
         return []
-    return ['bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of KV_indices (partial tiles)',
-            'bm_next_f = T.alloc_var("int32", 0)  # and of Full_kv_indices (full tiles)']
+    return list_cursors("KV_indices", "Full_kv_indices")
 
 
 def visit_lines(plan: Plan) -> list[str]:
     """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
     if not plan.block_mask:
         return []
-    row = "bm_b, bm_h, q_block"
-    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, KV_indices[{row}, T.min(bm_next_p, bm_kv_tiles - 1)], bm_kv_tiles)"
-            "  # the next partial tile (bm_kv_tiles: none left)",
-            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, Full_kv_indices[{row}, T.min(bm_next_f, bm_kv_tiles - 1)], bm_kv_tiles)"
+    return list_walk("KV_indices", "Full_kv_indices", "bm_b, bm_h, q_block", "bm_kv_tiles", "kv_tile", "n_tiles")
+
+
+def list_cursors(partial: str, full: str) -> list[str]:
+    """The cursors of a walk over two block-mask lists (list_walk)."""
+    return [f'bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of {partial} (partial tiles)',
+            f'bm_next_f = T.alloc_var("int32", 0)  # and of {full} (full tiles)']
+
+
+def list_walk(partial: str, full: str, row: str, extent: str, tile: str, count: str) -> list[str]:
+    """One step of the walk over a row of two ascending block-mask lists (the forward's KV tiles
+    of a Q tile, the backward's Q tiles of a KV tile): `tile` is the lower head, `partial` says
+    which list it came from, and that list's cursor steps. `count`: the visits, both lists' counts."""
+    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {partial}[{row}, T.min(bm_next_p, {extent} - 1)], {extent})"
+            f"  # the next partial tile ({extent}: none left)",
+            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {full}[{row}, T.min(bm_next_f, {extent} - 1)], {extent})"
             "  # the next full tile",
-            "kv_tile = T.min(T.min(bm_p, bm_f), bm_kv_tiles - 1)  # the lower of the two: tiles in ascending order",
-            "partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list (n_tiles counts both)",
+            f"{tile} = T.min(T.min(bm_p, bm_f), {extent} - 1)  # the lower of the two: tiles in ascending order",
+            f"partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list ({count} counts both)",
             "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
             "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
 

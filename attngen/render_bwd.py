@@ -15,8 +15,9 @@ from pathlib import Path
 import jinja2
 
 from attngen import expr, hw, tiles
-from attngen.plan import BackwardPlan, plan_backward
-from attngen.render import (TemplateError, _numbered, _tensor, environment, has_offset, mod_at, score_text,
+from attngen.plan import (BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS,
+                          BackwardPlan, plan_backward)
+from attngen.render import (TemplateError, _numbered, _tensor, environment, has_offset, list_cursors, list_walk, mod_at, score_text,
                             variant_constants, write_if_different)
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
@@ -43,6 +44,8 @@ _KV_TILE = tiles.Sym("kv_block", 0)
 
 def q_range(bp: BackwardPlan) -> dict:
     """The Q tiles the CTA's KV tile visits, and those it sees whole (tiles.Frame.q_span's bounds)."""
+    if bp.forward.block_mask:  # the listed Q tiles, partial and full (0: none; dK = dV = 0 are still written)
+        return {"q_first": "0", "n_q": "bm_partial_n + bm_full_n", "full_first": "", "full_stop": ""}
     fr = frame(bp)
     first = fr.q_first(_KV_TILE)
     n_q = tiles.text(tiles.max_(tiles.sub(fr.q_stop(_KV_TILE), tiles.Sym("q_first", 0)), 0))
@@ -61,6 +64,8 @@ def has_edges(bp: BackwardPlan) -> bool:
 def masked_visit(bp: BackwardPlan) -> str:
     """Is Q tile q_tile of this KV tile masked? Outside the tiles every row sees whole, the last Q
     tile when it passes q_len, and every visit of a KV tile that passes kv_len. A mask_mod masks all."""
+    if bp.forward.block_mask:  # a tile past a length is never full (tiles.tile_states, retile_states)
+        return "partial"
     if bp.forward.mask_expr is not None:
         return "True"
     parts = []
@@ -107,6 +112,9 @@ def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
 def dq_range(bp: BackwardPlan) -> dict:
     """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
+    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (block_mask_walk)
+        return {"dq_kv_first": "0", "dq_n_kv": "bm_partial_n + bm_full_n", "dq_full_first": "", "dq_full_stop": "",
+                "dq_masked_visit": "partial"}
     lo = 0 if f.varlen else 1
     fr = tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
                      edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("DQ_BLOCK_M", 1),
@@ -181,7 +189,57 @@ def consumer_args(bp: BackwardPlan) -> str:
     names.append("kv_partial")
     names += seq_names(bp)
     names += [t.param for t in call_tensors(bp)]
+    names += block_mask_args(bp)
     return ", ".join(names + ["softmax_scale"])
+
+
+# -- a block mask (FlexAttention's BlockMask): each pass walks its lists (render.list_walk) ---------------
+BM_VALUES = ["bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
+
+
+def block_mask_tensors(bp: BackwardPlan, dq: bool = False) -> tuple:
+    """(call-time name, parameter, axes) of a kernel's lists: the main kernel's transposed q_* per KV
+    tile, the dq kernel's kv_* per Q tile (plan.BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS)."""
+    if not bp.forward.block_mask:
+        return ()
+    return DQ_BLOCK_MASK_TENSORS if dq else BWD_BLOCK_MASK_TENSORS
+
+
+def block_mask_args(bp: BackwardPlan, dq: bool = False) -> list:
+    """What a consumer macro's walk reads: the block's row of the lists and its two index tensors."""
+    t = block_mask_tensors(bp, dq)
+    return (["q_block"] if dq else []) + BM_VALUES + [t[1][1], t[3][1]] if t else []  # (the main macro has kv_block)
+
+
+def block_mask_setup(bp: BackwardPlan, dq: bool = False) -> list[str]:
+    """The block's row of the lists (a batch or head extent of 1 broadcasts) and its two counts."""
+    t = block_mask_tensors(bp, dq)
+    if not t:
+        return []
+    row, what = ("q_block", "KV tiles of these rows") if dq else ("kv_block", "Q tiles of this KV tile")
+    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
+            "bm_h = T.min(head, bm_heads - 1)",
+            f"bm_partial_n = {t[0][1]}[bm_b, bm_h, {row}]  # {what} that the mask cuts",
+            f"bm_full_n = {t[2][1]}[bm_b, bm_h, {row}]  # ... and that it sees whole"]
+
+
+def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tuple[list, list]:
+    """(before the loop, at the top of each visit): the visit's tile, kept as the dense kernel names it
+    (consumers: q_tile / kv_tile; the producer: m0 / kv0), walked from the lists with a block mask."""
+    tile, first, step, start = ("kv_tile", "kv_first", "k", "kv0") if dq else ("q_tile", "q_first", "m", "m0")
+    size = "DQ_BLOCK_N" if dq else "BLOCK_M"
+    t = block_mask_tensors(bp, dq)
+    if not t:
+        return [], [f"{start} = ({first} + {step}) * {size}" if producer else f"{tile} = {first} + {step}"]
+    extent = "bm_dq_kv_tiles" if dq else "bm_q_tiles"
+    row = "bm_b, bm_h, " + ("q_block" if dq else "kv_block")
+    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "n_kv" if dq else "n_q")
+    return list_cursors(t[1][1], t[3][1]), walk + ([f"{start} = {tile} * {size}"] if producer else [])
+
+
+def block_mask_params(bp: BackwardPlan, dq: bool = False) -> list:
+    return [_tensor(param, list(axes), '"int32"', f"call time: {name} (the {'dq' if dq else 'main'} kernel's tiles)")
+            for name, param, axes in block_mask_tensors(bp, dq)]
 
 
 # -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
@@ -238,7 +296,8 @@ def kv_shape(dim: str, varlen: bool) -> list:
 
 def call_tensors(bp: BackwardPlan) -> list:
     """The forward's call-time tensors (ALiBi slopes, score_mod/mask_mod tensors): the main kernel reads them too."""
-    return [t for t in bp.forward.extra if not t.output and t.name != "sinks"]
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}  # the forward's own block-mask lists: the backward has its own
+    return [t for t in bp.forward.extra if not t.output and t.name != "sinks" and t.name not in lists]
 
 
 def rows_shape(varlen: bool) -> list:
@@ -280,11 +339,11 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
     calls = [_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"', f"call time: {t.name}") for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
-    main += calls + seq + [scale]
+    main += calls + block_mask_params(bp) + seq + [scale]
     dq = [_tensor("Q", q_shape("HEAD_DIM", vl), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
           _tensor("V", kv_shape(dv, vl), "DTYPE"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
           _tensor("LSE2", rows_shape(vl), '"float32"'), _tensor("dPsum", rows_shape(vl), '"float32"'),
-          _tensor("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output: dQ, scaled")] + calls + seq + [scale]
+          _tensor("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
     post = [_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"'), _tensor("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output")] + seq + [scale]
     post_kv = [_tensor("dK_accum", kv_shape("HEAD_DIM", vl), '"float32"'), _tensor("dV_accum", kv_shape(dv, vl), '"float32"'),
                _tensor("dK", kv_shape("HEAD_DIM", vl), "DTYPE", "output"), _tensor("dV", kv_shape(dv, vl), "DTYPE", "output")]
@@ -370,6 +429,8 @@ def template_context(bp: BackwardPlan) -> dict:
     names = ("batch", "total_q", "total_k", "kv_heads") if f.varlen else ("batch", "q_len", "kv_len", "kv_heads")
     dims = {d: (getattr(bp.shape, d) if bp.shape else None) for d in names}
     free = [t.dim(a) for t in call_tensors(bp) for a in range(len(t.shape)) if t.shape[a] is None]
+    if f.block_mask:
+        free += list(BLOCK_MASK_AXES) + (["bm_dq_q_tiles", "bm_dq_kv_tiles"] if bp.deterministic else [])
     return {
         "header": header_lines(bp),
         "kernel_name": bp.name,
@@ -413,6 +474,10 @@ def template_context(bp: BackwardPlan) -> dict:
         "dz_ds": dz_ds(bp),
         "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
+        "bm_setup": block_mask_setup(bp),
+        "tile_init": tile_lines(bp)[0],
+        "tile_lines": tile_lines(bp)[1],
+        "producer_tile_lines": tile_lines(bp, producer=True)[1],
         "consumer_args": consumer_args(bp),
         **layout_context(bp, dv),
         "varlen": f.varlen,
@@ -432,7 +497,10 @@ def template_context(bp: BackwardPlan) -> dict:
 def dq_context(bp: BackwardPlan) -> dict:
     return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
             "dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
-            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp)}
+            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp),
+            "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
+            "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
+            "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}
 
 
 def as_backward_plan(spec_or_plan, shape=None) -> BackwardPlan:

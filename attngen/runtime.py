@@ -37,10 +37,10 @@ from attngen.cache import RUNTIME, cache_key, cache_root, locked, package_versio
 from attngen.hw import CAPABILITY, DTYPES
 # The input checks live in attngen/inputs.py, shared with the CPU model (attngen.emulate);
 # re-exported here, where the GPU path's callers have always found them.
-from attngen.inputs import (check_append_tensors, check_extra, check_layout, check_serving_tensors,  # noqa: F401
+from attngen.inputs import (backward_block_mask, check_append_tensors, check_extra, check_layout, check_serving_tensors,  # noqa: F401
                             check_tensors, extra_dims, packed_strides)
 from attngen.lower import TARGET, load_module
-from attngen.plan import AppendPlan, Plan, Shape, append_plan, as_plan
+from attngen.plan import BLOCK_MASK_TENSORS, AppendPlan, Plan, Shape, append_plan, as_plan, autograd_spec, plan_backward
 from attngen.reference import InputError, resolve_scale  # noqa: F401  (re-exported: attngen.runtime.InputError)
 from attngen.render import render_append_source, render_source
 from attngen.spec import Spec, check_keys
@@ -613,9 +613,14 @@ class BackwardKernel:
             dk_main, dv_main = torch.zeros_like(k), torch.zeros_like(v)
         else:
             dk_main, dv_main = torch.empty_like(k), torch.empty_like(v)
-        calls = [tensors[n] for n in names if n != "sinks"] + seq
+        lists = {n for n, _, _ in BLOCK_MASK_TENSORS}  # the forward's: the backward takes its own, derived from them
+        calls = [tensors[n] for n in names if n != "sinks" and n not in lists]
+        bm, _ = backward_block_mask(bp, tensors, int(q.shape[1]), int(k.shape[1])) if bp.forward.block_mask else ([], {})
+        bm = [torch.from_numpy(x).to(q.device) for x in bm]
+        main_calls = calls + bm[:4] + seq  # the main kernel's transposed q_* lists ...
+        calls = calls + bm[4:] + seq  # ... and the dq kernel's kv_*
         scale = [float(softmax_scale)]
-        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + calls + scale
+        main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + main_calls + scale
         dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
         with torch.cuda.device(q.device):
             self.jits["preprocess"](*(_detach(a) for a in pre + seq))
@@ -659,6 +664,13 @@ def precompile_backward(spec_or_plan, *, cache_dir=None) -> Precompiled:
         return Precompiled(entry, True, time.time() - start)
     _built_parts(bp, text, entry, parts, require=True)
     return Precompiled(entry, False, time.time() - start)
+
+
+def precompile_training(spec: Spec, shape: Shape | None = None, *, cache_dir=None) -> list:
+    """What attngen.attention loads when a gradient is wanted, precompiled: the forward with its LSE
+    (plan.autograd_spec) and the backward module. A spec the backward refuses: its SpecError."""
+    plan_backward(spec)  # refuse before building anything
+    return [precompile(autograd_spec(spec), shape, cache_dir=cache_dir), precompile_backward(spec, cache_dir=cache_dir)]
 
 
 def compile_backward(spec_or_plan) -> BackwardKernel:

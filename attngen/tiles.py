@@ -455,25 +455,22 @@ def tile_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def retile_states(states: np.ndarray, block: tuple, kernel: tuple, lengths: tuple) -> np.ndarray:
     """Tile states [..., nq, nk] of a block mask's (bq, bk) tiles as states of (block_m, block_n)
-    tiles, per axis a whole multiple or a whole divisor of the mask's block. A larger tile is EMPTY
-    when every block in it is, FULL when every one is (a block past the grid counts EMPTY: it
-    runs past a length), else PARTIAL. A smaller tile takes its block's state, except that a
-    FULL block's piece past a length is PARTIAL; a PARTIAL block's pieces stay PARTIAL (some may be
-    empty or full: masked anyway, so exact, only less is skipped)."""
+    tiles, any sizes: a tile is EMPTY when every block it overlaps is (a block past the grid counts
+    EMPTY: it runs past a length), FULL when every one is, else PARTIAL. A tile inside one block
+    takes its state, except that a FULL block's piece past a length is PARTIAL; a PARTIAL block's
+    pieces stay PARTIAL (some may be empty or full: masked anyway, so exact, only less is
+    skipped). Coarsening by whole multiples loses nothing. (EMPTY < PARTIAL < FULL: all EMPTY is a
+    max of EMPTY, all FULL a min of FULL.)"""
     st = states
     for axis, (b, t, n) in enumerate(zip(block, kernel, lengths)):
         ax = st.ndim - 2 + axis
-        tiles_needed = ceildiv(n, t)
-        if t >= b:
-            f = t // b
-            pad = [(0, 0)] * st.ndim
-            pad[ax] = (0, tiles_needed * f - st.shape[ax])
-            fine = np.pad(st, pad, constant_values=EMPTY)
-            fine = fine.reshape(*fine.shape[:ax], tiles_needed, f, *fine.shape[ax + 1:])
-            empty, full = (fine == EMPTY).all(axis=ax + 1), (fine == FULL).all(axis=ax + 1)
-            st = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
-        else:
-            st = np.take(np.repeat(st, b // t, axis=ax), np.arange(tiles_needed), axis=ax)
+        stops = [ceildiv((i + 1) * t, b) for i in range(ceildiv(n, t))]  # one past the last block tile i overlaps
+        pad = [(0, 0)] * st.ndim
+        pad[ax] = (0, max(0, stops[-1] - st.shape[ax]))
+        grid = np.pad(st, pad, constant_values=EMPTY)
+        pieces = [np.take(grid, np.arange(i * t // b, stop), axis=ax) for i, stop in enumerate(stops)]
+        st = np.stack([np.where(p.max(axis=ax) == EMPTY, EMPTY, np.where(p.min(axis=ax) == FULL, FULL, PARTIAL))
+                       for p in pieces], axis=ax).astype(np.int8)
     kq, kk = kernel
     q_len, kv_len = lengths
     if q_len % kq:  # a tile past a length is never FULL
@@ -481,6 +478,46 @@ def retile_states(states: np.ndarray, block: tuple, kernel: tuple, lengths: tupl
     if kv_len % kk:
         st[..., :, -1] = np.where(st[..., :, -1] == FULL, PARTIAL, st[..., :, -1])
     return st
+
+
+def list_states(counts, indices, full_counts, full_indices, n_cols: int) -> np.ndarray:
+    """The tile states [..., rows, n_cols] that two lists name (kv_num_blocks/kv_indices and the
+    full_kv_* pair, or the q_* pair): the inverse of tile_lists. Only the first count entries of a
+    row are read (the padding after them may be anything)."""
+    st = np.zeros(np.shape(counts) + (n_cols,), np.int8)
+    for state, c, idx in ((PARTIAL, counts, indices), (FULL, full_counts, full_indices)):
+        c, idx = np.asarray(c), np.asarray(idx)
+        idx = np.where(np.arange(idx.shape[-1]) < c[..., None], idx, n_cols)  # unread entries: a spare column
+        mark = np.zeros(np.shape(c) + (n_cols + 1,), bool)
+        np.put_along_axis(mark, idx.astype(np.int64), True, axis=-1)
+        st[mark[..., :n_cols]] = state
+    return st
+
+
+def mask_lists(states: np.ndarray) -> dict:
+    """FlexAttention's eight BlockMask lists of tile states [..., nq, nk] (int32): per Q tile the
+    partial (kv_num_blocks, kv_indices) and full (full_kv_*) KV tiles, and per KV tile the
+    transposed q_num_blocks, q_indices, full_q_num_blocks, full_q_indices."""
+    out = {}
+    for direction, sel in (("kv", lambda x: x), ("q", lambda x: np.swapaxes(x, -1, -2))):
+        for prefix, state in (("", PARTIAL), ("full_", FULL)):
+            out[f"{prefix}{direction}_num_blocks"], out[f"{prefix}{direction}_indices"] = tile_lists(sel(states == state))
+    return out
+
+
+def backward_lists(lists: dict, block: tuple, lengths: tuple, main_tile: tuple, dq_tile: tuple | None = None) -> dict:
+    """The backward's block-mask lists from the forward's (kv_num_blocks, kv_indices, full_kv_*,
+    over `block` tiles): the main kernel's transposed q_* lists over its (block_m, block_n)
+    tiles, and with `dq_tile` the deterministic dq kernel's kv_* lists over its tiles, named
+    dq_kv_num_blocks ... (retile_states: exact at any sizes, skipping less where they differ)."""
+    st = list_states(lists["kv_num_blocks"], lists["kv_indices"], lists["full_kv_num_blocks"], lists["full_kv_indices"],
+                     ceildiv(lengths[1], block[1]))
+    main = mask_lists(retile_states(st, block, main_tile, lengths))
+    out = {n: main[n] for n in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")}
+    if dq_tile is not None:
+        dq = mask_lists(retile_states(st, block, dq_tile, lengths))
+        out.update({f"dq_{n}": dq[n] for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")})
+    return out
 
 
 def retiles(block: int, kernel: int) -> bool:

@@ -13,11 +13,20 @@ examples/seed_parity.toml), beside the hand-written seed kernel and beside the s
 the default one loop (steady_loop = "one": which form is faster at run time, docs/build.md). FLOPs are
 4*B*H*Sq*Skv*D, halved for causal (attngen.plan.tflops).
 
+Backward rows (after the forward's, in the same run): fp16 hd64/128/256, causal or not, at the
+same shapes, beside SDPA's flash and cuDNN backward; 16k first, then 8k .. 1k, so the goal rows
+(docs/perf.md) land first when the budget runs out. FLOPs are 2.5 x the forward's. Ours: the
+backward kernels alone (BackwardKernel.run on the forward's out and LSE, what the torch op's
+backward launches). SDPA's: torch.autograd.grad of a forward graph built once per input set and
+retained (retain_graph), so only its backward kernels run in the interval. The forward rows stop
+starting at (1 - --backward-share) of the budget; the backward rows get the rest.
+
 Method (docs/gpu.md): CUDA events around each launch, warm-up first, the median of
 the timed runs; a sleep kernel queued before each start event keeps the host's launch
 overhead out of the interval; inputs rotate over several sets that together exceed
 the L2 several times, so no run finds its inputs in the cache. Before timing, each
-configuration runs once into a NaN-poisoned output and is compared with SDPA.
+configuration runs once into a NaN-poisoned output and is compared with SDPA (a backward row:
+its gradients finite, and compared with SDPA's).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 from attngen.gputime import n_sets, time_launches  # noqa: E402
-from attngen.plan import SEED_SHAPE, Shape, make_plan, tflops  # noqa: E402
+from attngen.plan import SEED_SHAPE, Shape, autograd_spec, make_plan, plan_backward, tflops  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -48,6 +57,9 @@ H200_L2 = 60 * 1024**2  # used for the plan without a GPU; the device's own figu
 SEED_SPEC = Spec(head_dim=128, dtype="float16", causal=True, gqa_group=1, consumers=2, k_stages=2, v_stages=2,
                  block_m=128, block_n=128, aligned=True, steady_loop="split")  # examples/seed_parity.toml
 DEVICE = "cuda"
+BACKWARD = "backward"  # the variant slot of a kernel_key that names a spec's backward module
+BWD_HEAD_DIMS = (64, 128, 256)
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x the forward's (FlashAttention's count)
 
 
 @dataclasses.dataclass
@@ -58,18 +70,32 @@ class Config:
     static: bool = False  # the kernel was rendered for exactly this shape
     seed: Path | None = None  # the hand-written seed kernel (bench/seed_kernel.py) instead of ours
     variant: str | None = None  # a bench/build_time.py variant of our emitted text, timed beside it
+    backward: bool = False  # a backward row: the spec's backward module (its forward with lse feeds it)
 
     @property
     def kernel_key(self):
+        if self.backward:
+            return (self.spec, None, BACKWARD)
         return (self.spec, self.shape if self.static else None, self.variant)
 
     @property
+    def kernel_keys(self) -> list:
+        """Every kernel the row launches: a backward row's forward (with lse) too."""
+        if self.backward:
+            return [(autograd_forward(self.spec), None, None), self.kernel_key]
+        return [self.kernel_key]
+
+    @property
     def kernel_name(self) -> str:
+        if self.backward:
+            return plan_backward(self.spec).name
         return "seed_fa3" if self.seed else make_plan(self.spec).name + (f" [{self.variant}]" if self.variant else "")
 
     @property
     def set_bytes(self) -> int:
         s, d = self.shape, self.spec.head_dim
+        if self.backward:  # q, out, dout, dq and k, v, dk, dv in fp16, the fp32 dQ accumulator
+            return 2 * d * (4 * s.batch * s.q_len * s.heads + 4 * s.batch * s.kv_len * s.kv_heads) + 4 * d * s.batch * s.q_len * s.heads
         return 2 * d * (2 * s.batch * s.q_len * s.heads + 2 * s.batch * s.kv_len * s.kv_heads)  # q, out, k, v
 
     def n_sets(self, l2: int) -> int:
@@ -77,7 +103,17 @@ class Config:
 
     def gflop(self) -> float:
         s = self.shape
-        return 4 * s.batch * s.heads * s.q_len * s.kv_len * self.spec.head_dim / (2 if self.spec.causal else 1) / 1e9
+        fwd = 4 * s.batch * s.heads * s.q_len * s.kv_len * self.spec.head_dim / (2 if self.spec.causal else 1) / 1e9
+        return fwd * (BWD_FLOP_FACTOR if self.backward else 1)
+
+    def tflops(self, secs: float) -> float:
+        return tflops(self.shape, self.spec.head_dim, self.spec.causal, secs) * (BWD_FLOP_FACTOR if self.backward else 1)
+
+
+def autograd_forward(spec: Spec) -> Spec:
+    """The forward that attngen.attention runs when a gradient is wanted: the spec with lse (for a
+    deterministic spec its text differs from the backward plan's forward in the header's spec lines)."""
+    return make_plan(autograd_spec(spec)).spec
 
 
 def heads_for(head_dim: int, group: int) -> int:
@@ -107,13 +143,29 @@ def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list
     return configs
 
 
+def plan_backward_rows(seqlens, tokens) -> list[Config]:
+    """The backward table: fp16 MHA at each head dim, causal or not, the longest length first (the
+    goals are at 16k: docs/perf.md), at the forward table's shapes."""
+    rows = []
+    for s in sorted(seqlens, reverse=True):
+        for d in BWD_HEAD_DIMS:
+            for causal in (False, True):
+                spec = plan_backward(Spec(head_dim=d, dtype="float16", causal=causal)).spec
+                h = heads_for(d, 1)
+                rows.append(Config(f"bwd hd{d}{' causal' if causal else ''}", spec, Shape(max(1, tokens // s), h, h, s, s),
+                                   backward=True))
+    return rows
+
+
 # -- building -----------------------------------------------------------------------------------
 
 
 def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
     """The compiled kernel of a kernel_key: the emitted text, or a variant of it."""
-    from attngen.runtime import compile_kernel
+    from attngen.runtime import compile_backward, compile_kernel
 
+    if variant == BACKWARD:
+        return compile_backward(spec)
     if variant is None:
         return compile_kernel(spec, shape)
     if str(ROOT / "bench") not in sys.path:  # build_time.py lives beside this script
@@ -137,9 +189,25 @@ def preset_keys(preset_paths) -> list[tuple]:
     return [(make_plan(load(path)).spec, None, None) for path in preset_paths]
 
 
-def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
-    """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk."""
-    keys = list(dict.fromkeys([c.kernel_key for c in configs if c.seed is None] + list(extra_keys)))
+def backward_preset_keys(preset_paths) -> list[tuple]:
+    """The backward presets (cli.BACKWARD_PRESETS) among preset_paths: each one's backward module
+    (every part: preprocess, main, postprocess or dq and dsinks, the GQA postprocess) and the
+    forward with lse that autograd runs before it. tests/test_gpu_backward.py launches them all."""
+    from attngen.cli import BACKWARD_PRESETS
+
+    keys = []
+    for path in preset_paths:
+        if Path(path).stem in BACKWARD_PRESETS:
+            spec = load(path)  # the backward plan's resolved spec: one key per module, as the benchmark rows'
+            keys += [(autograd_forward(spec), None, None), (plan_backward(spec).spec, None, BACKWARD)]
+    return keys
+
+
+def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]:
+    """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk
+    (load=False, the GPU check's build stage: only those no worker built, so that a failure is
+    reported here; the later stages load them)."""
+    keys = list(dict.fromkeys([key for c in configs if c.seed is None for key in c.kernel_keys] + list(extra_keys)))
     built = {}
     t0 = time.time()
     if jobs > 1 and len(keys) > 1:
@@ -148,26 +216,37 @@ def prebuild(configs, jobs: int, extra_keys=()) -> list[dict]:
 
         try:
             with cf.ProcessPoolExecutor(max_workers=min(jobs, len(keys)), mp_context=mp.get_context("spawn")) as pool:
-                futures = {pool.submit(_build_one, *key): key for key in keys}
+                # the backward modules first: each builds its 3-5 kernels in one worker, the longest jobs
+                futures = {pool.submit(_build_one, *key): key for key in sorted(keys, key=lambda k: k[2] != BACKWARD)}
                 for f in cf.as_completed(futures):
-                    name, source, seconds = f.result()
-                    built[futures[f]] = (source, seconds)
+                    try:
+                        name, source, seconds = f.result()
+                    except Exception as e:  # this kernel only: built again below, where its error is reported
+                        print(f"  a worker failed to build one kernel ({type(e).__name__}); retried here", flush=True)
+                        continue
+                    built[futures[f]] = (source, seconds, name)
                     print(f"  built {name}: {source} in {seconds:.1f} s", flush=True)
         except Exception as e:  # a broken pool (or a build error) is retried serially below, where it is reported
             print(f"  parallel build failed ({type(e).__name__}: {e}); building serially", flush=True)
     rows = []
     for key in keys:
+        if not load and key in built:
+            source, seconds, name = built[key]
+            rows.append({"kernel": name, "worker": source, "worker_s": seconds, "here": "-", "here_s": None, "cache": None})
+            continue
         try:
             k = kernel_for(*key)
         except Exception as e:  # one kernel that does not build must not cost the others their rows
-            rows.append({"kernel": make_plan(key[0]).name, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
+            name = plan_backward(key[0]).name if key[2] == BACKWARD else make_plan(key[0]).name
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
             print(f"  FAILED to build {rows[-1]['kernel']}: {rows[-1]['error']}", flush=True)
             continue
         worker = built.get(key)
-        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
+        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
-    cache = next((r["cache"] for r in rows if r.get("cache")), None)
-    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {os.path.dirname(os.path.dirname(cache or '.'))})", flush=True)
+    from attngen.cache import cache_root
+
+    print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {cache_root(None)})", flush=True)
     return rows
 
 
@@ -301,6 +380,76 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     return row
 
 
+def run_backward(cfg: Config, args, l2: int) -> dict:
+    """A backward row: our backward kernels on the forward's out and LSE, then SDPA's backward on
+    each backend (autograd.grad over a retained forward graph), the same input sets rotated."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attngen.reference import default_scale
+    from attngen.runtime import check_written
+
+    row = {"label": cfg.label, "pass": BACKWARD, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
+           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
+    n = cfg.n_sets(l2)
+    row["sets"] = n
+    sets = make_sets(cfg, n)
+    fwd, bwd = (kernel_for(*key) for key in cfg.kernel_keys)
+    scale = default_scale(cfg.spec.head_dim)  # what the op passes: SDPA's default too
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    saved = []
+    try:
+        for q, k, v, _ in sets:  # the forward's out and LSE, and a random dout, per set (outside the timing)
+            out, lse = fwd(q, k, v)
+            saved.append((out, lse, torch.randn(out.shape, device=DEVICE, dtype=out.dtype, generator=gen)))
+        torch.cuda.synchronize()
+
+        def ours(i):
+            q, k, v, _ = sets[i]
+            out, lse, dout = saved[i]
+            return bwd.run(q, k, v, out, lse, dout, softmax_scale=scale)
+
+        grads = ours(0)
+        torch.cuda.synchronize()
+        try:
+            for g in grads:
+                check_written(g)  # finite: random inputs have finite gradients
+            row["written"] = True
+        except AssertionError as e:
+            row["written"] = False
+            row["error"] = str(e)
+        secs, spread = time_launches(ours, n, args.warmup, args.reps)
+        row["attngen"] = {"s": secs, "spread_s": spread, "tflops": cfg.tflops(secs)}
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            graphs = []
+            try:
+                for (q, k, v, _), (_, _, dout) in zip(sets, saved):
+                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                    with sdpa_kernel([backend]):
+                        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=cfg.spec.causal)
+                    graphs.append((o, leaves, dout.transpose(1, 2)))
+
+                def sdpa(i):
+                    o, leaves, dout = graphs[i]
+                    return torch.autograd.grad(o, leaves, dout, retain_graph=True)
+
+                ref = sdpa(0)
+                torch.cuda.synchronize()
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
+                secs, spread = time_launches(sdpa, n, args.warmup, args.reps)
+                row[name] = {"s": secs, "spread_s": spread, "tflops": cfg.tflops(secs), "max_abs_diff": diff, "note": ""}
+            except Exception as e:  # a backend that cannot take this configuration: n/a, with the reason
+                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+            finally:
+                graphs.clear()
+    finally:
+        sets.clear()
+        saved.clear()
+        torch.cuda.empty_cache()
+    return row
+
+
 # -- table --------------------------------------------------------------------------------------
 
 
@@ -316,6 +465,7 @@ def cell(entry) -> str:
 
 
 def table(rows, dry_run: bool) -> str:
+    """One table (forward rows, or backward rows: the columns are the same, the FLOPs 2.5 x)."""
     head = ["kernel", "dtype", "D", "causal", "B,H,HKV,Sq,Skv", "GFLOP", "sets",
             "attngen TFLOP/s", "SDPA flash", "SDPA cuDNN", "attngen/best", "max abs diff vs SDPA", "written"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -370,6 +520,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=TOKENS, help="B * S per row (default 16384)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--backward-share", type=float, default=0.4,
+                    help="the share of --budget-s kept for the backward rows: the forward rows stop starting at "
+                         "(1 - share) of it (default %(default)s; 0: no backward rows)")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="start no new row once this many seconds have passed since the process started (prebuild included)")
     ap.add_argument("--seed-kernel", type=Path, default=ROOT / ".seed" / "seed_fa3.py",
@@ -383,23 +536,34 @@ def main(argv=None) -> int:
     seed = args.seed_kernel if args.seed_kernel and args.seed_kernel.is_file() else None
     if seed is None:
         print(f"no seed kernel at {args.seed_kernel}: run bench/seed_kernel.py to compare with it", flush=True)
-    configs = plan(presets, [int(s) for s in args.seqlens.split(",")], args.tokens, seed)
-    print(f"{len(presets)} presets, {len(configs)} rows, {len({c.kernel_key for c in configs})} kernels", flush=True)
-    build_rows = prebuild(configs, args.jobs, preset_keys(presets) if args.prebuild_only else ())
+    if not 0 <= args.backward_share < 1:
+        ap.error(f"--backward-share {args.backward_share}: expected a fraction in [0, 1)")
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    configs = plan(presets, seqlens, args.tokens, seed)
+    if args.backward_share > 0:
+        configs += plan_backward_rows(seqlens, args.tokens)
+    print(f"{len(presets)} presets, {len(configs)} rows ({sum(c.backward for c in configs)} backward), "
+          f"{len({k for c in configs for k in c.kernel_keys})} kernels", flush=True)
+    extra = preset_keys(presets) + backward_preset_keys(presets) if args.prebuild_only else ()
+    build_rows = prebuild(configs, args.jobs, extra, load=not args.prebuild_only)
     if args.prebuild_only:
         return 1 if any(r.get("error") for r in build_rows) else 0
 
     import torch
 
-    from attngen.runtime import check_tensors, torch_dtype
+    from attngen.runtime import check_layout, check_tensors, torch_dtype
 
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every row: a run cut short still leaves its table behind
+        fwd_rows = [r for r in rows if r.get("pass") != BACKWARD]
+        bwd_rows = [r for r in rows if r.get("pass") == BACKWARD]
         text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
-                         + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(rows, args.dry_run), ""])
+                         + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(fwd_rows, args.dry_run), ""]
+                         + (["## Backward (TFLOP/s at 2.5 x the forward's FLOPs; the backward kernels alone)", "",
+                             table(bwd_rows, args.dry_run), ""] if bwd_rows else []))
         (out / "bench.md").write_text(text)
         (out / "bench.json").write_text(json.dumps({"dry_run": args.dry_run, "builds": build_rows, "rows": rows}, indent=1, default=str))
         return text
@@ -413,22 +577,32 @@ def main(argv=None) -> int:
             check_tensors(cfg.spec, q, kv, kv.clone(), torch.empty_like(q), shape=s if cfg.static else None)
             if cfg.seed is not None:
                 seed_launcher(cfg)  # builds it (nvcc, no launch)
-            rows.append({"label": cfg.label, "shape": str(s), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
+            if cfg.backward:  # the forward with lse that feeds it, and dout laid out as the kernels take it
+                check_tensors(autograd_forward(cfg.spec), q, kv, kv.clone(), torch.empty_like(q))
+                check_layout("dout", torch.empty_like(q))
+                for key in cfg.kernel_keys:  # loaded (the prebuild built them)
+                    kernel_for(*key)
+            rows.append({"label": cfg.label, "pass": BACKWARD if cfg.backward else "forward", "shape": str(s),
+                         "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
                          "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2),
                          "kernel": cfg.kernel_name,
                          "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
             save()
     else:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        for i, cfg in enumerate(configs):
-            if time.time() - START > args.budget_s:
-                print(f"time budget ({args.budget_s:.0f} s since start) spent: {len(configs) - i} rows not run", flush=True)
-                break
+        forward_until = args.budget_s * (1 - args.backward_share)  # forward rows first; the backward's share after
+        skipped = {False: 0, True: 0}
+        for cfg in configs:
+            limit = args.budget_s if cfg.backward else forward_until
+            if time.time() - START > limit:
+                skipped[cfg.backward] += 1
+                continue
             try:
-                row = run_config(cfg, args, l2)
+                row = (run_backward if cfg.backward else run_config)(cfg, args, l2)
             except Exception as e:  # record the row's failure and go on, unless the context is poisoned
-                row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-                       "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+                row = {"label": cfg.label, "pass": BACKWARD if cfg.backward else "forward", "shape": str(cfg.shape),
+                       "dtype": cfg.spec.dtype, "causal": cfg.spec.causal, "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(),
+                       "error": f"{type(e).__name__}: {str(e)[-300:]}"}
             rows.append(row)
             print(table([row], False).splitlines()[-1] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}", flush=True)
             save()
@@ -438,6 +612,10 @@ def main(argv=None) -> int:
                 except Exception as e:  # a sticky CUDA error: every later launch would fail too
                     print(f"CUDA context is broken after {cfg.label} ({type(e).__name__}: {e}); stopping", flush=True)
                     break
+        for backward, n in skipped.items():
+            if n:
+                print(f"time budget spent: {n} {'backward' if backward else 'forward'} rows not run "
+                      f"(limit {args.budget_s if backward else forward_until:.0f} s since start)", flush=True)
 
     text = save()
     print("\n" + text)

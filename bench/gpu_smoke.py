@@ -8,6 +8,10 @@ the benchmark, and leaves hung kernels out of both (bench/gpu_check.sh).
     python3 bench/gpu_smoke.py --one examples/default.toml            # one launch, in this process
     python3 bench/gpu_smoke.py --dry-run                              # no GPU: load each kernel, launch nothing
 
+A backward preset (cli.BACKWARD_PRESETS) also runs its backward once in the same child, through
+attngen.attention and out.backward() (its backward module loaded before the launch timeout starts),
+and every gradient must come out finite: a hung backward kernel is caught here too.
+
 Prints one line per preset: ok (max |out - ref| against the fp64 reference), FAIL (a
 mismatch, an exception, a NaN left in the poisoned output), HANG (the launch outlived its
 timeout and was killed), or SLOW LOAD (building or loading the kernel outlived its own,
@@ -28,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOADED = "LOADED"
+DERIVED = ("head_dim", "dtype", "gqa_group", "head_dim_v", "alibi", "sinks", "layout", "paged_kv", "page_size", "lse")
 SHAPE = (1, 2, 200, 333)  # batch, kv heads, q_len, kv_len: odd lengths, a few blocks, fast on the fp64 side
 
 
@@ -40,9 +45,10 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
 
     plan = make_plan(load(preset))
     kernel = compile_kernel(plan)
+    backward = backward_kernels(preset)
     print(f"{LOADED} ({kernel.origin})", flush=True)  # the parent's launch timeout starts here
     if dry_run:
-        return f"loaded ({kernel.origin})"
+        return f"loaded ({kernel.origin}{', backward ' + backward.origin if backward else ''})"
     import torch
 
     spec = plan.spec
@@ -64,7 +70,51 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
     if not res.ok:
         raise AssertionError(str(res))
-    return f"ok ({res})"
+    return f"ok ({res})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
+
+
+def backward_kernels(preset: str):
+    """A backward preset's loaded backward module and the forward with lse that autograd runs
+    first (both from the prebuilt cache), else None."""
+    import dataclasses
+
+    from attngen.cli import BACKWARD_PRESETS
+    from attngen.runtime import compile_backward, compile_kernel
+    from attngen.spec import load
+
+    if Path(preset).stem not in BACKWARD_PRESETS:
+        return None
+    spec = load(preset)
+    compile_kernel(dataclasses.replace(spec, lse=True))
+    return compile_backward(spec)
+
+
+def backward_once(spec, q, k, v) -> str:
+    """One backward through the torch op on the forward's inputs: every gradient written and finite."""
+    import numpy as np
+    import torch
+
+    import attngen
+    from attngen.emulator.driver import variant_inputs
+    from attngen.plan import make_plan
+    from attngen.runtime import check_written
+
+    # every spec field as a keyword but those attngen.attention derives from the tensors
+    fields = {n: x for n, x in spec.to_dict().items() if n not in DERIVED}
+    s = (q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
+    *_, tensors = variant_inputs(make_plan(spec), *s)
+    named = {n: torch.from_numpy(np.asarray(x)).to(q.device) for n, x in tensors.items()}
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if "sinks" in named:
+        named["sinks"].requires_grad_()
+        leaves.append(named["sinks"])
+    out = attngen.attention(*leaves[:3], **fields, **named)
+    out.backward(torch.randn_like(out))
+    if q.is_cuda:  # (tests/test_gpu_harness.py runs this on CPU tensors: the CPU model)
+        torch.cuda.synchronize()
+    for t in leaves:
+        check_written(t.grad)
+    return f"backward ok (every gradient finite: {', '.join('d' + n for n in ('q', 'k', 'v', 'sinks')[:len(leaves)])})"
 
 
 def launch_serving_once(plan, kernel) -> str:

@@ -333,11 +333,12 @@ def _document_causal(b, h, q_idx, kv_idx):
 
 
 def test_a_block_mask_call_is_differentiable_and_its_gradients_are_the_dense_masks():
-    """The backward of a block-mask spec is its mask_mod's (plan_backward drops block_mask): the
-    gradients through attention(block_mask=) equal those of causal=True bit for bit, and a block
-    mask spec's backward plan names no block-mask tensor."""
+    """The backward of a block-mask spec walks its own lists (tests/test_block_mask_backward.py),
+    derived from the forward's 128 x 128 ones for its 64 x 128 tiles: the gradients through
+    attention(block_mask=) equal those of causal=True bit for bit, and the backward's kernels take
+    the transposed q_* lists, not the forward's kv_* ones."""
     from attngen.plan import BLOCK_MASK_TENSORS, plan_backward
-    from attngen.render_bwd import call_tensors
+    from attngen.render_bwd import call_tensors, render_backward_source
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 100, 1, 64, generator=g).half().requires_grad_() for _ in range(3))
     bm = attngen.create_block_mask(_document_causal, 1, 1, 100, 100, BLOCK_SIZE=(128, 128))
@@ -352,4 +353,5 @@ def test_a_block_mask_call_is_differentiable_and_its_gradients_are_the_dense_mas
     assert q.grad.abs().max() > 0
     bp = plan_backward(Spec(mask_mod="kv_idx <= q_idx", block_mask=True))
     names = {n for n, _, _ in BLOCK_MASK_TENSORS}
-    assert not bp.forward.spec.block_mask and not names & {t.name for t in call_tensors(bp)}
+    assert bp.forward.spec.block_mask and not names & {t.name for t in call_tensors(bp)}
+    assert "Q_indices: T.Tensor" in render_backward_source(bp) and "KV_indices" not in render_backward_source(bp)

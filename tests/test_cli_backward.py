@@ -1,6 +1,7 @@
 """The backward pass on the command line: --backward on show, generate, build and emulate, check's
 backward half, the backward goldens (generate --presets), and one-line errors for bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -255,3 +256,38 @@ def test_help_names_the_backward(capsys):
     for command in ("show", "generate", "build", "emulate", "check"):
         rc, out, _ = run_main(capsys, command, "--help")
         assert rc == 0 and "backward" in out, command
+
+
+def test_precompile_backward_builds_what_training_loads_and_notes_a_refused_spec(monkeypatch, capsys, tmp_path):
+    """`attngen precompile --backward`: the spec's kernel, then the forward with its LSE (what autograd
+    runs) and the backward module; a spec the backward refuses keeps its forward and says so in one
+    line (exit 0); without the flag nothing of the backward is built."""
+    from attngen import runtime
+    from attngen.plan import Plan, plan_backward
+    from attngen.runtime import Precompiled
+    from attngen.spec import load
+
+    calls = []
+
+    def fake(kind):
+        def build(spec_or_plan, shape=None, *, cache_dir=None):
+            spec = spec_or_plan.spec if isinstance(spec_or_plan, Plan) else spec_or_plan
+            calls.append((kind, spec))
+            return Precompiled(tmp_path / f"{kind}-{len(calls)}", False, 0.0)
+        return build
+
+    monkeypatch.setattr(runtime, "precompile", fake("fwd"))
+    monkeypatch.setattr(runtime, "precompile_backward", fake("bwd"))
+    default = str(ROOT / "examples" / "default.toml")
+    rc, out, _ = run_main(capsys, "precompile", "--backward", default)
+    assert rc == 0 and [k for k, _ in calls] == ["fwd", "fwd", "bwd"], calls
+    spec = load(default)
+    assert not calls[0][1].lse and calls[1][1].lse and calls[1][1] == dataclasses.replace(calls[0][1], lse=True)
+    assert plan_backward(calls[2][1]).name == plan_backward(spec).name
+    calls.clear()
+    paged = str(ROOT / "examples" / "varlen_paged_hd64_f16.toml")
+    rc, out, _ = run_main(capsys, "precompile", "--backward", paged)
+    assert rc == 0 and [k for k, _ in calls] == ["fwd"] and "backward: not precompiled" in out and "paged_kv" in out
+    calls.clear()
+    rc, out, _ = run_main(capsys, "precompile", default)
+    assert rc == 0 and [k for k, _ in calls] == ["fwd"]

@@ -156,3 +156,148 @@ def test_serving_benchmark_rows_fit_the_card_and_int32_and_pass_the_serving_chec
         assert kc.device == torch.device("meta") and bt.shape == (r["batch"], r["pages"])
         call = check_serving(plan, q, kc, vc, block_table=bt, seqused_k=su, num_splits="auto")
         assert call.num_splits >= 1 and (call.num_splits > 1) == (r["batch"] * serve.KV_HEADS < 0.8 * hw.SM_COUNT)
+
+
+# -- the backward parts of the GPU check --------------------------------------------------------
+
+
+def gpu_backward(monkeypatch, device="cpu"):
+    """tests/test_gpu_backward.py as a module (its GPU mark does not apply here), on `device`."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_gpu_backward as module
+
+    monkeypatch.setattr(module, "DEVICE", device)
+    return module
+
+
+def test_the_prebuild_covers_every_backward_preset_and_benchmark_row():
+    """Every backward preset's module and the forward with lse that autograd runs before it, and
+    each backward row's pair, are prebuild keys: the GPU tests and the benchmark only load them."""
+    import attngen
+    from attngen.cli import BACKWARD_PRESETS
+    from attngen.plan import plan_backward
+
+    gpu = bench_module("bench_gpu")
+    presets = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
+    keys = gpu.backward_preset_keys(presets)
+    modules = {plan_backward(k[0]).name for k in keys if k[2] == gpu.BACKWARD}
+    assert modules == {plan_backward(attngen.load_spec(ROOT / "examples" / f"{n}.toml")).name for n in BACKWARD_PRESETS}
+    det = attngen.load_spec(ROOT / "examples" / "hd64_f16_gqa2_causal_sinks_deterministic.toml")
+    assert (gpu.autograd_forward(det), None, None) in keys  # the op's forward, not the backward plan's
+    rows = gpu.plan_backward_rows([1024, 16384], 16384)
+    assert [r.shape.q_len for r in rows[:6]] == [16384] * 6  # the goal length first
+    assert {(r.spec.head_dim, r.spec.causal, r.spec.dtype) for r in rows} == {
+        (d, c, "float16") for d in (64, 128, 256) for c in (False, True)}
+    for r in rows:
+        fwd, bwd = r.kernel_keys
+        assert bwd == (plan_backward(r.spec).spec, None, gpu.BACKWARD) and fwd[0].lse and fwd[2] is None
+        assert r.gflop() == pytest.approx(2.5 * dataclasses.replace(r, backward=False).gflop())
+        assert r.shape.batch * r.shape.q_len == 16384 and r.shape.heads * r.spec.head_dim == 2048
+
+
+def test_the_gpu_backward_tests_cover_every_backward_preset(monkeypatch):
+    from attngen.cli import BACKWARD_PRESETS
+
+    text = (ROOT / "tests" / "test_gpu_backward.py").read_text()
+    assert "pytestmark = GPU_ONLY" in text
+    assert "tests/test_gpu_backward.py" in (ROOT / "bench" / "gpu_check.sh").read_text()
+    module = gpu_backward(monkeypatch)
+    assert list(module.PRESETS) == list(BACKWARD_PRESETS) and module.DETERMINISTIC
+
+
+class _NoCuda:
+    """torch.cuda.device for CPU tensors: BackwardKernel.run enters it around its launches."""
+
+    @staticmethod
+    def device(_):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def fake_backward(broken: str = ""):
+    """A BackwardKernel of an MHA spec whose 'kernels' are torch functions writing what the real
+    ones own (run's argument order), one of them `broken`: it leaves an element unwritten."""
+    from attngen.plan import plan_backward
+    from attngen.runtime import BackwardKernel
+    from attngen.spec import Spec
+
+    bp = plan_backward(Spec(head_dim=64, causal=True))
+
+    def preprocess(out, dout, lse, dpsum, lse2, dq_accum):
+        dpsum.copy_((out.float() * dout.float()).sum(-1).transpose(1, 2))
+        lse2.copy_(lse)
+        if broken != "preprocess":  # the preprocess zeroes the dQ accumulator the main kernel adds into
+            dq_accum.zero_()
+
+    def main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale):
+        dq_accum.add_(q.float())
+        dk.copy_(k)
+        dv.copy_(v)
+        if broken == "main":
+            dk[0, -1, -1, -1] = float("nan")  # as if never written: the poisoned value left
+
+    def postprocess(dq_accum, dq, scale):
+        dq.copy_(dq_accum)
+
+    return BackwardKernel(bp, {"preprocess": preprocess, "main": main, "postprocess": postprocess}, None, "test", 0.0)
+
+
+@pytest.mark.parametrize("broken, unwritten", [("", None), ("main", 1), ("preprocess", 0)])
+def test_poisoned_backward_buffers_show_an_unwritten_element(monkeypatch, broken, unwritten):
+    """The GPU test's PoisonedTorch fills what BackwardKernel.run leaves uninitialised (dk and dv
+    here, and the dQ accumulator) with NaN: an element no kernel writes shows up in a gradient."""
+    import torch
+
+    from attngen import runtime
+
+    module = gpu_backward(monkeypatch)
+
+    class CpuPoisoned(module.PoisonedTorch):
+        cuda = _NoCuda
+
+    monkeypatch.setattr(runtime, "_torch", lambda: CpuPoisoned(torch))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, out, dout = (torch.randn(1, 20, 2, 64, generator=g).half() for _ in range(5))
+    lse = torch.randn(1, 2, 20, generator=g)
+    grads = fake_backward(broken).run(q, k, v, out, lse, dout, softmax_scale=0.125)
+    bad = [i for i, t in enumerate(grads) if torch.isnan(t).any()]
+    assert bad == ([] if unwritten is None else [unwritten])
+    if unwritten is not None:
+        with pytest.raises(AssertionError, match="NaN"):
+            runtime.check_written(grads[unwritten])
+
+
+def test_gpu_backward_checks_pass_the_emitted_kernels_on_the_cpu_model_and_catch_a_wrong_gradient(monkeypatch):
+    """The GPU test's own path (inputs, attngen.attention + out.backward, the fp64 check) with CPU
+    tensors, where the same emitted kernels run on the CPU model; a perturbed dq fails the check."""
+    import attngen
+
+    module = gpu_backward(monkeypatch)
+    for preset in module.BACKWARD_PRESETS:  # tiny shapes: a few seconds in all on the CPU model
+        spec = attngen.load_spec(module.PRESETS[preset])
+        drawn, leaves, named, keywords, dout = module.cuda_inputs(spec, 1, 9, 14, seed=3)
+        grads = module.op_grads(spec, leaves, named, keywords, dout)
+        assert not module.reference_failures(spec, drawn, grads), preset
+        wrong = dict(grads, dq=grads["dq"] * 1.05)
+        assert "dq" in module.reference_failures(spec, drawn, wrong), preset
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_the_smoke_stage_runs_a_backward_presets_backward_and_fails_a_nan_gradient(poison):
+    """gpu_smoke.backward_once through the op on CPU tensors (the CPU model): ok on real inputs; a
+    NaN in q reaches every gradient and fails the check."""
+    import torch
+
+    import attngen
+
+    spec = attngen.load_spec(ROOT / "examples" / "hd64_f16_gqa2_causal_sinks_deterministic.toml")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 4, 64, generator=g).half()
+    k, v = (torch.randn(1, 14, 2, 64, generator=g).half() for _ in range(2))
+    if poison:
+        q[0, 3, 1, 5] = float("nan")
+        with pytest.raises(AssertionError, match="NaN"):
+            smoke.backward_once(spec, q, k, v)
+    else:
+        assert smoke.backward_once(spec, q, k, v) == "backward ok (every gradient finite: dq, dk, dv, dsinks)"

@@ -241,14 +241,19 @@ def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_and_scales
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(scaled_loss, fullgraph=True, dynamic=True, backend=counter)
-    for n, s in ((17, 0.1), (33, 0.2), (50, 0.3)):
+    # three lengths at one scale, then two more scales: lengths never recompile; a scale does only
+    # where dynamo specializes every float input (torch 2.4's specialize_float, as tests/test_ops.py says)
+    per_value = getattr(torch._dynamo.config, "specialize_float", True)
+    for i, (n, s) in enumerate(((17, 0.1), (33, 0.1), (50, 0.1), (21, 0.2), (40, 0.3))):
+        if i == 3:
+            assert counter.frame_count == 1  # three lengths, one graph
         q, k, v = qkv(n, n + 5, seed=n)
         compiled(q, k, v, s).backward()
         out = attngen.attention(q.detach(), k.detach(), v.detach(), causal=True, softmax_scale=s)
         dout = (2 * out.float()).half()  # d(sum out^2)/d out
         checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, True, dtype="float16", scale=s)
         assert not failures(checks), (n, failures(checks))
-    assert counter.frame_count == 1
+    assert counter.frame_count == (3 if per_value else 1)
 
 
 def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_one_compilation():

@@ -364,7 +364,8 @@ def test_second_process_loads_from_disk_cache(tmp_path):
     assert cold["origin"] == "compiled" and warm["origin"] == "disk", (cold, warm)
     assert cold["path"] == warm["path"] and cold["path"].startswith(str(tmp_path / "cache" / "runtime"))
     assert os.path.isfile(os.path.join(warm["path"], "main", "params.json"))
-    assert warm["seconds"] < cold["seconds"] / 4, (cold["seconds"], warm["seconds"])
+    # no timing here (a loaded machine made 10.7 s of 38.5 s fail a 1/4 ratio): that the warm load runs
+    # no lowering and no nvcc is counted in tests/test_precompile.py
     assert cold["memo"] and warm["memo"]
     # a built kernel still checks its inputs before TileLang's stub sees them
     assert warm["error"] is not None and "q.device = cpu" in warm["error"]

@@ -32,7 +32,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     on a GPU: a sum of float atomics from several blocks may vary with it);
     the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
     from attngen.plan import Plan, plan_backward
-    from attngen.render_bwd import render_backward_source
+    from attngen.inputs import backward_block_mask
+    from attngen.render_bwd import call_tensors, render_backward_source
     from attngen.spec import Spec
 
     if isinstance(spec, Plan):
@@ -86,7 +87,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         b = lead[0]
         dims = {"batch": b, "q_len": lead[1], "kv_len": ka.shape[1], "kv_heads": hkv, "heads": h}
         ints = []
-    extra = [t for t in bp.forward.extra if not t.output and t.name != "sinks"]
+    extra = call_tensors(bp)
+    bm_lists, bm_dims = backward_block_mask(bp, named, dims.get("q_len", 0), dims.get("kv_len", 0))
+    dims.update(bm_dims)
     for t in extra:  # free axes of the call-time tensors are T.dynamic extents
         x = np.asarray(to_numpy(named[t.name]))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
@@ -102,12 +105,14 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         dsinks = t.get("dSinks")
         lse2, dpsum = t["LSE2"], t["dPsum"]
         sm = [np.float32(sm_scale)]
-        calls = [_host_array(named[x.name]) for x in extra] + ints
+        calls = [_host_array(named[x.name]) for x in extra]
+        main_calls = calls + bm_lists[:4] + ints  # the main kernel's transposed lists, the dq kernel's kv_*
+        calls = calls + bm_lists[4:] + ints
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])
         main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
         if varlen and not bp.kv_accum:  # rows of dK/dV past the last sequence are padding: written by no block
             main[-2:] = [np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)]
-        rt.run(main + calls + sm, **run)
+        rt.run(main + main_calls + sm, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
         if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics

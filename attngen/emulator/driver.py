@@ -52,6 +52,8 @@ class Stats:
     reduce_adds: int = 0  # TMA reduce-adds: T.atomic_add(..., use_tma=True)
     k_tiles: int = 0  # TMA loads from the kernel's K tensor: the K tiles the blocks loaded
     k_tiles_by_cta: dict = dataclasses.field(default_factory=dict)  # (x, y, z) -> K tiles that block loaded
+    q_tiles: int = 0  # TMA loads from the kernel's Q tensor: the backward's Q tiles (a block mask skips the rest)
+    q_tiles_by_cta: dict = dataclasses.field(default_factory=dict)  # (entry, x, y, z) -> Q tiles that block loaded
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
@@ -218,7 +220,7 @@ class Runtime:
                 c += 1
 
         digest = hashlib.sha1()
-        counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0, "k_tiles": 0}
+        counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0, "k_tiles": 0, "q_tiles": 0}
         launch = Launch()  # the blocks of this launch are unordered: their global accesses are checked across
         gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
         blocks = [(bx, by, bz) for bz in range(gz) for by in range(gy) for bx in range(gx)]
@@ -242,7 +244,7 @@ class Runtime:
             for b in tensors:
                 b.tracker = tracker
             sched.on_finish = self._finish_agent
-            k_before = counters["k_tiles"]
+            k_before, q_before = counters["k_tiles"], counters["q_tiles"]
             self.cta = CTA(index, tuple(grid), threads, tracker, counters)
             self.sched = sched
             sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
@@ -252,6 +254,8 @@ class Runtime:
                                   f"{tracker.pending_report()}\n  where: {self.context}")
             launch.end()
             stats.k_tiles_by_cta[index] = counters["k_tiles"] - k_before
+            if counters["q_tiles"] > q_before:  # by kernel: one Stats spans the backward's launches
+                stats.q_tiles_by_cta[(entry, *index)] = counters["q_tiles"] - q_before
             digest.update(repr(sched.trace).encode())
             stats.ctas += 1
             stats.handovers += len(sched.trace)
@@ -260,6 +264,7 @@ class Runtime:
         stats.atomics += counters["atomic"]
         stats.reduce_adds += counters["reduce_add"]
         stats.k_tiles += counters["k_tiles"]
+        stats.q_tiles += counters["q_tiles"]
         stats.schedule = digest.hexdigest()[:16]
         self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]

@@ -552,6 +552,8 @@ class TLang:
             rt.cta.stats["tma"] += 1
             if src.buf.name == "K":  # a K tile: what a block mask's skipped tiles save (Stats.k_tiles)
                 rt.cta.stats["k_tiles"] += 1
+            elif src.buf.name == "Q":  # a Q tile (its column slices count each): the backward's analogue
+                rt.cta.stats["q_tiles"] += 1
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
