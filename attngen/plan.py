@@ -577,11 +577,12 @@ BWD_REG_OVERHEAD = 32
 # at the edge (hd128 64x128 softcap 238 used, varlen 232), both spilled at an estimate of 240:
 # softcap + varlen 28 B (hd128 64x128), a score_mod + varlen 336 B (hd256 by columns).
 BWD_VARLEN_VARIANT_REGS = 8
-# Refused: packed sequences, an element-wise variant and deterministic GQA together (the CTA loops
-# over the group's heads) spilled at every head dim measured, whatever the tile: causal, window
-# [511, -1], ALiBi, varlen, deterministic, GQA 8 by columns: hd64 113 B (estimate 216), hd96 270 B
-# (232), hd128 416 B + 152 B of stack (184); hd128 by keys 84 B (240). Not a register share: the
-# tiles are small there (docs/backward.md, "Registers").
+# Refused: packed sequences, a variant that may read the head (ALiBi, score_mod, mask_mod) and
+# deterministic GQA together (the CTA loops over the group's heads) spilled at every head dim
+# measured, whatever the tile: causal, window [511, -1], ALiBi, varlen, deterministic, GQA 8 by
+# columns: hd64 113 B (estimate 216), hd96 270 B (232), hd128 416 B + 152 B of stack (184); hd128
+# by keys 84 B (240). Not a register share: the tiles are small there. Softcap in its place fits
+# (hd64 196 used); ALiBi without the band 230 (docs/backward.md, "Registers").
 VARLEN_GROUPED_VARIANT_SPILLS = "hd64 113 B, hd96 270 B, hd128 by keys 84 B and by columns 416 B"
 
 
@@ -726,10 +727,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     # share one backward module (default and seed_parity did, under one name with two headers)
     rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, **FORWARD_ONLY_FIELDS)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
-    elementwise = rspec.softcap or rspec.alibi or rspec.score_mod.strip() or rspec.mask_mod.strip()
-    if check_registers and elementwise and rspec.layout == "varlen" and rspec.deterministic and rspec.gqa_group > 1:
-        raise SpecError("deterministic", True, "with layout 'varlen', an element-wise variant (softcap, alibi, score_mod, "
-                        f"mask_mod) and gqa_group {rspec.gqa_group} the deterministic backward spills at every head dim "
+    per_head = rspec.alibi or rspec.score_mod.strip() or rspec.mask_mod.strip()  # may read the visit's head
+    if check_registers and per_head and rspec.layout == "varlen" and rspec.deterministic and rspec.gqa_group > 1:
+        raise SpecError("deterministic", True, "with layout 'varlen', alibi, a score_mod or a mask_mod, and gqa_group "
+                        f"{rspec.gqa_group} the deterministic backward spills at every head dim "
                         f"(measured: {VARLEN_GROUPED_VARIANT_SPILLS}); use deterministic = false or gqa_group = 1")
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3

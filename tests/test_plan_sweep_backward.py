@@ -79,9 +79,10 @@ def test_a_varlen_variant_refusal_says_why():
     assert plan_backward(attngen.Spec(**{**fields, "layout": "bshd"})).columns
     # with deterministic GQA too: spilled at hd64, hd96 and hd128, by keys and by columns (docs/backward.md)
     grouped = dict(head_dim=64, causal=True, gqa_group=8, window=(511, -1), alibi=True, layout="varlen", deterministic=True)
-    with pytest.raises(SpecError, match=r"`deterministic` = true: with layout 'varlen', an element-wise variant .* gqa_group 8"):
+    with pytest.raises(SpecError, match=r"`deterministic` = true: with layout 'varlen', alibi, a score_mod or a mask_mod, and gqa_group 8"):
         plan_backward(attngen.Spec(**grouped))
     assert plan_backward(attngen.Spec(**{**grouped, "deterministic": False})).block_m == 64
+    assert plan_backward(attngen.Spec(**{**grouped, "alibi": False, "softcap": 30.0})).deterministic  # measured: fits
     assert plan_backward(attngen.Spec(**{**grouped, "head_dim": 128, "gqa_group": 1})).consumer_regs_needed == 184  # columns
 
 
