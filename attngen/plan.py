@@ -112,8 +112,21 @@ class ExtraTensor:
         return self.shape[axis] or f"{self.param}_dim{axis}"
 
 
+class _WarpSpecialized:
+    """What a warp-specialised kernel's plan derives from its fields (Plan, BackwardPlan): shared
+    memory in all, and the end of the producer's TMA thread range."""
+
+    @property
+    def smem_bytes(self) -> int:
+        return sum(self.smem.values())
+
+    @property
+    def tma_thread_end(self) -> int:
+        return self.consumer_threads + self.tma_threads
+
+
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(_WarpSpecialized):
     spec: Spec  # resolved: block_m, block_n and pingpong filled in
     shape: Shape | None
     name: str  # canonical kernel name: every axis of the resolved spec
@@ -148,14 +161,6 @@ class Plan:
     split_kv: bool = False  # each block also takes a split of the K tiles; a combine kernel merges the splits
     pack_gqa: bool = False  # the query heads of one KV head are rows of one tile (decode: 1 query still fills M)
     block_mask: bool = False  # the kernel visits the KV tiles of a call-time block mask (BLOCK_MASK_TENSORS)
-
-    @property
-    def smem_bytes(self) -> int:
-        return sum(self.smem.values())
-
-    @property
-    def tma_thread_end(self) -> int:
-        return self.consumer_threads + self.tma_threads
 
 
 def kernel_name(spec: Spec) -> str:
@@ -587,7 +592,7 @@ VARLEN_GROUPED_VARIANT_SPILLS = "hd64 113 B, hd96 270 B, hd128 by keys 84 B and 
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardPlan:
+class BackwardPlan(_WarpSpecialized):
     """Every number the three backward kernels need (templates/fa3_bwd.py.j2).
 
     The main kernel's CTA owns one KV tile of BLOCK_N keys; consumer warpgroup g owns keys
@@ -626,14 +631,6 @@ class BackwardPlan:
     dq_smem: dict = dataclasses.field(default_factory=dict)
     dq_regs_needed: int = 0  # the dq kernel's registers per MMA-warpgroup thread (bwd_dq_regs_needed)
     compile_flags: tuple = COMPILE_FLAGS
-
-    @property
-    def smem_bytes(self) -> int:
-        return sum(self.smem.values())
-
-    @property
-    def tma_thread_end(self) -> int:
-        return self.consumer_threads + self.tma_threads
 
 
 def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_stages: int, columns: bool = False) -> str:

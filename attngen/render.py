@@ -845,11 +845,15 @@ def template_context(plan: Plan) -> dict:
 def render_source(spec_or_plan: Spec | Plan, shape: Shape | None = None) -> str:
     """The emitted TileLang source (dynamic shapes unless the plan has a static shape)."""
     plan = as_plan(spec_or_plan, shape)
-    template = environment().get_template(TEMPLATE)
+    return render_template(TEMPLATE, template_context(plan))
+
+
+def render_template(name: str, context: dict) -> str:
+    """One of templates/ rendered with its context; Jinja's errors name the template and line."""
     try:
-        return template.render(**template_context(plan))
+        return environment().get_template(name).render(**context)
     except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
-        raise TemplateError(_numbered(TEMPLATE, e)) from e
+        raise TemplateError(_numbered(name, e)) from e
 
 
 def _numbered(name: str, err: jinja2.TemplateError) -> str:
@@ -925,11 +929,7 @@ def append_context(plan: AppendPlan) -> dict:
 
 def render_append_source(plan: AppendPlan) -> str:
     """The emitted TileLang source of the append kernel (its own module: build_append_kernel())."""
-    template = environment().get_template(APPEND_TEMPLATE)
-    try:
-        return template.render(**append_context(plan))
-    except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
-        raise TemplateError(_numbered(APPEND_TEMPLATE, e)) from e
+    return render_template(APPEND_TEMPLATE, append_context(plan))
 
 
 def output_path(plan: Plan, out_dir: str | Path) -> Path:

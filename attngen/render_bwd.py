@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jinja2
-
 from attngen import expr, hw, tiles
 from attngen.plan import (BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS,
                           BackwardPlan, plan_backward)
-from attngen.render import (TemplateError, _numbered, _tensor, environment, has_offset, list_cursors, list_walk, mod_at, score_text,
-                            variant_constants, write_if_different)
+from attngen.render import (_tensor, has_offset, list_cursors, list_walk, mod_at, render_template, score_text, variant_constants,
+                            write_if_different)
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
 
@@ -514,11 +512,7 @@ def as_backward_plan(spec_or_plan, shape=None) -> BackwardPlan:
 def render_backward_source(spec_or_plan, shape=None) -> str:
     """The emitted backward module (dynamic shapes unless the plan has a static shape)."""
     bp = as_backward_plan(spec_or_plan, shape)
-    template = environment().get_template(TEMPLATE)
-    try:
-        return template.render(**template_context(bp))
-    except jinja2.TemplateError as e:  # a bug in attngen, never the user's input
-        raise TemplateError(_numbered(TEMPLATE, e)) from e
+    return render_template(TEMPLATE, template_context(bp))
 
 
 def generate_backward(spec_or_plan, out_dir="generated", shape=None) -> Path:

@@ -318,6 +318,21 @@ _key_locks: dict[_BuildKey, threading.Lock] = {}
 ERROR_TAIL = 1500  # characters of a build error shown; TileLang's message embeds the whole CUDA source
 
 
+def _once(memo: dict, key, build):
+    """memo[key], made by build() at most once per key in this process, even when threads race
+    (a lock per key: a build of one kernel does not hold up a lookup of another)."""
+    with _memo_lock:
+        if key in memo:
+            return memo[key]
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in memo:
+            value = build()
+            with _memo_lock:
+                memo[key] = value
+        return memo[key]
+
+
 def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None, *, source: str | None = None) -> Kernel:
     """JIT-compile the planned kernel (static `shape` optional) for sm_90a; memoized per process.
 
@@ -327,23 +342,17 @@ def compile_kernel(spec_or_plan: Spec | Plan, shape: Shape | None = None, *, sou
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan, shape)  # a bad static shape fails here, as a SpecError, before TileLang
     key = (plan.spec, plan.shape, source)
-    with _memo_lock:
-        if key in _memo:
-            return _memo[key]
-        lock = _key_locks.setdefault(key, threading.Lock())
-    with lock:  # one build per key even when threads race
-        if key in _memo:
-            return _memo[key]
+
+    def build() -> Kernel:
         if key in _failed:
             raise KernelBuildError(_failed[key])
         try:
-            kernel = _build(plan, source)
+            return _build(plan, source)
         except Exception as e:
             _failed[key] = _failure_message(plan, e)
             raise KernelBuildError(_failed[key]) from None
-        with _memo_lock:
-            _memo[key] = kernel
-        return kernel
+
+    return _once(_memo, key, build)
 
 
 def _failure_message(plan: Plan, err: Exception) -> str:
@@ -682,13 +691,8 @@ def compile_backward(spec_or_plan) -> BackwardKernel:
     # looked up before planning and rendering: a call of the op pays a dict lookup here
     key = ("bwd", spec_or_plan.spec, getattr(spec_or_plan, "shape", None)) if not isinstance(spec_or_plan, Spec) \
         else ("bwd", spec_or_plan, None)
-    with _memo_lock:
-        if key in _bwd_memo:
-            return _bwd_memo[key]
-        lock = _key_locks.setdefault(key, threading.Lock())
-    with lock:
-        if key in _bwd_memo:
-            return _bwd_memo[key]
+
+    def build() -> BackwardKernel:
         bp, text, parts = _backward_build(spec_or_plan)
         entry = runtime_entry(bp, text)
         start = time.time()
@@ -699,10 +703,9 @@ def compile_backward(spec_or_plan) -> BackwardKernel:
                 jits, origin = _built_parts(bp, text, entry, parts)
         except Exception as e:
             raise KernelBuildError(_failure_message(bp, e)) from None
-        kernel = BackwardKernel(bp, jits, str(entry), origin, time.time() - start)
-        with _memo_lock:
-            _bwd_memo[key] = kernel
-        return kernel
+        return BackwardKernel(bp, jits, str(entry), origin, time.time() - start)
+
+    return _once(_bwd_memo, key, build)
 
 
 # -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------
@@ -734,13 +737,8 @@ _append_memo: dict[AppendPlan, AppendKernel] = {}
 def compile_append(plan: AppendPlan) -> AppendKernel:
     """The append kernel for sm_90a, from the attngen cache's runtime entry or built (and stored)
     as the forward's are; memoized per process."""
-    with _memo_lock:
-        if plan in _append_memo:
-            return _append_memo[plan]
-        lock = _key_locks.setdefault(plan, threading.Lock())
-    with lock:
-        if plan in _append_memo:
-            return _append_memo[plan]
+
+    def build() -> AppendKernel:
         text = render_append_source(plan)
         entry = runtime_entry(plan, text)
         start = time.time()
@@ -752,11 +750,9 @@ def compile_append(plan: AppendPlan) -> AppendKernel:
                 jit, _, origin = _built_entry(plan, text, entry, kernels={"main": "build_append_kernel"})
         except Exception as e:
             raise KernelBuildError(_failure_message(plan, e)) from None
-        kernel = AppendKernel(plan=plan, jit=jit, cache_path=str(entry), origin=origin,
-                              compile_seconds=time.time() - start)
-        with _memo_lock:
-            _append_memo[plan] = kernel
-        return kernel
+        return AppendKernel(plan=plan, jit=jit, cache_path=str(entry), origin=origin, compile_seconds=time.time() - start)
+
+    return _once(_append_memo, plan, build)
 
 
 def check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens) -> tuple[serving.AppendCall, AppendPlan]:

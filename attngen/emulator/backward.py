@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from attngen.emulator import blas
-from attngen.emulator.agents import POLICIES
-from attngen.emulator.driver import BLOCK_ORDERS, PROXY_FENCES, Runtime, Stats, _host_array, check_seed, emulate
+from attngen.emulator.driver import PROXY_FENCES, Runtime, Stats, _host_array, check_schedule, emulate
 from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
 
 
@@ -41,11 +40,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     if not isinstance(spec, Spec):
         raise InputError("spec", type(spec).__name__, "an attngen.Spec")
     bp = plan_backward(spec)
-    seed = check_seed(seed)
-    if policy not in POLICIES:
-        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
-    if block_order not in BLOCK_ORDERS:
-        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
+    seed = check_schedule(seed, policy, block_order)
     sm_scale = check_scale(resolve_scale(softmax_scale, scale, head_dim=spec.head_dim), spec.head_dim)
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
     for n, t in named.items():  # only sinks get a gradient; the other call-time tensors are constants

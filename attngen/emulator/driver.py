@@ -399,9 +399,7 @@ def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: 
     from attngen.render import render_append_source
     from attngen.serving import check_append
 
-    seed = check_seed(seed)
-    if policy not in POLICIES:
-        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    seed = check_schedule(seed, policy)
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
     dtype = call_checks.check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, cpu=True)
     plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
@@ -430,6 +428,15 @@ def check_seed(seed, argument: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InputError(argument, repr(seed), "a non-negative integer")
     return int(seed)
+
+
+def check_schedule(seed, policy: str, block_order: str = "grid") -> int:
+    """An emulation's schedule arguments (emulate, emulate_append, emulate_backward): the checked seed."""
+    if policy not in POLICIES:
+        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
+    if block_order not in BLOCK_ORDERS:
+        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
+    return check_seed(seed)
 
 
 def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
@@ -493,11 +500,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     plan = as_plan(spec_or_plan)
-    seed = check_seed(seed)
-    if policy not in POLICIES:
-        raise InputError("policy", repr(policy), f"one of {', '.join(POLICIES)}")
-    if block_order not in BLOCK_ORDERS:
-        raise InputError("block_order", repr(block_order), f"one of {', '.join(BLOCK_ORDERS)}")
+    seed = check_schedule(seed, policy, block_order)
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
     inputs, dims, call = _prepare(plan, q, k, v, tensors, serving, softmax_scale)
