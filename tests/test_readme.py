@@ -19,9 +19,30 @@ def test_readme_opens_with_two_commands():
     assert tests.endswith("python -m pytest")
 
 
+def ci_lines():
+    """.ci/run's commands: its lines less blanks and comments."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def test_ci_runs_the_readme_test_command():
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert readme_commands()[1] in ci_lines
+    assert readme_commands()[1] in ci_lines()
+
+
+def test_ci_runs_it_in_a_fresh_venv_with_nothing_pinned_and_empty_caches():
+    """What a user on a fresh clone gets: the machine's Python keeps the torch it has, so the test
+    command runs in a new venv; no constraints file, so pip picks today's releases within
+    pyproject.toml's ranges; kernel caches that start empty."""
+    lines = ci_lines()
+    test = len(lines) - 1
+    venv = next(i for i, line in enumerate(lines) if line.startswith("python -m venv "))
+    folder = lines[venv].split()[-1].strip("\"'")
+    assert any(line.startswith("source ") and f"{folder}/bin/activate" in line for line in lines[venv + 1:test])
+    assert "mktemp -d" in " ".join(lines[:venv])  # a new folder each run
+    assert not [line for line in lines if "constraint" in line.lower() or " -c " in f" {line} "], lines
+    assert not (ROOT / ".ci" / "constraints.txt").exists()
+    exported = " ".join(line for line in lines[venv:test] if line.startswith("export "))
+    assert "ATTNGEN_CACHE=" in exported and "TILELANG_CACHE_DIR=" in exported
 
 
 def test_every_package_ships_in_the_wheel():
@@ -34,7 +55,7 @@ def test_every_package_ships_in_the_wheel():
 
 
 def test_ci_installs_chromium_before_the_tests_and_ends_with_the_test_command():
-    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = ci_lines()
     assert lines[-1] == readme_commands()[1]
     install = next(i for i, line in enumerate(lines) if "apt-get install" in line and "chromium" in line)
     assert install < len(lines) - 1
