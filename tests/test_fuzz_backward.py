@@ -217,7 +217,7 @@ def test_gradients_that_cancel_to_zero_pass_and_a_small_error_still_fails(spec, 
     """check_grads' cancellation floor (reference_bwd.CANCELLATION), free of one machine's rounding:
     the exact dq and dk are 0 but the terms that cancel are not, and the float32 noise left (0 with
     some BLAS and releases) is no fact to assert. The kernel's gradients pass; noise of 2 x 2^-24 x
-    what cancels (above the 1.42 x measured) passes, where the plain eps (one float16 subnormal for
+    what cancels (the most measured: 1.42 x) passes, where the plain eps (one float16 subnormal for
     an exact 0) fails it; dq + 1e-4 (a fraction of a float16 ulp at 1) fails."""
     from attngen.reference import round_to, tolerance
     from attngen.reference_bwd import _attention_grad
