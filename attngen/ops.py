@@ -306,7 +306,7 @@ def _checked(q, k, v, fields, window_left, window_right, softcap, softmax_scale,
     named = dict(zip(_names(tensor_names), tensors))
     keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
     call, extra = _check(plan, q, k, v, named, keywords)
-    devices = {"q": q, "k": k, "v": v} | named | {n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
+    devices = call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k, work=work, what=what)
@@ -378,8 +378,17 @@ def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale
     if q.dim() != rank or v.dim() != k.dim():
         raise InputError("q, k, v shapes", f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}",
                          "q [B, Sq, H, D] (or [total_q, H, D] with cu_seqlens_q), k and v of one rank")
+    _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     out_shape, lse_shape = out_metadata(q, v, fields, cu_seqlens_q)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:
+    """Every tensor of a call by name, q first (softmax_scale, a 0-d CPU number, is none of them).
+    The fakes check that they share a device: a meta tensor among CPU or CUDA ones sends the call
+    to the fake (Meta outranks both in the dispatcher), whose empty output would be returned."""
+    return {"q": q, "k": k, "v": v} | dict(zip(_names(tensor_names), tensors)) | {
+        n: t for n, t in zip(runtime.INT_TENSORS, serving_tensors) if t is not None}
 
 
 # -- the backward op ---------------------------------------------------------------------------------
@@ -441,7 +450,9 @@ bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema
 
 @bwd.register_fake
 def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
-              tensors, *args):
+              tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+    _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+                | {"dout": dout, "out": out, "lse": lse})
     dsinks = [q.shape[-2]] if "sinks" in _names(tensor_names) else [0]  # one per query head
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks, dtype=torch.float32)
 

@@ -147,6 +147,22 @@ def test_a_constant_that_requires_grad_is_refused_not_given_none(kw, name):
     assert q.grad is not None and q.grad.abs().max() > 0
 
 
+def test_flex_attention_refuses_a_captured_tensor_that_requires_grad_as_attention_does():
+    """A learnable bias captured by a score_mod was detached by the Flex door and given no gradient
+    without a word (issue 25); it now reaches attention, whose backward refuses it by its name."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv(20))  # [B, H, S, D]
+    bias = torch.tensor([0.1, -0.2], requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    out = attngen.flex_attention(q, k, v, score_mod=score_mod)
+    with pytest.raises(InputError, match=r"^bias = a tensor that requires grad: expected a constant: .*\(detach it"):
+        out.float().sum().backward()
+    with torch.no_grad():  # inference with the parameter is not refused
+        attngen.flex_attention(q, k, v, score_mod=score_mod)
+    assert bias.grad is None
+
+
 def test_an_inference_layout_has_no_backward():
     """A paged cache: the forward runs, its gradient is the backward plan's SpecError."""
     from attngen import serving
