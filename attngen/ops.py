@@ -490,6 +490,19 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, *grads):
+    """A gradient of the gradients (create_graph=True, then a backward through dq, dk or dv): the
+    backward kernels have no backward of their own. Raised only when one is asked for; a
+    create_graph first backward that nobody differentiates again runs as before."""
+    raise InputError("a second-order gradient", "asked of attngen's backward (attngen::bwd)",
+                     "first-order gradients only: attngen's backward is not differentiable twice (compute "
+                     "the term that needs a double backward with torch's scaled_dot_product_attention, or "
+                     "drop create_graph=True)")
+
+
+bwd.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
 
 APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor block_table, "

@@ -163,6 +163,16 @@ def test_flex_attention_refuses_a_captured_tensor_that_requires_grad_as_attentio
     assert bias.grad is None
 
 
+def test_a_second_order_gradient_is_one_attngen_error_when_asked_for():
+    """torch said "no autograd formula was registered for attngen.bwd" (issue 25)."""
+    q, k, v = qkv(20)
+    dq, = torch.autograd.grad(attngen.attention(q, k, v).float().sum(), q, create_graph=True)
+    assert dq.requires_grad  # create_graph alone is no error: only the second backward is
+    with pytest.raises(InputError, match=r"^a second-order gradient = asked of attngen's backward .*: expected "
+                                         r"first-order gradients only: attngen's backward is not differentiable twice"):
+        dq.float().square().sum().backward()
+
+
 def test_an_inference_layout_has_no_backward():
     """A paged cache: the forward runs, its gradient is the backward plan's SpecError."""
     from attngen import serving
