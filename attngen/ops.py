@@ -37,7 +37,7 @@ import torch
 
 from attngen import expr, runtime, serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
-from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan
+from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan, plan_backward
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
 
@@ -582,9 +582,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
         scale=scale, block_mask=block_mask, **kwargs)
-    if q.device.type == "cpu" and not _compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, *args[9])):
-        check_training_time(args)
+    if not _compiling() and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *args[9])):
+        check_training(args)
     result, lse = fwd(*args)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
@@ -599,11 +598,24 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def check_training_time(args: tuple) -> None:
-    """A CPU call whose backward will follow is refused for both passes before the forward runs
-    (the op itself runs under autograd's no-grad and cannot tell). Eager only: under
-    torch.compile each op refuses its own pass."""
-    _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
+def check_training(args: tuple) -> None:
+    """A call whose backward will follow is refused before the forward runs when its backward would
+    be (the op itself runs under autograd's no-grad and cannot tell): the backward plan's SpecError
+    (a paged cache, split-KV, a variant the deterministic backward cannot fit: plan.plan_backward),
+    and on CPU a forward and backward estimated past the CPU model's limit. Eager only: under
+    torch.compile each op refuses its own pass (planning here would guard on the lengths)."""
+    q, k, v, fields, left, right, softcap, _, tensor_names, _, cu_q, _, _, table, _, splits = args
+    if q.device.type == "cpu":
+        _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
+    plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
+    if _trainable.get(id(plan)) is not plan:
+        plan_backward(plan.spec)  # the SpecError backward() would raise, before the forward runs
+        if len(_trainable) >= MAX_PLANS:
+            _trainable.clear()
+        _trainable[id(plan)] = plan
+
+
+_trainable: dict[int, Plan] = {}  # plans whose backward plan_backward takes (0.75 ms a plan, once)
 
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,

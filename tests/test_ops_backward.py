@@ -173,17 +173,31 @@ def test_a_second_order_gradient_is_one_attngen_error_when_asked_for():
         dq.float().square().sum().backward()
 
 
-def test_an_inference_layout_has_no_backward():
-    """A paged cache: the forward runs, its gradient is the backward plan's SpecError."""
+def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypatch):
+    """A paged cache, and deterministic varlen GQA with ALiBi (plan_backward's refusals), were run
+    forward and refused only at backward() (issue 25): a call that needs a gradient is refused
+    first, with the same one-line SpecError; without one (no_grad, or nothing requires grad) it runs."""
     from attngen import serving
 
     x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
     q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
     k, v = (torch.from_numpy(np.array(t)).half() for t in (x.k, x.v))
-    keywords = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
-    out = attngen.attention(q, k, v, **keywords)
-    with pytest.raises(SpecError, match="paged_kv.*inference layout"):
-        out.float().sum().backward()
+    paged = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    qp, kp, vp = (torch.randn(20, h, 64).half() for h in (4, 2, 2))
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, deterministic=True,
+                  alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    ran = []
+    monkeypatch.setattr(ops, "emulate", lambda *a, **kw: ran.append(1) or pytest.fail("ran a refused training call"))
+    with pytest.raises(SpecError, match=r"^spec field `paged_kv` = true: a paged KV cache is an inference layout"):
+        attngen.attention(q, k, v, **paged)
+    with pytest.raises(SpecError, match=r"^spec field `deterministic` = true: .*layout .varlen., alibi.*gqa_group 2"):
+        attngen.attention(qp.requires_grad_(), kp, vp, **varlen)
+    assert not ran
+    monkeypatch.undo()
+    with torch.no_grad():
+        attngen.attention(q, k, v, **paged)
+    attngen.attention(qp.detach(), kp, vp, **varlen)
 
 
 def test_the_cpu_time_refusal_covers_the_backward(monkeypatch):
