@@ -280,6 +280,7 @@ def backward_block_mask(bp, tensors: dict, q_len: int, kv_len: int) -> tuple[lis
                                         "the backward derives its own from them")
     given = {n: np.asarray(to_numpy(tensors[n])) for n in names}
     f = bp.forward.spec
+    check_block_mask_lists(given, -(-kv_len // f.block_n), kv_len % f.block_n != 0)  # before they are transposed
     dq_tile = (bp.dq_block_m, bp.dq_block_n) if bp.deterministic else None
     lists = tiles.backward_lists(given, (f.block_m, f.block_n), (q_len, kv_len), (bp.block_m, bp.block_n), dq_tile)
     order = BWD_BLOCK_MASK_TENSORS + (DQ_BLOCK_MASK_TENSORS if bp.deterministic else ())

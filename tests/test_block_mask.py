@@ -386,6 +386,9 @@ def test_hand_written_block_mask_lists_are_checked_on_the_host_and_padding_is_fr
     for lists, message in cases:
         with pytest.raises(InputError, match=message):
             attngen.attention(q, k, v, **kw, **lists)
+    spec = Spec(head_dim=D, consumers=1, block_n=64, mask_mod=bm.mask_text, block_mask=True)
+    with pytest.raises(InputError, match=cases[0][1]):  # the backward's lists come from the same four (was an IndexError)
+        attngen.emulate_backward(spec, q, k, v, q, out=q, lse=torch.zeros(1, 1, 128), **cases[0][0])
     # keys past kv_len: the last KV tile must be masked (partial); listed full it was off by 0.1
     short = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 100, 100, BLOCK_SIZE=(64, 64))
     all_full = dict(kv_num_blocks=torch.zeros_like(short.kv_num_blocks), kv_indices=short.kv_indices,
