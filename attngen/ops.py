@@ -53,8 +53,9 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_
          "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
-# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks
-BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)"
+# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks. dlse: the LSE output's gradient, None
+# when the loss did not read the LSE (refused when nonzero: _check_no_lse_gradient)
+BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor)"
 # the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
 BACKWARD_WORK = 2.5
 
@@ -395,7 +396,7 @@ def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:
 
 
 def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors,
-         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
     """(dq, dk, dv, dsinks) of the forward kernel the same arguments name, from the forward's out
     and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
     tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks."""
@@ -403,6 +404,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
         q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, work=BACKWARD_WORK, what="backward")
     _check_saved(plan, dout, out, lse)
+    _check_no_lse_gradient(dlse)
     devices |= {"dout": dout, "out": out, "lse": lse}
     if q.device.type == "cpu":
         _one_device(devices)
@@ -438,6 +440,19 @@ def _check_saved(plan: Plan, dout, out, lse) -> None:
         runtime.check_layout(name, t)
 
 
+def _check_no_lse_gradient(dlse) -> None:
+    """The backward kernels have no dLSE term yet: a nonzero gradient reaching the LSE output (a
+    loss that reads it, as merging two attentions through their LSEs does) would be dropped, and
+    dq, dk wrong without a word. None (eager: the LSE unused, set_materialize_grads(False)) costs
+    nothing; a tensor (the LSE used, or under torch.compile a graph returning it, whose tangent
+    is zeros when unused) is read once, a device sync, and must be all zeros."""
+    if dlse is not None and dlse.numel() and bool((dlse != 0).any()):
+        raise InputError("the LSE output's gradient", "nonzero (the loss reads the returned LSE)",
+                         "none: attngen's backward does not differentiate the LSE yet, and dropping it would give "
+                         "wrong dq, dk and dv; use lse.detach() where the loss reads it, or an attention that "
+                         "differentiates its LSE (torch's flex_attention) for that term")
+
+
 def emulate_backward(*args, **kwargs):
     """attngen.emulate_backward (the backward kernels on the CPU model), looked up at call time."""
     from attngen import emulator
@@ -450,7 +465,7 @@ bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema
 
 @bwd.register_fake
 def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
-              tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+              tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
     _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
                 | {"dout": dout, "out": out, "lse": lse})
     dsinks = [q.shape[-2]] if "sinks" in _names(tensor_names) else [0]  # one per query head
@@ -470,6 +485,8 @@ def _setup_context(ctx, inputs, output):
     # a tensor without a gradient in the kernels that asks for one is refused in the backward,
     # never given a silent None (issue 17: ALiBi slopes and mod tensors are constants)
     ctx.constants = [n for n, t in zip(_names(tensor_names), tensors) if n != "sinks" and t.requires_grad]
+    # an output the loss does not read gets None, not a zero tensor: an unused LSE costs no check
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
@@ -479,10 +496,12 @@ def _backward(ctx, dout, dlse):
                          f"set requires_grad=False); q, k, v and sinks have gradients")
     q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
     fields, left, right, softcap, tensor_names, max_q, splits = ctx.args
+    if dout is None:  # the loss reads the LSE alone (the op refuses a nonzero dlse)
+        dout = torch.zeros_like(out)
     # autograd may hand a strided view (flex_attention returns out.transpose(1, 2)); the kernels take packed
     dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
-                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits)
-    # the LSE output has no gradient (as in FlashAttention-3); the sinks' gradient goes to its slot
+                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits, dlse)
+    # the sinks' gradient goes to its slot
     grads = [dsinks if n == "sinks" else None for n in _names(tensor_names)]
     return dq, dk, dv, None, None, None, None, None, None, grads, None, None, None, None, None, None
 
@@ -575,8 +594,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     full_kv_indices passed by name.
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
     gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
-    asked of them is an InputError), and the LSE output has none (as in FlashAttention-3).
-    """
+    asked of them is an InputError), and the LSE output has none yet (a loss that reads it is an
+    InputError at backward)."""
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
