@@ -212,18 +212,20 @@ def check_block_mask_lists(lists: dict, n_cols: int, last_runs_past: bool) -> No
     measures it); a meta tensor has no values and is left alone."""
     if any(is_torch(x) and x.device.type == "meta" for x in lists.values()):
         return
+
+    def at(where) -> str:  # the first True of a boolean array, as "[i, j, ...]"
+        return "[" + ", ".join(str(int(i)) for i in np.argwhere(where)[0]) + "]"
     marks = {}
     for counts_name, indices_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
         counts, indices = np.asarray(to_numpy(lists[counts_name])), np.asarray(to_numpy(lists[indices_name]))
-        if ((counts < 0) | (counts > n_cols)).any():
-            at = tuple(int(i) for i in np.argwhere((counts < 0) | (counts > n_cols))[0])
-            raise InputError(f"{counts_name}[{', '.join(map(str, at))}]", int(counts[at]),
+        bad = (counts < 0) | (counts > n_cols)
+        if bad.any():
+            raise InputError(f"{counts_name}{at(bad)}", int(counts[bad][0]),
                              f"a count of KV tiles in [0, {n_cols}] ({n_cols} KV tiles of the kernel)")
         read = np.arange(indices.shape[-1], dtype=counts.dtype) < counts[..., None]  # the entries the kernels read
-        outside = read & ((indices < 0) | (indices >= n_cols))
-        if outside.any():
-            at = tuple(int(i) for i in np.argwhere(outside)[0])
-            raise InputError(f"{indices_name}[{', '.join(map(str, at))}]", int(indices[at]),
+        bad = read & ((indices < 0) | (indices >= n_cols))
+        if bad.any():
+            raise InputError(f"{indices_name}{at(bad)}", int(indices[bad][0]),
                              f"a KV tile index in [0, {n_cols - 1}] (the first {counts_name} entries of a row are read)")
         # the tiles each row lists (column n_cols: the unread entries); fewer than its count: one twice
         mark = np.zeros(counts.size * (n_cols + 1), bool)
@@ -232,20 +234,18 @@ def check_block_mask_lists(lists: dict, n_cols: int, last_runs_past: bool) -> No
         mark = mark.reshape(counts.shape + (n_cols + 1,))[..., :n_cols]
         twice = mark.sum(axis=-1, dtype=counts.dtype) < counts
         if twice.any():
-            row = tuple(int(i) for i in np.argwhere(twice)[0])
-            listed = indices[row][:counts[row]]
-            col = int(next(c for c in listed if (listed == c).sum() > 1))
-            raise InputError(f"{indices_name}[{', '.join(map(str, row))}]", f"KV tile {col} listed {int((listed == col).sum())} times",
-                             "each tile at most once in a row")
+            row = tuple(np.argwhere(twice)[0])
+            tiles_of_row, times = np.unique(indices[row][:counts[row]], return_counts=True)
+            raise InputError(f"{indices_name}{at(twice)}", f"KV tile {int(tiles_of_row[times > 1][0])} listed "
+                             f"{int(times[times > 1][0])} times", "each tile at most once in a row")
         marks[indices_name] = mark
-    both = np.argwhere(marks["kv_indices"] & marks["full_kv_indices"])
-    if both.size:
-        *row, col = (int(i) for i in both[0])
-        raise InputError(f"kv_indices[{', '.join(map(str, row))}] and full_kv_indices[{', '.join(map(str, row))}]",
-                         f"both list KV tile {col}", "a tile either partial or full (or neither: empty)")
+    both = marks["kv_indices"] & marks["full_kv_indices"]
+    if both.any():
+        row, col = at(both.any(axis=-1)), int(np.argwhere(both)[0][-1])
+        raise InputError(f"kv_indices{row} and full_kv_indices{row}", f"both list KV tile {col}",
+                         "a tile either partial or full (or neither: empty)")
     if last_runs_past and marks["full_kv_indices"][..., n_cols - 1].any():
-        row = tuple(int(i) for i in np.argwhere(marks["full_kv_indices"][..., n_cols - 1])[0])
-        raise InputError(f"full_kv_indices[{', '.join(map(str, row))}]", f"KV tile {n_cols - 1}, the last",
+        raise InputError(f"full_kv_indices{at(marks['full_kv_indices'][..., n_cols - 1])}", f"KV tile {n_cols - 1}, the last",
                          "the last KV tile partial (in kv_indices), never full: it runs past kv_len, whose keys "
                          "past the end must be masked")
 
