@@ -195,7 +195,9 @@ class _Translator:
         while out in self.tensors:
             n += 1
             out = f"{base}{n}"
-        self.tensors[out] = t.detach().to(torch.float32)
+        # not detached: one that requires grad (a learnable bias) reaches attngen.attention as it is,
+        # whose backward refuses it by name (no gradient for mod tensors yet), never a silent constant
+        self.tensors[out] = t.to(torch.float32)
         self.by_id[id(t)] = out
         return out
 
@@ -396,7 +398,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     bm, bn = _positive("BLOCK_SIZE", bm), _positive("BLOCK_SIZE", bn)
     tr = translate(mask_mod, "mask_mod")
     e = expr.parse(tr.text, "mask_mod")
-    arrays = {n: t.cpu().numpy() for n, t in tr.tensors.items()}
+    arrays = {n: t.detach().cpu().numpy() for n, t in tr.tensors.items()}  # the tiles' states: values only
 
     def rows(q0, q1):
         env = {"b": np.arange(B)[:, None, None, None], "h": np.arange(H)[None, :, None, None],

@@ -196,7 +196,58 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         if t.name == "sinks":
             _check_finite(t.name, x)
         ordered.append(x)
+    if getattr(plan, "block_mask", False):
+        check_block_mask_lists({t.name: x for t, x in zip(wanted, ordered)}, extent["bm_kv_tiles"],
+                               kv_len % plan.spec.block_n != 0)
     return ordered
+
+
+def check_block_mask_lists(lists: dict, n_cols: int, last_runs_past: bool) -> None:
+    """The values of a block mask's lists (shapes and dtypes are check_extra's): per row, a count in
+    [0, n_cols], its first `count` indices in [0, n_cols) (the kernels read only those; the padding
+    after them may be anything, as create_block_mask's is), no tile listed twice, none both partial
+    and full, and (`last_runs_past`: kv_len is no multiple of block_n) the last tile never full, as
+    its keys past kv_len must be masked. The kernels would read out of bounds, visit a tile twice or
+    skip a mask: a wrong answer without a word. One host copy of the lists per call (docs/variants.md
+    measures it); a meta tensor has no values and is left alone."""
+    if any(is_torch(x) and x.device.type == "meta" for x in lists.values()):
+        return
+
+    def at(where) -> str:  # the first True of a boolean array, as "[i, j, ...]"
+        return "[" + ", ".join(str(int(i)) for i in np.argwhere(where)[0]) + "]"
+    marks = {}
+    for counts_name, indices_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        counts, indices = np.asarray(to_numpy(lists[counts_name])), np.asarray(to_numpy(lists[indices_name]))
+        bad = (counts < 0) | (counts > n_cols)
+        if bad.any():
+            raise InputError(f"{counts_name}{at(bad)}", int(counts[bad][0]),
+                             f"a count of KV tiles in [0, {n_cols}] ({n_cols} KV tiles of the kernel)")
+        read = np.arange(indices.shape[-1], dtype=counts.dtype) < counts[..., None]  # the entries the kernels read
+        bad = read & ((indices < 0) | (indices >= n_cols))
+        if bad.any():
+            raise InputError(f"{indices_name}{at(bad)}", int(indices[bad][0]),
+                             f"a KV tile index in [0, {n_cols - 1}] (the first {counts_name} entries of a row are read)")
+        # the tiles each row lists (column n_cols: the unread entries); fewer than its count: one twice
+        mark = np.zeros(counts.size * (n_cols + 1), bool)
+        row_start = np.arange(0, mark.size, n_cols + 1, dtype=np.int64).reshape(counts.shape)[..., None]
+        mark[(row_start + np.where(read, indices, n_cols)).reshape(-1)] = True  # (put_along_axis: 2x slower)
+        mark = mark.reshape(counts.shape + (n_cols + 1,))[..., :n_cols]
+        twice = mark.sum(axis=-1, dtype=counts.dtype) < counts
+        if twice.any():
+            row = tuple(np.argwhere(twice)[0])
+            tiles_of_row, times = np.unique(indices[row][:counts[row]], return_counts=True)
+            raise InputError(f"{indices_name}{at(twice)}", f"KV tile {int(tiles_of_row[times > 1][0])} listed "
+                             f"{int(times[times > 1][0])} times", "each tile at most once in a row")
+        marks[indices_name] = mark
+    both = marks["kv_indices"] & marks["full_kv_indices"]
+    if both.any():
+        row, col = at(both.any(axis=-1)), int(np.argwhere(both)[0][-1])
+        raise InputError(f"kv_indices{row} and full_kv_indices{row}", f"both list KV tile {col}",
+                         "a tile either partial or full (or neither: empty)")
+    if last_runs_past and marks["full_kv_indices"][..., n_cols - 1].any():
+        raise InputError(f"full_kv_indices{at(marks['full_kv_indices'][..., n_cols - 1])}", f"KV tile {n_cols - 1}, the last",
+                         "the last KV tile partial (in kv_indices), never full: it runs past kv_len, whose keys "
+                         "past the end must be masked")
 
 
 def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
@@ -229,6 +280,7 @@ def backward_block_mask(bp, tensors: dict, q_len: int, kv_len: int) -> tuple[lis
                                         "the backward derives its own from them")
     given = {n: np.asarray(to_numpy(tensors[n])) for n in names}
     f = bp.forward.spec
+    check_block_mask_lists(given, -(-kv_len // f.block_n), kv_len % f.block_n != 0)  # before they are transposed
     dq_tile = (bp.dq_block_m, bp.dq_block_n) if bp.deterministic else None
     lists = tiles.backward_lists(given, (f.block_m, f.block_n), (q_len, kv_len), (bp.block_m, bp.block_n), dq_tile)
     order = BWD_BLOCK_MASK_TENSORS + (DQ_BLOCK_MASK_TENSORS if bp.deterministic else ())

@@ -37,7 +37,7 @@ import torch
 
 from attngen import expr, runtime, serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
-from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan
+from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan, plan_backward
 from attngen.reference import InputError, check_scale, resolve_scale
 from attngen.spec import FIELDS, SpecError, check_keys
 
@@ -53,8 +53,9 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_
          "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
-# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks
-BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)"
+# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks. dlse: the LSE output's gradient, None
+# when the loss did not read the LSE (refused when nonzero: _check_no_lse_gradient)
+BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor)"
 # the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
 BACKWARD_WORK = 2.5
 
@@ -306,7 +307,7 @@ def _checked(q, k, v, fields, window_left, window_right, softcap, softmax_scale,
     named = dict(zip(_names(tensor_names), tensors))
     keywords = serving_keywords(plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits)
     call, extra = _check(plan, q, k, v, named, keywords)
-    devices = {"q": q, "k": k, "v": v} | named | {n: keywords[n] for n in runtime.INT_TENSORS if keywords[n] is not None}
+    devices = call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
     if q.device.type == "cpu":
         _one_device(devices)
         check_cpu_time(plan, call, q, k, work=work, what=what)
@@ -378,15 +379,24 @@ def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale
     if q.dim() != rank or v.dim() != k.dim():
         raise InputError("q, k, v shapes", f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}",
                          "q [B, Sq, H, D] (or [total_q, H, D] with cu_seqlens_q), k and v of one rank")
+    _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     out_shape, lse_shape = out_metadata(q, v, fields, cu_seqlens_q)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:
+    """Every tensor of a call by name, q first (softmax_scale, a 0-d CPU number, is none of them).
+    The fakes check that they share a device: a meta tensor among CPU or CUDA ones sends the call
+    to the fake (Meta outranks both in the dispatcher), whose empty output would be returned."""
+    return {"q": q, "k": k, "v": v} | dict(zip(_names(tensor_names), tensors)) | {
+        n: t for n, t in zip(runtime.INT_TENSORS, serving_tensors) if t is not None}
 
 
 # -- the backward op ---------------------------------------------------------------------------------
 
 
 def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors,
-         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
+         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
     """(dq, dk, dv, dsinks) of the forward kernel the same arguments name, from the forward's out
     and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
     tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks."""
@@ -394,6 +404,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
         q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, work=BACKWARD_WORK, what="backward")
     _check_saved(plan, dout, out, lse)
+    _check_no_lse_gradient(dlse)
     devices |= {"dout": dout, "out": out, "lse": lse}
     if q.device.type == "cpu":
         _one_device(devices)
@@ -429,6 +440,19 @@ def _check_saved(plan: Plan, dout, out, lse) -> None:
         runtime.check_layout(name, t)
 
 
+def _check_no_lse_gradient(dlse) -> None:
+    """The backward kernels have no dLSE term yet: a nonzero gradient reaching the LSE output (a
+    loss that reads it, as merging two attentions through their LSEs does) would be dropped, and
+    dq, dk wrong without a word. None (eager: the LSE unused, set_materialize_grads(False)) costs
+    nothing; a tensor (the LSE used, or under torch.compile a graph returning it, whose tangent
+    is zeros when unused) is read once, a device sync, and must be all zeros."""
+    if dlse is not None and dlse.numel() and bool((dlse != 0).any()):
+        raise InputError("the LSE output's gradient", "nonzero (the loss reads the returned LSE)",
+                         "none: attngen's backward does not differentiate the LSE yet, and dropping it would give "
+                         "wrong dq, dk and dv; use lse.detach() where the loss reads it, or an attention that "
+                         "differentiates its LSE (torch's flex_attention) for that term")
+
+
 def emulate_backward(*args, **kwargs):
     """attngen.emulate_backward (the backward kernels on the CPU model), looked up at call time."""
     from attngen import emulator
@@ -441,7 +465,9 @@ bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema
 
 @bwd.register_fake
 def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
-              tensors, *args):
+              tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
+    _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+                | {"dout": dout, "out": out, "lse": lse})
     dsinks = [q.shape[-2]] if "sinks" in _names(tensor_names) else [0]  # one per query head
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks, dtype=torch.float32)
 
@@ -459,6 +485,8 @@ def _setup_context(ctx, inputs, output):
     # a tensor without a gradient in the kernels that asks for one is refused in the backward,
     # never given a silent None (issue 17: ALiBi slopes and mod tensors are constants)
     ctx.constants = [n for n, t in zip(_names(tensor_names), tensors) if n != "sinks" and t.requires_grad]
+    # an output the loss does not read gets None, not a zero tensor: an unused LSE costs no check
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
@@ -468,15 +496,30 @@ def _backward(ctx, dout, dlse):
                          f"set requires_grad=False); q, k, v and sinks have gradients")
     q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
     fields, left, right, softcap, tensor_names, max_q, splits = ctx.args
+    if dout is None:  # the loss reads the LSE alone (the op refuses a nonzero dlse)
+        dout = torch.zeros_like(out)
     # autograd may hand a strided view (flex_attention returns out.transpose(1, 2)); the kernels take packed
     dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
-                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits)
-    # the LSE output has no gradient (as in FlashAttention-3); the sinks' gradient goes to its slot
+                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits, dlse)
+    # the sinks' gradient goes to its slot
     grads = [dsinks if n == "sinks" else None for n in _names(tensor_names)]
     return dq, dk, dv, None, None, None, None, None, None, grads, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _double_backward(ctx, *grads):
+    """A gradient of the gradients (create_graph=True, then a backward through dq, dk or dv): the
+    backward kernels have no backward of their own. Raised only when one is asked for; a
+    create_graph first backward that nobody differentiates again runs as before."""
+    raise InputError("a second-order gradient", "asked of attngen's backward (attngen::bwd)",
+                     "first-order gradients only: attngen's backward is not differentiable twice (compute "
+                     "the term that needs a double backward with torch's scaled_dot_product_attention, or "
+                     "drop create_graph=True)")
+
+
+bwd.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 # -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
@@ -551,16 +594,15 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     full_kv_indices passed by name.
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
     gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
-    asked of them is an InputError), and the LSE output has none (as in FlashAttention-3).
-    """
+    asked of them is an InputError), and the LSE output has none yet (a loss that reads it is an
+    InputError at backward)."""
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
         scale=scale, block_mask=block_mask, **kwargs)
-    if q.device.type == "cpu" and not _compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, *args[9])):
-        check_training_time(args)
+    if not _compiling() and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *args[9])):
+        check_training(args)
     result, lse = fwd(*args)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
@@ -575,11 +617,24 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def check_training_time(args: tuple) -> None:
-    """A CPU call whose backward will follow is refused for both passes before the forward runs
-    (the op itself runs under autograd's no-grad and cannot tell). Eager only: under
-    torch.compile each op refuses its own pass."""
-    _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
+def check_training(args: tuple) -> None:
+    """A call whose backward will follow is refused before the forward runs when its backward would
+    be (the op itself runs under autograd's no-grad and cannot tell): the backward plan's SpecError
+    (a paged cache, split-KV, a variant the deterministic backward cannot fit: plan.plan_backward),
+    and on CPU a forward and backward estimated past the CPU model's limit. Eager only: under
+    torch.compile each op refuses its own pass (planning here would guard on the lengths)."""
+    q, k, v, fields, left, right, softcap, _, tensor_names, _, cu_q, _, _, table, _, splits = args
+    if q.device.type == "cpu":
+        _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
+    plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
+    if _trainable.get(id(plan)) is not plan:
+        plan_backward(plan.spec)  # the SpecError backward() would raise, before the forward runs
+        if len(_trainable) >= MAX_PLANS:
+            _trainable.clear()
+        _trainable[id(plan)] = plan
+
+
+_trainable: dict[int, Plan] = {}  # plans whose backward plan_backward takes (0.75 ms a plan, once)
 
 
 def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None, sinks=None,

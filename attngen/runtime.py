@@ -79,9 +79,10 @@ def check_device(tensors: dict, *, device_type: str = "cuda", capability_of: Cal
     first_name, first = next(iter(tensors.items()))
     for name, t in tensors.items():
         if t.device.type != device_type:
+            beside = f" ({first_name} is on {first.device})" if first.device.type == device_type else ""
             raise InputError(
                 f"{name}.device", str(t.device),
-                f"a {device_type.upper()} tensor on a compute capability {CAPABILITY[0]}.{CAPABILITY[1]} (Hopper) GPU",
+                f"a {device_type.upper()} tensor on a compute capability {CAPABILITY[0]}.{CAPABILITY[1]} (Hopper) GPU{beside}",
             )
         if t.device != first.device:
             raise InputError(f"{name}.device", str(t.device), f"{first.device}, the device of {first_name}")

@@ -355,3 +355,44 @@ def test_a_block_mask_call_is_differentiable_and_its_gradients_are_the_dense_mas
     names = {n for n, _, _ in BLOCK_MASK_TENSORS}
     assert bp.forward.spec.block_mask and not names & {t.name for t in call_tensors(bp)}
     assert "Q_indices: T.Tensor" in render_backward_source(bp) and "KV_indices" not in render_backward_source(bp)
+
+
+def test_hand_written_block_mask_lists_are_checked_on_the_host_and_padding_is_free():
+    """Lists the kernels would read out of bounds, visit twice or run unmasked (issue 25: no error,
+    output off by 0.5 on the CPU model; out-of-bounds reads on a GPU) are refused, naming the list,
+    the entry and the valid range; entries past a row's count are never read and may be anything."""
+    q, k, v = (rand(1, 128, 1, D, seed=i) for i in range(3))
+    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
+    kw = dict(block_mask=True, mask_mod=bm.mask_text, consumers=1, block_n=64)
+    good = {n: getattr(bm, n).clone() for n in BM_NAMES}  # Q tile 1: tile 1 partial, tile 0 full
+
+    def edited(name, at, value, **more):
+        lists = {n: t.clone() for n, t in good.items()}
+        lists[name][at] = value
+        for n, (a, x) in more.items():
+            lists[n][a] = x
+        return lists
+    padded = edited("kv_indices", (0, 0, 0, 1), 99, full_kv_indices=((0, 0, 0, 0), -7))  # unread entries
+    assert torch.equal(attngen.attention(q, k, v, **kw, **padded), attngen.attention(q, k, v, **kw, **good))
+    cases = [
+        (edited("kv_indices", (0, 0, 1, 0), 99), r"^kv_indices\[0, 0, 1, 0\] = 99: expected a KV tile index in \[0, 1\]"),
+        (edited("full_kv_indices", (0, 0, 1, 0), -1), r"^full_kv_indices\[0, 0, 1, 0\] = -1: .*\[0, 1\]"),
+        (edited("kv_num_blocks", (0, 0, 0), 3), r"^kv_num_blocks\[0, 0, 0\] = 3: expected a count of KV tiles in \[0, 2\]"),
+        (edited("full_kv_num_blocks", (0, 0, 1), -1), r"^full_kv_num_blocks\[0, 0, 1\] = -1: .*\[0, 2\]"),
+        (edited("full_kv_indices", (0, 0, 1, 0), 1), r"^kv_indices\[0, 0, 1\] and full_kv_indices\[0, 0, 1\] = both list KV tile 1"),
+        (edited("kv_num_blocks", (0, 0, 1), 2, kv_indices=((0, 0, 1, 1), 1), full_kv_num_blocks=((0, 0, 1), 0)),
+         r"^kv_indices\[0, 0, 1\] = KV tile 1 listed 2 times"),
+    ]
+    for lists, message in cases:
+        with pytest.raises(InputError, match=message):
+            attngen.attention(q, k, v, **kw, **lists)
+    spec = Spec(head_dim=D, consumers=1, block_n=64, mask_mod=bm.mask_text, block_mask=True)
+    with pytest.raises(InputError, match=cases[0][1]):  # the backward's lists come from the same four (was an IndexError)
+        attngen.emulate_backward(spec, q, k, v, q, out=q, lse=torch.zeros(1, 1, 128), **cases[0][0])
+    # keys past kv_len: the last KV tile must be masked (partial); listed full it was off by 0.1
+    short = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 100, 100, BLOCK_SIZE=(64, 64))
+    all_full = dict(kv_num_blocks=torch.zeros_like(short.kv_num_blocks), kv_indices=short.kv_indices,
+                    full_kv_num_blocks=short.kv_num_blocks + short.full_kv_num_blocks,
+                    full_kv_indices=torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32))
+    with pytest.raises(InputError, match=r"^full_kv_indices\[0, 0, 0\] = KV tile 1, the last: expected the last KV tile partial"):
+        attngen.attention(q[:, :100], k[:, :100], v[:, :100], **dict(kw, mask_mod=short.mask_text), **all_full)

@@ -333,6 +333,28 @@ def test_a_call_that_needs_a_gradient_asks_the_forward_for_its_lse():
     assert torch.equal(out.detach(), want_out)
 
 
+def test_a_call_whose_tensors_are_on_two_devices_names_the_odd_one():
+    """A meta tensor among CPU ones sends the op to its fake (Meta outranks CPU in the dispatcher),
+    which returned an uninitialised CPU tensor as the answer (issue 25). Every tensor of a call
+    shares q's device, or an InputError names the argument, its device and q's; all-meta calls keep
+    their shapes-only answer."""
+    q, k, v = qkv(20)
+    meta = {"k": (q, k.to("meta"), v), "v": (q, k, v.to("meta"))}
+    for name, args in meta.items():
+        with pytest.raises(InputError, match=rf"^{name}.device = meta: expected cpu, the device of q$"):
+            attngen.attention(*args)
+    with pytest.raises(InputError, match=r"^k.device = cpu: expected meta, the device of q$"):
+        attngen.attention(q.to("meta"), k, v)
+    with pytest.raises(InputError, match=r"^sinks.device = meta: expected cpu, the device of q$"):
+        attngen.attention(q, k, v, sinks=torch.zeros(2, device="meta"))
+    out, lse = (torch.empty(1, 20, 2, 64, dtype=torch.float16), torch.empty(1, 2, 20))
+    args, _ = ops.fwd_arguments(q, k, v, return_lse=True)
+    with pytest.raises(InputError, match=r"^dout.device = meta: expected cpu, the device of q$"):
+        ops.bwd(out.to("meta"), out, lse, *args)
+    shapes = attngen.attention(*(t.to("meta") for t in (q, k, v)))
+    assert metadata(shapes) == ((1, 20, 2, 64), torch.float16, torch.device("meta"), (2560, 128, 64, 1))
+
+
 def test_backward_op_fakes_give_each_gradient_the_shape_of_its_input():
     q = torch.empty(7, 4, 64, dtype=torch.bfloat16)  # varlen q against a paged cache
     k = torch.empty(3, 64, 2, 64, dtype=torch.bfloat16)

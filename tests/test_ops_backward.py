@@ -116,19 +116,52 @@ def test_a_broken_backward_kernel_shows_through_the_op(monkeypatch):
     assert "dq" in failures(checks)
 
 
-def test_only_inputs_that_require_grad_get_one_and_the_lse_output_is_not_differentiated():
+def test_only_inputs_that_require_grad_get_one_and_an_unused_lse_output_costs_nothing():
     q, k, v = qkv(20)
     k.requires_grad_(False)
     out, lse = attngen.attention(q, k, v, causal=True, return_lse=True)
     assert lse.shape == (1, 2, 20) and lse.grad_fn is not None
-    out.float().sum().backward(retain_graph=True)
+    out.float().sum().backward()  # the LSE returned and not read: no error, and its gradient is None
     assert q.grad is not None and v.grad is not None and k.grad is None
     first = q.grad.clone()
     q.grad = None
-    (out.float().sum() + lse.sum()).backward()  # as in FlashAttention-3, the LSE's cotangent is dropped
+    attngen.attention(q, k, v, causal=True).float().sum().backward()
+    assert torch.equal(q.grad, first)
+    q.grad = None  # compiled, a returned LSE gets a zero tangent: read once, no error
+    out, lse = torch.compile(lambda *t: attngen.attention(*t, causal=True, return_lse=True), backend="aot_eager",
+                             fullgraph=True)(q, k, v)
+    out.float().sum().backward()
     assert torch.equal(q.grad, first)
     sinks = torch.zeros(2, requires_grad=True)  # a sink alone that needs a gradient asks for the LSE too
     assert '"lse": true' in ops.fwd_arguments(q.detach(), k, v.detach(), sinks=sinks)[0][3]
+
+
+LSE_REFUSED = (r"^the LSE output's gradient = nonzero \(the loss reads the returned LSE\): expected none: attngen's "
+               r"backward does not differentiate the LSE yet")
+
+
+def test_a_loss_that_reads_the_lse_is_refused_at_backward_not_dropped():
+    """The LSE's cotangent was dropped without a word (issue 25): dq 0 where torch's is not, and
+    torch's test_lse_masked_output pattern (two attentions merged through their LSEs) wrong in dq,
+    dk and dv. Until the backward folds dLSE in, a nonzero one is an InputError, through
+    attention, the Flex door and FA3's; a zero one (the LSE read times 0) is no error."""
+    q, k, v = qkv(20)
+    out, lse = attngen.attention(q, k, v, return_lse=True)
+    with pytest.raises(InputError, match=LSE_REFUSED):
+        lse.sum().backward()
+    out, lse = attngen.attention(q, k, v, return_lse=True)
+    (out.float().sum() + (lse * 0).sum()).backward()
+    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+    halves = [attngen.flex_attention(qh, kh[:, :, s], vh[:, :, s], return_lse=True) for s in (slice(0, 10), slice(10, 20))]
+    (o1, l1), (o2, l2) = halves
+    w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # the merged attention over all 20 keys
+    with pytest.raises(InputError, match=LSE_REFUSED):
+        (w * o1.float() + (1 - w) * o2.float()).sum().backward()
+    from attngen.flash_attn_interface import flash_attn_func
+
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    with pytest.raises(InputError, match=LSE_REFUSED):
+        (out.float().sum() + lse.sum()).backward()
 
 
 @pytest.mark.parametrize("kw, name", [
@@ -148,17 +181,79 @@ def test_a_constant_that_requires_grad_is_refused_not_given_none(kw, name):
     assert q.grad is not None and q.grad.abs().max() > 0
 
 
-def test_an_inference_layout_has_no_backward():
-    """A paged cache: the forward runs, its gradient is the backward plan's SpecError."""
+def test_flex_attention_refuses_a_captured_tensor_that_requires_grad_as_attention_does():
+    """A learnable bias captured by a score_mod was detached by the Flex door and given no gradient
+    without a word (issue 25); it now reaches attention, whose backward refuses it by its name."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv(20))  # [B, H, S, D]
+    bias = torch.tensor([0.1, -0.2], requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    out = attngen.flex_attention(q, k, v, score_mod=score_mod)
+    with pytest.raises(InputError, match=r"^bias = a tensor that requires grad: expected a constant: .*\(detach it"):
+        out.float().sum().backward()
+    with torch.no_grad():  # inference with the parameter is not refused
+        attngen.flex_attention(q, k, v, score_mod=score_mod)
+    assert bias.grad is None
+
+
+@pytest.mark.parametrize("bad, deterministic", [(float("inf"), False), (float("nan"), False), (float("inf"), True)])
+def test_a_non_finite_cotangent_reaches_the_gradients_sdpa_gives_it(bad, deterministic):
+    """fp16 loss scaling (GradScaler) skips a step on an inf/NaN gradient: the CPU model refused
+    such a dout (issue 25) while the GPU path ran it. Both run it now; the CPU model's backward
+    kernels make exactly the rows non-finite that torch's SDPA does (not causal, so every key sees
+    the bad row and the pattern is the maths', not a tiling's): dq of that query row and head, dk
+    and dv of every key of its KV head; the other heads stay finite."""
+    import torch.nn.functional as F
+
+    q, k, v = qkv(40, heads=4, kv_heads=2)
+    out = attngen.attention(q, k, v, deterministic=deterministic)
+    dout = cotangent(out)
+    dout[0, 7, 1, 3] = bad
+    out.backward(dout)
+    bhsd = [t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*bhsd, enable_gqa=True).backward(dout.float().transpose(1, 2))
+    for name, ours, sdpa in zip(("dq", "dk", "dv"), (q, k, v), bhsd):
+        rows = (~torch.isfinite(ours.grad.float())).any(-1)  # [B, S, H]: rows holding a non-finite value
+        assert torch.equal(rows, (~torch.isfinite(sdpa.grad.transpose(1, 2))).any(-1)), name
+        assert rows.sum() == (1 if name == "dq" else 40), name  # (7, head 1); every key of KV head 0
+
+
+def test_a_second_order_gradient_is_one_attngen_error_when_asked_for():
+    """torch said "no autograd formula was registered for attngen.bwd" (issue 25)."""
+    q, k, v = qkv(20)
+    dq, = torch.autograd.grad(attngen.attention(q, k, v).float().sum(), q, create_graph=True)
+    assert dq.requires_grad  # create_graph alone is no error: only the second backward is
+    with pytest.raises(InputError, match=r"^a second-order gradient = asked of attngen's backward .*: expected "
+                                         r"first-order gradients only: attngen's backward is not differentiable twice"):
+        dq.float().square().sum().backward()
+
+
+def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypatch):
+    """A paged cache, and deterministic varlen GQA with ALiBi (plan_backward's refusals), were run
+    forward and refused only at backward() (issue 25): a call that needs a gradient is refused
+    first, with the same one-line SpecError; without one (no_grad, or nothing requires grad) it runs."""
     from attngen import serving
 
     x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
     q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
     k, v = (torch.from_numpy(np.array(t)).half() for t in (x.k, x.v))
-    keywords = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
-    out = attngen.attention(q, k, v, **keywords)
-    with pytest.raises(SpecError, match="paged_kv.*inference layout"):
-        out.float().sum().backward()
+    paged = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    qp, kp, vp = (torch.randn(20, h, 64).half() for h in (4, 2, 2))
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, deterministic=True,
+                  alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    ran = []
+    monkeypatch.setattr(ops, "emulate", lambda *a, **kw: ran.append(1) or pytest.fail("ran a refused training call"))
+    with pytest.raises(SpecError, match=r"^spec field `paged_kv` = true: a paged KV cache is an inference layout"):
+        attngen.attention(q, k, v, **paged)
+    with pytest.raises(SpecError, match=r"^spec field `deterministic` = true: .*layout .varlen., alibi.*gqa_group 2"):
+        attngen.attention(qp.requires_grad_(), kp, vp, **varlen)
+    assert not ran
+    monkeypatch.undo()
+    with torch.no_grad():
+        attngen.attention(q, k, v, **paged)
+    attngen.attention(qp.detach(), kp, vp, **varlen)
 
 
 def test_the_cpu_time_refusal_covers_the_backward(monkeypatch):
@@ -298,13 +393,17 @@ def test_opcheck_backward_op():
 
 
 def test_opcheck_forward_with_autograd():
-    """All four of opcheck's checks on inputs that need a gradient, the AOT dispatch one running
-    forward and backward through the op's autograd formula."""
+    """opcheck's checks on inputs that need a gradient. The AOT dispatch one runs forward and
+    backward through the op's autograd formula with a random tangent for every output, the LSE's
+    too, which the backward refuses (it has no dLSE term yet): that refusal is what it must meet."""
     q, k, v = qkv(16, 20)
     sinks = torch.zeros(2, requires_grad=True)
     args = ops.fwd_arguments(q, k, v, causal=True, sinks=sinks)[0]
-    result = torch.library.opcheck(ops.fwd, args)
+    result = torch.library.opcheck(ops.fwd, args, test_utils=("test_schema", "test_autograd_registration",
+                                                              "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
+    with pytest.raises(Exception, match=r"test_aot_dispatch_dynamic failed with the LSE output's gradient = nonzero"):
+        torch.library.opcheck(ops.fwd, args, test_utils="test_aot_dispatch_dynamic")
 
 
 # -- the backward op's fake against the real gradients -----------------------------------------------

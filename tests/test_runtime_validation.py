@@ -233,7 +233,7 @@ def test_capability_must_be_9_0():
 
 def test_mixed_devices_rejected():
     q, k, v = tensors()
-    with raises("k.device", "meta", "CPU tensor"):
+    with raises("k.device", "meta", "CPU tensor", "(q is on cpu)"):  # q's device named too (issue 25)
         check_device({"q": q, "k": k.to("meta"), "v": v}, device_type="cpu", capability_of=lambda d: (9, 0))
 
 
