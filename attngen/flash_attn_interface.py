@@ -25,6 +25,7 @@ import torch
 from attngen.ops import append_kv, attention, check_attention
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
+from attngen.spec import plain_value
 
 BSHD = "[batch, seqlen, nheads, headdim] (FlashAttention's layout)"
 
@@ -47,17 +48,21 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
+    # NumPy scalars and 0-d CPU tensors as the Python values they hold (spec.plain_value, as the Spec)
+    deterministic, softcap, causal = (plain_value(n, x) for n, x in (("deterministic", deterministic),
+                                                                     ("softcap", softcap), ("causal", causal)))
     if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers the backward only
-        raise InputError("deterministic", deterministic, "a bool")
+        raise InputError("deterministic", deterministic, f"a bool, got {type(deterministic).__name__}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
-    kw = {"causal": bool(causal)}
+    window_size = tuple(plain_value("window_size", x) for x in window_size)
+    kw = {"causal": causal}  # the Spec checks it (a bool)
     if deterministic:  # the spec field: the backward's dQ in a fixed order (docs/backward.md); the forward's kernel is the same
         kw["deterministic"] = True
     if tuple(window_size) != (-1, -1):
         kw["window"] = tuple(window_size)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise InputError("softcap", softcap, "a number >= 0 (0.0: off)")
+        raise InputError("softcap", softcap, f"a number >= 0 (0.0: off), got {type(softcap).__name__}")
     if softcap != 0:
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
@@ -67,6 +72,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
 
 def _splits(num_splits, auto):
     """FA3's num_splits: 1 no split, 0 its heuristic, n > 1 that many. `auto`: what 0 becomes."""
+    num_splits = plain_value("num_splits", num_splits)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise InputError("num_splits", num_splits, "an int: 0 (automatic), 1 (no split) or a count > 1")
     return auto if num_splits == 0 else (None if num_splits == 1 else num_splits)
@@ -91,6 +97,7 @@ def _chunk_mask(attention_chunk, q_len, kv_len, where: str) -> dict:
     """FA3's attention_chunk (chunked local attention): row i sees keys in its chunk of the
     bottom-right-aligned key positions, as a mask_mod with the new integer // (the offset is a
     literal: one kernel per kv_len - q_len)."""
+    attention_chunk = plain_value("attention_chunk", attention_chunk)
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
         raise InputError("attention_chunk", attention_chunk, "an int >= 0 (0: off)")
     if attention_chunk == 0:

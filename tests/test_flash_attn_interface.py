@@ -254,3 +254,24 @@ def test_softmax_scale_reaches_the_kernel():
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
     assert check_close(out, q, k, v, True, scale=0.3).ok
     assert not check_close(out, q, k, v, True).ok
+
+
+@pytest.mark.parametrize("door, keywords", [
+    ("attention", {"window": (np.int64(5), 0), "softcap": np.float32(3.0), "causal": np.bool_(True),
+                   "return_lse": np.bool_(True), "consumers": np.int64(1)}),
+    ("attention", {"window": (torch.tensor(5), torch.tensor(0)), "softcap": torch.tensor(3.0),
+                   "causal": torch.tensor(True), "return_lse": True}),
+    ("flash_attn_func", {"window_size": (np.int64(5), 0), "softcap": np.float32(3.0), "causal": np.bool_(True),
+                         "deterministic": np.bool_(False), "num_splits": np.int64(1), "attention_chunk": np.int64(0)}),
+    ("flash_attn_func", {"window_size": (torch.tensor(5), 0), "softcap": torch.tensor(3.0),
+                         "causal": torch.tensor(True), "deterministic": torch.tensor(False)}),
+])
+def test_numpy_scalars_and_cpu_0d_tensors_are_the_numbers_they_hold(door, keywords):
+    """Issue 25: a NumPy scalar (or a 0-d CPU tensor) is the same call as the Python number."""
+    q, k, v = rand(1, 5, 2, D, seed=1), rand(1, 7, 2, D, seed=2), rand(1, 7, 2, D, seed=3)
+    fn = attngen.attention if door == "attention" else fa.flash_attn_func
+    plain = {n: tuple(int(e) for e in x) if isinstance(x, tuple) else getattr(x, "item", lambda: x)()
+             for n, x in keywords.items()}
+    got, want = fn(q, k, v, **keywords), fn(q, k, v, **plain)
+    for a, b in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (got, want))):
+        assert torch.equal(a, b)
