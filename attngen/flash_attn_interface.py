@@ -18,16 +18,24 @@ flash_attn_varlen_func) or return_softmax_lse (flash_attn_with_kvcache); softmax
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import re
 
 import torch
 
 from attngen.ops import append_kv, attention, check_attention
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
-from attngen.spec import plain_value
+from attngen.spec import SpecError, plain_value
 
 BSHD = "[batch, seqlen, nheads, headdim] (FlashAttention's layout)"
+# attngen.attention's names that FA3's functions spell otherwise (_door_names)
+RENAMES = {"window": "window_size", "splits": "num_splits"}
+# flash_attn_with_kvcache's: the attention reads the cache as k, v with a block_table (FA3's page_table;
+# a dense cache's is a view the door makes) and seqused_k; the append op's k, v are the new keys themselves
+KVCACHE_RENAMES = RENAMES | {"seqused_k": "cache_seqlens", "block_table": "page_table", "k": "k_cache", "v": "v_cache"}
+APPEND_RENAMES = {"block_table": "page_table"}
 
 
 def _unsupported(name: str, value, default, why: str) -> None:
@@ -37,6 +45,31 @@ def _unsupported(name: str, value, default, why: str) -> None:
         return
     shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else value
     raise InputError(name, shown, f"{default!r} (FA3's default): {why}")
+
+
+@contextlib.contextmanager
+def _door_names(renames: dict, values: dict | None = None):
+    """attngen.attention's errors in the door's argument names, in one place: `renames` maps the
+    op's name (an argument or a spec field: seqused_k, block_table, splits, window) to the door's,
+    everywhere in the message; `values` holds the door's value for a name whose value the door
+    changed on the way (num_splits 0 became splits "auto"), shown instead of the op's."""
+    try:
+        yield
+    except (InputError, SpecError) as e:
+        # a name with an underscore is renamed wherever it stands; a plain word (k, window, splits)
+        # only where it is code (k.shape, v[0], splits = 1), not in the prose around it
+        words = re.compile("|".join(rf"(?<![\w.])({re.escape(n)})" + (r"(?!\w)" if "_" in n else r"(?=[.\[]|\s=|$)")
+                                    for n in sorted(renames, key=len, reverse=True)))
+
+        def rename(text: str) -> str:
+            return words.sub(lambda m: renames[m.group(0)], text)
+
+        values = values or {}
+        if isinstance(e, SpecError):
+            field = renames.get(e.field, e.field)
+            raise SpecError(field, values.get(field, e.value), rename(e.valid)) from None
+        argument = rename(e.argument)
+        raise InputError(argument, values.get(argument, e.value), rename(e.expected)) from None
 
 
 def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
@@ -123,7 +156,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     splits = _splits(num_splits, None)  # 0: attngen's choice, which for a dense call is no split
     if splits is not None:
         kw["num_splits"] = splits
-    return attention(q, k, v, return_lse=bool(return_attn_probs), **kw)
+    with _door_names(RENAMES, {"num_splits": num_splits}):
+        return attention(q, k, v, return_lse=bool(return_attn_probs), **kw)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -153,8 +187,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     splits = _splits(num_splits, None)
     if splits is not None:
         kw["num_splits"] = splits
-    return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     return_lse=bool(return_attn_probs), **kw)
+    with _door_names(RENAMES, {"num_splits": num_splits}):
+        return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         return_lse=bool(return_attn_probs), **kw)
 
 
 def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
@@ -174,6 +209,38 @@ def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
         else cache_batch_idx.to(torch.int32)
     table = rows[:, None] * per + torch.arange(per, dtype=torch.int32, device=k_cache.device)[None, :]
     return k_pages, v_pages, table.contiguous()
+
+
+def _check_seqlens(cache_seqlens, k_cache, page_table, batch: int, s_new: int) -> None:
+    """cache_seqlens against the room each sequence has (and s_new keys appended after them)."""
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+        raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
+                         f"an int or an int32 tensor [{batch}]")
+    if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
+        capacity = int(k_cache.shape[1])
+        room = f"the dense cache's seqlen_cache = k_cache.shape[1] = {capacity} rows"
+    else:
+        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
+        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
+    if s_new > capacity:
+        raise InputError("k.shape[1] (seqlen_new)", s_new, f"at most {capacity}: the new keys must fit {room}")
+    for b, n in enumerate(cache_seqlens.cpu().tolist()):
+        if n < 0 or n + s_new > capacity:
+            why = f"{s_new} new keys must fit {room}" if s_new else f"{room}"
+            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {why}")
+
+
+def _check_batch_idx(cache_batch_idx, batch: int, batch_cache: int) -> None:
+    """cache_batch_idx: one row of a dense cache per sequence (the door's page table is made from it)."""
+    if not isinstance(cache_batch_idx, torch.Tensor):
+        raise InputError("cache_batch_idx", type(cache_batch_idx).__name__, f"an int32 tensor [{batch}]")
+    if cache_batch_idx.dtype not in (torch.int32, torch.int64) or cache_batch_idx.shape != (batch,):
+        raise InputError("cache_batch_idx", f"a {cache_batch_idx.dtype} tensor of shape {list(cache_batch_idx.shape)}",
+                         f"an int32 tensor [{batch}], q's batch")
+    for b, row in enumerate(cache_batch_idx.cpu().tolist()):
+        if not 0 <= row < batch_cache:
+            raise InputError(f"cache_batch_idx[{b}]", row, f"a row of the cache in [0, {batch_cache}) "
+                                                           f"(k_cache.shape[0], batch_cache)")
 
 
 def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch: int) -> None:
@@ -196,19 +263,7 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise InputError(f"{name}.stride()", tuple(t.stride()), "a contiguous cache: the append writes it in place")
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
-        raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
-                         f"an int or an int32 tensor [{batch}]")
-    s_new = int(k.shape[1])
-    if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
-        capacity = int(k_cache.shape[1])
-        room = f"the dense cache's seqlen_cache = {capacity} rows"
-    else:
-        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
-        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
-    for b, n in enumerate(cache_seqlens.cpu().tolist()):
-        if n < 0 or n + s_new > capacity:
-            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {s_new} new keys must fit {room}")
+    _check_seqlens(cache_seqlens, k_cache, page_table, batch, int(k.shape[1]))
     if page_table is None:
         if cache_batch_idx is not None:
             rows = cache_batch_idx.cpu().tolist()
@@ -277,13 +332,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     elif cache_seqlens is None and cache_batch_idx is None and not varlen:
         k_pages, v_pages, table = k_cache, v_cache, None  # the whole dense cache: a plain call
     else:
-        if cache_batch_idx is not None and not isinstance(cache_batch_idx, torch.Tensor):
-            raise InputError("cache_batch_idx", type(cache_batch_idx).__name__, "an int32 tensor [batch]")
-        if cache_batch_idx is None and k_cache.shape[0] < batch:
+        if cache_batch_idx is not None:
+            _check_batch_idx(cache_batch_idx, batch, int(k_cache.shape[0]))
+        elif k_cache.shape[0] < batch:
             raise InputError("k_cache.shape[0] (batch_cache)", int(k_cache.shape[0]), f"at least {batch}, q's batch")
         k_pages, v_pages, table = _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx)
         if cache_seqlens is None:
             cache_seqlens = torch.full((batch,), int(k_cache.shape[1]), dtype=torch.int32, device=k_cache.device)
+        elif k is None and v is None:  # (an append checks them with its new keys)
+            _check_seqlens(cache_seqlens, k_cache, None, batch, 0)
     appending = k is not None or v is not None
     if appending:
         _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
@@ -305,10 +362,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         serving.update(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     elif max_seqlen_q is not None:
         raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
+    names = _door_names(KVCACHE_RENAMES, {"num_splits": num_splits})
     if appending:  # every check of the attention first: a refused call leaves the cache as it was
-        check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
-        append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
-    return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        with names:
+            check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        with _door_names(APPEND_RENAMES):
+            append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
+    with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
+        return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
