@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from attngen.inputs import check_tma_layout
 from attngen.ops import append_kv, attention, check_attention
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
@@ -70,6 +71,17 @@ def _door_names(renames: dict, values: dict | None = None):
             raise SpecError(field, values.get(field, e.value), rename(e.valid)) from None
         argument = rename(e.argument)
         raise InputError(argument, values.get(argument, e.value), rename(e.expected)) from None
+
+
+def _packed(name: str, t):
+    """A strided q, k or v that FA3 takes (the last dimension contiguous, the other strides
+    multiples of 16 bytes: `q, k, v = qkv.unbind(2)`) as one packed copy, which attngen's kernels
+    take (their buffers declare no strides); autograd carries gradients back through the copy.
+    What FA3 refuses too is refused by name (docs/interfaces.md, "Strided inputs")."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return t
+    check_tma_layout(name, t, base=False)  # (the copy's base is aligned)
+    return t.contiguous()
 
 
 def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
@@ -148,6 +160,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """FA3's flash_attn_func: q [B, Sq, H, D], k/v [B, Skv, HKV, D] -> out [B, Sq, H, D];
     (out, softmax_lse [B, H, Sq]) with return_attn_probs (FA3 returns the LSE there, not probabilities)."""
     _check_gqa(q, k, v, 2, BSHD)
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
                  sm_margin, deterministic)
     if q.dim() != 4:
@@ -170,6 +183,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     key length from it)."""
     layout = "[total, nheads, headdim] (packed varlen)"
     _check_gqa(q, k, v, 1, layout)
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     if q.dim() != 3:
         raise InputError("q.shape", list(q.shape), f"3 dimensions: {layout}")
     kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
@@ -315,6 +329,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise InputError(f"q.shape[{q.dim() - 2}] (nheads)", hq,
                          f"a multiple of k_cache.shape[2] (nheads_k) = {hk}: q is {layout}, the cache "
                          f"[.., .., nheads_k, headdim]")
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))  # the caches: contiguous (their rows are written)
     batch = int(cu_seqlens_q.shape[0]) - 1 if varlen else int(q.shape[0])
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)

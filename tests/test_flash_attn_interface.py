@@ -325,3 +325,32 @@ def test_varlen_errors_speak_fa3s_argument_names():
         fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, num_splits=4, window_size=(2, 0))
     with pytest.raises(SpecError, match=r"`window_size` = \[-2, 0\]"):
         fa.flash_attn_func(rand(1, 3, 2, D), rand(1, 3, 2, D), rand(1, 3, 2, D), window_size=(-2, 0))
+
+
+def test_strided_inputs_fa3_takes_are_copied_and_gradients_reach_the_original():
+    """Issue 25: q, k, v = qkv.unbind(2) (last dim contiguous, strides multiples of 16 bytes) is FA3's
+    usual call; the door copies it to packed tensors, and autograd carries gradients back to qkv."""
+    qkv = rand(1, 5, 3, 2, D, seed=4).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    packed = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = fa.flash_attn_func(*packed, causal=True)
+    want.float().square().sum().backward()
+    assert torch.equal(out, want)
+    assert all(torch.equal(qkv.grad[:, :, i], t.grad) for i, t in enumerate(packed))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q, k, v = rand(5, 3, 2, D, seed=5).unbind(1)
+    assert torch.equal(fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3),
+                       fa.flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 3, 3))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: rand(1, 5, 2, 2 * D)[..., ::2], r"^q\.stride\(\) = \(1280, 256, 128, 2\): expected the last dimension"),
+    (lambda: rand(1, 5, 2, D + 1)[..., :D], r"^q\.stride\(1\) = 130: expected a multiple of 8 elements \(16 bytes\)"),
+])
+def test_strided_inputs_fa3_refuses_are_refused_by_name(make, message):
+    x = make()
+    with pytest.raises(InputError, match=message):
+        fa.flash_attn_func(x, x, x)

@@ -256,3 +256,10 @@ def test_an_array_or_a_device_0d_tensor_is_named_not_read():
     # a device tensor's value would need a sync: refused (a meta tensor stands in for a CUDA one here)
     with pytest.raises(SpecError, match=r"`softcap` = a 0-d meta tensor: .*waits for the device"):
         Spec(softcap=torch.tensor(3.0, device="meta"))
+
+
+def test_the_errors_are_exported_at_the_top_level():
+    from attngen.reference import InputError
+
+    assert attngen.InputError is InputError and attngen.SpecError is SpecError
+    assert {"InputError", "SpecError"} <= set(attngen.__all__)
