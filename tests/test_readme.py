@@ -39,3 +39,10 @@ def test_ci_installs_chromium_before_the_tests_and_ends_with_the_test_command():
     install = next(i for i, line in enumerate(lines) if "apt-get install" in line and "chromium" in line)
     assert install < len(lines) - 1
     assert any("command -v chromium" in line for line in lines[:install])  # only when it is missing
+
+
+def test_the_readme_says_how_a_machine_without_a_gpu_installs_torchs_cpu_build():
+    """Issue 25: a CPU machine need not install CUDA's libraries; the README says so after its commands."""
+    text = (ROOT / "README.md").read_text()
+    after = text.split("```", 2)[2].split("\n## ", 1)[0]  # the text between the two commands and the first section
+    assert "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu" in after
