@@ -25,10 +25,10 @@ import re
 import torch
 
 from attngen.inputs import check_tma_layout
-from attngen.ops import append_kv, attention, check_attention
+from attngen.ops import append_kv, attention, check_attention, plain_argument
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
-from attngen.spec import SpecError, plain_value
+from attngen.spec import SpecError
 
 BSHD = "[batch, seqlen, nheads, headdim] (FlashAttention's layout)"
 # attngen.attention's names that FA3's functions spell otherwise (_door_names)
@@ -93,14 +93,14 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
-    # NumPy scalars and 0-d CPU tensors as the Python values they hold (spec.plain_value, as the Spec)
-    deterministic, softcap, causal = (plain_value(n, x) for n, x in (("deterministic", deterministic),
+    # NumPy scalars and 0-d CPU tensors as the Python values they hold (a SymFloat stays symbolic)
+    deterministic, softcap, causal = (plain_argument(n, x) for n, x in (("deterministic", deterministic),
                                                                      ("softcap", softcap), ("causal", causal)))
     if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers the backward only
         raise InputError("deterministic", deterministic, f"a bool, got {type(deterministic).__name__}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
-    window_size = tuple(plain_value("window_size", x) for x in window_size)
+    window_size = tuple(plain_argument("window_size", x) for x in window_size)
     kw = {"causal": causal}  # the Spec checks it (a bool)
     if deterministic:  # the spec field: the backward's dQ in a fixed order (docs/backward.md); the forward's kernel is the same
         kw["deterministic"] = True
@@ -117,7 +117,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
 
 def _splits(num_splits, auto):
     """FA3's num_splits: 1 no split, 0 its heuristic, n > 1 that many. `auto`: what 0 becomes."""
-    num_splits = plain_value("num_splits", num_splits)
+    num_splits = plain_argument("num_splits", num_splits)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise InputError("num_splits", num_splits, "an int: 0 (automatic), 1 (no split) or a count > 1")
     return auto if num_splits == 0 else (None if num_splits == 1 else num_splits)
@@ -142,7 +142,7 @@ def _chunk_mask(attention_chunk, q_len, kv_len, where: str) -> dict:
     """FA3's attention_chunk (chunked local attention): row i sees keys in its chunk of the
     bottom-right-aligned key positions, as a mask_mod with the new integer // (the offset is a
     literal: one kernel per kv_len - q_len)."""
-    attention_chunk = plain_value("attention_chunk", attention_chunk)
+    attention_chunk = plain_argument("attention_chunk", attention_chunk)
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
         raise InputError("attention_chunk", attention_chunk, "an int >= 0 (0: off)")
     if attention_chunk == 0:

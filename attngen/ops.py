@@ -127,11 +127,16 @@ def _scale_value(softmax_scale, head_dim: int) -> float:
     return check_scale(None if softmax_scale is None else float(softmax_scale), head_dim)
 
 
+def plain_argument(field: str, x):
+    """spec.plain_value, but a SymInt or SymFloat (a graph input under torch.compile) stays symbolic."""
+    return x if isinstance(x, (torch.SymInt, torch.SymFloat)) else plain_value(field, x)
+
+
 def window_arguments(window) -> tuple:
     """(left, right) of a window= keyword (NumPy scalars and 0-d CPU tensors as ints, as the Spec
     takes them; a SymInt stays symbolic); the Spec checks the values."""
     if isinstance(window, (tuple, list)):
-        window = tuple(plain_value("window", x) for x in window)
+        window = tuple(plain_argument("window", x) for x in window)
     if not isinstance(window, tuple) or len(window) != 2 or any(
             isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)) for x in window):
         check_window(window)  # raises: the Spec's message, naming what was given
@@ -139,7 +144,7 @@ def window_arguments(window) -> tuple:
 
 
 def softcap_argument(softcap):
-    softcap = plain_value("softcap", softcap)
+    softcap = plain_argument("softcap", softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymInt, torch.SymFloat)):
         check_softcap(softcap)  # raises: the Spec's message, naming what was given
     return softcap if isinstance(softcap, (float, torch.SymFloat)) else float(softcap)

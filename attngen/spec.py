@@ -72,8 +72,10 @@ def plain_value(field: str, value: Any) -> Any:
     """A NumPy scalar, or a 0-d CPU tensor or array, as the Python bool, int or float it holds;
     anything else unchanged (the field's own check then judges it). A 0-d tensor on a GPU is
     refused: reading its value would wait for the device (a sync hidden in a spec)."""
-    if getattr(value, "ndim", None) != 0 or not hasattr(value, "item") or isinstance(value, (bool, int, float)):
-        return value  # (a SymInt has no ndim; a Python number needs nothing)
+    if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict)):
+        return value  # a Python value needs nothing
+    if getattr(value, "ndim", None) != 0 or not hasattr(value, "item"):
+        return value
     device = getattr(value, "device", "cpu")
     kind = getattr(device, "type", device)  # torch.device("cuda:0").type; numpy's .device is "cpu"
     if kind != "cpu":
