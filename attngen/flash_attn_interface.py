@@ -377,9 +377,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         serving.update(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     elif max_seqlen_q is not None:
         raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
-    names = _door_names(KVCACHE_RENAMES, {"num_splits": num_splits})
     if appending:  # every check of the attention first: a refused call leaves the cache as it was
-        with names:
+        with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
             check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
         with _door_names(APPEND_RENAMES):
             append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache

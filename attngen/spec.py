@@ -72,8 +72,8 @@ def plain_value(field: str, value: Any) -> Any:
     """A NumPy scalar, or a 0-d CPU tensor or array, as the Python bool, int or float it holds;
     anything else unchanged (the field's own check then judges it). A 0-d tensor on a GPU is
     refused: reading its value would wait for the device (a sync hidden in a spec)."""
-    if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict)):
-        return value  # a Python value needs nothing
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, (list, tuple, dict)):
+        return value  # a Python value needs nothing (np.float64 is a float subclass: not this)
     if getattr(value, "ndim", None) != 0 or not hasattr(value, "item"):
         return value
     device = getattr(value, "device", "cpu")

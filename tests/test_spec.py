@@ -231,6 +231,7 @@ def test_numpy_scalars_and_cpu_0d_tensors_are_the_values_they_hold():
     import torch
 
     plain = Spec(window=(5, 0), softcap=3.0, causal=True, consumers=1, head_dim=64, splits=1, deterministic=True)
+    assert Spec(softcap=np.float64(3.0)) == Spec(softcap=3.0)  # a float subclass, but not a float
     given = Spec(window=(np.int64(5), torch.tensor(0)), softcap=np.float32(3.0), causal=np.bool_(True),
                  consumers=torch.tensor(1), head_dim=np.array(64), splits=np.int32(1), deterministic=torch.tensor(True))
     assert given == plain and hash(given) == hash(plain) and to_toml(given) == to_toml(plain)
