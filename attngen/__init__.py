@@ -8,11 +8,15 @@ hw holds the target's facts beneath all of them; reference is the fp64 oracle.
 `import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
 way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.flex) and the module
 `attngen.flash_attn_interface` (FlashAttention-3's names).
+Errors: `attngen.SpecError` (a spec field that cannot become a kernel) and `attngen.InputError`
+(a call's argument the kernel cannot take), both ValueErrors with one line naming the field or
+argument, the value and what is valid.
 """
 
 from attngen.version import __version__  # noqa: E402
 
 from attngen.spec import Spec, SpecError, load as load_spec  # noqa: E402
+from attngen.reference import InputError  # noqa: E402
 from attngen.plan import Plan, Shape, make_plan  # noqa: E402
 from attngen.render import render_source, generate  # noqa: E402
 from attngen.emulator import emulate, emulate_backward  # noqa: E402
@@ -34,6 +38,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Spec", "SpecError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",
+    "Spec", "SpecError", "InputError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",
     "emulate", "emulate_backward", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask", "__version__",
 ]

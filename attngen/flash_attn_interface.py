@@ -18,15 +18,25 @@ flash_attn_varlen_func) or return_softmax_lse (flash_attn_with_kvcache); softmax
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import re
 
 import torch
 
-from attngen.ops import append_kv, attention, check_attention
+from attngen.inputs import check_tma_layout
+from attngen.ops import append_kv, attention, check_attention, plain_argument
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
+from attngen.spec import SpecError
 
 BSHD = "[batch, seqlen, nheads, headdim] (FlashAttention's layout)"
+# attngen.attention's names that FA3's functions spell otherwise (_door_names)
+RENAMES = {"window": "window_size", "splits": "num_splits"}
+# flash_attn_with_kvcache's: the attention reads the cache as k, v with a block_table (FA3's page_table;
+# a dense cache's is a view the door makes) and seqused_k; the append op's k, v are the new keys themselves
+KVCACHE_RENAMES = RENAMES | {"seqused_k": "cache_seqlens", "block_table": "page_table", "k": "k_cache", "v": "v_cache"}
+APPEND_RENAMES = {"block_table": "page_table"}
 
 
 def _unsupported(name: str, value, default, why: str) -> None:
@@ -38,6 +48,42 @@ def _unsupported(name: str, value, default, why: str) -> None:
     raise InputError(name, shown, f"{default!r} (FA3's default): {why}")
 
 
+@contextlib.contextmanager
+def _door_names(renames: dict, values: dict | None = None):
+    """attngen.attention's errors in the door's argument names, in one place: `renames` maps the
+    op's name (an argument or a spec field: seqused_k, block_table, splits, window) to the door's,
+    everywhere in the message; `values` holds the door's value for a name whose value the door
+    changed on the way (num_splits 0 became splits "auto"), shown instead of the op's."""
+    try:
+        yield
+    except (InputError, SpecError) as e:
+        # a name with an underscore is renamed wherever it stands; a plain word (k, window, splits)
+        # only where it is code (k.shape, v[0], splits = 1), not in the prose around it
+        words = re.compile("|".join(rf"(?<![\w.])({re.escape(n)})" + (r"(?!\w)" if "_" in n else r"(?=[.\[]|\s=|$)")
+                                    for n in sorted(renames, key=len, reverse=True)))
+
+        def rename(text: str) -> str:
+            return words.sub(lambda m: renames[m.group(0)], text)
+
+        values = values or {}
+        if isinstance(e, SpecError):
+            field = renames.get(e.field, e.field)
+            raise SpecError(field, values.get(field, e.value), rename(e.valid)) from None
+        argument = rename(e.argument)
+        raise InputError(argument, values.get(argument, e.value), rename(e.expected)) from None
+
+
+def _packed(name: str, t):
+    """A strided q, k or v that FA3 takes (the last dimension contiguous, the other strides
+    multiples of 16 bytes: `q, k, v = qkv.unbind(2)`) as one packed copy, which attngen's kernels
+    take (their buffers declare no strides); autograd carries gradients back through the copy.
+    What FA3 refuses too is refused by name (docs/interfaces.md, "Strided inputs")."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return t
+    check_tma_layout(name, t, base=False)  # (the copy's base is aligned)
+    return t.contiguous()
+
+
 def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
             sm_margin, deterministic) -> dict:
     """The keywords every door shares, with their refusals."""
@@ -47,17 +93,21 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
+    # NumPy scalars and 0-d CPU tensors as the Python values they hold (a SymFloat stays symbolic)
+    deterministic, softcap, causal = (plain_argument(n, x) for n, x in (("deterministic", deterministic),
+                                                                     ("softcap", softcap), ("causal", causal)))
     if not isinstance(deterministic, bool):  # the forward is always deterministic; it steers the backward only
-        raise InputError("deterministic", deterministic, "a bool")
+        raise InputError("deterministic", deterministic, f"a bool, got {type(deterministic).__name__}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise InputError("window_size", window_size, "(left, right), -1 meaning unbounded on that side")
-    kw = {"causal": bool(causal)}
+    window_size = tuple(plain_argument("window_size", x) for x in window_size)
+    kw = {"causal": causal}  # the Spec checks it (a bool)
     if deterministic:  # the spec field: the backward's dQ in a fixed order (docs/backward.md); the forward's kernel is the same
         kw["deterministic"] = True
     if tuple(window_size) != (-1, -1):
         kw["window"] = tuple(window_size)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise InputError("softcap", softcap, "a number >= 0 (0.0: off)")
+        raise InputError("softcap", softcap, f"a number >= 0 (0.0: off), got {type(softcap).__name__}")
     if softcap != 0:
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
@@ -67,6 +117,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
 
 def _splits(num_splits, auto):
     """FA3's num_splits: 1 no split, 0 its heuristic, n > 1 that many. `auto`: what 0 becomes."""
+    num_splits = plain_argument("num_splits", num_splits)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise InputError("num_splits", num_splits, "an int: 0 (automatic), 1 (no split) or a count > 1")
     return auto if num_splits == 0 else (None if num_splits == 1 else num_splits)
@@ -91,6 +142,7 @@ def _chunk_mask(attention_chunk, q_len, kv_len, where: str) -> dict:
     """FA3's attention_chunk (chunked local attention): row i sees keys in its chunk of the
     bottom-right-aligned key positions, as a mask_mod with the new integer // (the offset is a
     literal: one kernel per kv_len - q_len)."""
+    attention_chunk = plain_argument("attention_chunk", attention_chunk)
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
         raise InputError("attention_chunk", attention_chunk, "an int >= 0 (0: off)")
     if attention_chunk == 0:
@@ -108,6 +160,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """FA3's flash_attn_func: q [B, Sq, H, D], k/v [B, Skv, HKV, D] -> out [B, Sq, H, D];
     (out, softmax_lse [B, H, Sq]) with return_attn_probs (FA3 returns the LSE there, not probabilities)."""
     _check_gqa(q, k, v, 2, BSHD)
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
                  sm_margin, deterministic)
     if q.dim() != 4:
@@ -116,7 +169,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     splits = _splits(num_splits, None)  # 0: attngen's choice, which for a dense call is no split
     if splits is not None:
         kw["num_splits"] = splits
-    return attention(q, k, v, return_lse=bool(return_attn_probs), **kw)
+    with _door_names(RENAMES, {"num_splits": num_splits}):
+        return attention(q, k, v, return_lse=bool(return_attn_probs), **kw)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -129,6 +183,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     key length from it)."""
     layout = "[total, nheads, headdim] (packed varlen)"
     _check_gqa(q, k, v, 1, layout)
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     if q.dim() != 3:
         raise InputError("q.shape", list(q.shape), f"3 dimensions: {layout}")
     kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
@@ -146,8 +201,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     splits = _splits(num_splits, None)
     if splits is not None:
         kw["num_splits"] = splits
-    return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     return_lse=bool(return_attn_probs), **kw)
+    with _door_names(RENAMES, {"num_splits": num_splits}):
+        return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         return_lse=bool(return_attn_probs), **kw)
 
 
 def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
@@ -167,6 +223,38 @@ def _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx):
         else cache_batch_idx.to(torch.int32)
     table = rows[:, None] * per + torch.arange(per, dtype=torch.int32, device=k_cache.device)[None, :]
     return k_pages, v_pages, table.contiguous()
+
+
+def _check_seqlens(cache_seqlens, k_cache, page_table, batch: int, s_new: int) -> None:
+    """cache_seqlens against the room each sequence has (and s_new keys appended after them)."""
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+        raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
+                         f"an int or an int32 tensor [{batch}]")
+    if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
+        capacity = int(k_cache.shape[1])
+        room = f"the dense cache's seqlen_cache = k_cache.shape[1] = {capacity} rows"
+    else:
+        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
+        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
+    if s_new > capacity:
+        raise InputError("k.shape[1] (seqlen_new)", s_new, f"at most {capacity}: the new keys must fit {room}")
+    for b, n in enumerate(cache_seqlens.cpu().tolist()):
+        if n < 0 or n + s_new > capacity:
+            why = f"{s_new} new keys must fit {room}" if s_new else f"{room}"
+            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {why}")
+
+
+def _check_batch_idx(cache_batch_idx, batch: int, batch_cache: int) -> None:
+    """cache_batch_idx: one row of a dense cache per sequence (the door's page table is made from it)."""
+    if not isinstance(cache_batch_idx, torch.Tensor):
+        raise InputError("cache_batch_idx", type(cache_batch_idx).__name__, f"an int32 tensor [{batch}]")
+    if cache_batch_idx.dtype not in (torch.int32, torch.int64) or cache_batch_idx.shape != (batch,):
+        raise InputError("cache_batch_idx", f"a {cache_batch_idx.dtype} tensor of shape {list(cache_batch_idx.shape)}",
+                         f"an int32 tensor [{batch}], q's batch")
+    for b, row in enumerate(cache_batch_idx.cpu().tolist()):
+        if not 0 <= row < batch_cache:
+            raise InputError(f"cache_batch_idx[{b}]", row, f"a row of the cache in [0, {batch_cache}) "
+                                                           f"(k_cache.shape[0], batch_cache)")
 
 
 def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch: int) -> None:
@@ -189,19 +277,7 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise InputError(f"{name}.stride()", tuple(t.stride()), "a contiguous cache: the append writes it in place")
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
-        raise InputError("cache_seqlens", f"a {cache_seqlens.dtype} tensor of shape {list(cache_seqlens.shape)}",
-                         f"an int or an int32 tensor [{batch}]")
-    s_new = int(k.shape[1])
-    if page_table is None:  # a dense cache: each sequence owns one row of S_cache keys
-        capacity = int(k_cache.shape[1])
-        room = f"the dense cache's seqlen_cache = {capacity} rows"
-    else:
-        capacity = int(page_table.shape[1]) * int(k_cache.shape[1])
-        room = f"its page_table row: max_pages x page_block_size = {int(page_table.shape[1])} x {int(k_cache.shape[1])} rows"
-    for b, n in enumerate(cache_seqlens.cpu().tolist()):
-        if n < 0 or n + s_new > capacity:
-            raise InputError(f"cache_seqlens[{b}]", n, f"0 to {capacity - s_new}: {s_new} new keys must fit {room}")
+    _check_seqlens(cache_seqlens, k_cache, page_table, batch, int(k.shape[1]))
     if page_table is None:
         if cache_batch_idx is not None:
             rows = cache_batch_idx.cpu().tolist()
@@ -253,6 +329,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise InputError(f"q.shape[{q.dim() - 2}] (nheads)", hq,
                          f"a multiple of k_cache.shape[2] (nheads_k) = {hk}: q is {layout}, the cache "
                          f"[.., .., nheads_k, headdim]")
+    q, k, v = (_packed(n, t) for n, t in (("q", q), ("k", k), ("v", v)))  # the caches: contiguous (their rows are written)
     batch = int(cu_seqlens_q.shape[0]) - 1 if varlen else int(q.shape[0])
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)
@@ -270,13 +347,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     elif cache_seqlens is None and cache_batch_idx is None and not varlen:
         k_pages, v_pages, table = k_cache, v_cache, None  # the whole dense cache: a plain call
     else:
-        if cache_batch_idx is not None and not isinstance(cache_batch_idx, torch.Tensor):
-            raise InputError("cache_batch_idx", type(cache_batch_idx).__name__, "an int32 tensor [batch]")
-        if cache_batch_idx is None and k_cache.shape[0] < batch:
+        if cache_batch_idx is not None:
+            _check_batch_idx(cache_batch_idx, batch, int(k_cache.shape[0]))
+        elif k_cache.shape[0] < batch:
             raise InputError("k_cache.shape[0] (batch_cache)", int(k_cache.shape[0]), f"at least {batch}, q's batch")
         k_pages, v_pages, table = _dense_as_pages(k_cache, v_cache, batch, cache_batch_idx)
         if cache_seqlens is None:
             cache_seqlens = torch.full((batch,), int(k_cache.shape[1]), dtype=torch.int32, device=k_cache.device)
+        elif k is None and v is None:  # (an append checks them with its new keys)
+            _check_seqlens(cache_seqlens, k_cache, None, batch, 0)
     appending = k is not None or v is not None
     if appending:
         _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
@@ -299,9 +378,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     elif max_seqlen_q is not None:
         raise InputError("max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
     if appending:  # every check of the attention first: a refused call leaves the cache as it was
-        check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
-        append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
-    return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
+            check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
+        with _door_names(APPEND_RENAMES):
+            append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
+    with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
+        return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

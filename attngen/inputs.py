@@ -77,7 +77,24 @@ def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool 
 
 def check_layout(name: str, t) -> None:
     """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
-    shape, strides, elem, ptr, packed = _layout(t)
+    check_tma_layout(name, t)
+    shape, strides, _, _, packed = _layout(t)
+    if 0 in shape:
+        return
+    # The emitted buffers declare no strides, so TileLang's host stub takes packed tensors
+    # only (size-1 dimensions excepted, as torch's is_contiguous does).
+    if not packed:
+        raise InputError(
+            f"{name}.stride()", strides,
+            f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)} (call .contiguous())",
+        )
+
+
+def check_tma_layout(name: str, t, *, base: bool = True) -> None:
+    """TMA's rules, which FlashAttention-3's strided descriptors share: the last dimension
+    contiguous, every other stride a multiple of 16 bytes, a 16-byte aligned base (`base=False`:
+    not looked at, for a tensor about to be copied; a traced tensor has no address)."""
+    shape, strides, elem, ptr, _ = _layout(t) if base else (tuple(t.shape), tuple(t.stride()), t.element_size(), 0, None)
     if 0 in shape:  # no element to load (a varlen call without query rows launches nothing)
         return
     if shape[-1] > 1 and strides[-1] != 1:
@@ -91,13 +108,6 @@ def check_layout(name: str, t) -> None:
             )
     if ptr % TMA_ALIGN:
         raise InputError(f"{name}.data_ptr()", hex(ptr), f"a {TMA_ALIGN}-byte aligned address, which TMA requires")
-    # The emitted buffers declare no strides, so TileLang's host stub takes packed tensors
-    # only (size-1 dimensions excepted, as torch's is_contiguous does).
-    if not packed:
-        raise InputError(
-            f"{name}.stride()", strides,
-            f"a contiguous tensor, strides {packed_strides(shape)} for shape {list(shape)} (call .contiguous())",
-        )
 
 
 def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None, cpu: bool = False) -> tuple:

@@ -39,7 +39,7 @@ from attngen import expr, runtime, serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
 from attngen.plan import BLOCK_MASK_TENSORS, Plan, as_plan, plan_backward
 from attngen.reference import InputError, check_scale, resolve_scale
-from attngen.spec import FIELDS, SpecError, check_keys
+from attngen.spec import FIELDS, SpecError, check_keys, check_softcap, check_window, plain_value
 
 NAMESPACE = "attngen"
 # num_splits travels as an int: the spec's own choice (None), "auto", or a count >= 1
@@ -64,6 +64,7 @@ BACKWARD_WORK = 2.5
 
 
 def encode_splits(num_splits) -> int:
+    num_splits = plain_value("splits", num_splits)
     serving._check_num_splits(num_splits)  # None, "auto" or an int >= 1; anything else is an InputError
     if num_splits is None:
         return SPLITS_SPEC
@@ -127,17 +128,26 @@ def _scale_value(softmax_scale, head_dim: int) -> float:
     return check_scale(None if softmax_scale is None else float(softmax_scale), head_dim)
 
 
+def plain_argument(field: str, x):
+    """spec.plain_value, but a SymInt or SymFloat (a graph input under torch.compile) stays symbolic."""
+    return x if isinstance(x, (torch.SymInt, torch.SymFloat)) else plain_value(field, x)
+
+
 def window_arguments(window) -> tuple:
-    """(left, right) of a window= keyword; the Spec checks the values."""
-    if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+    """(left, right) of a window= keyword (NumPy scalars and 0-d CPU tensors as ints, as the Spec
+    takes them; a SymInt stays symbolic); the Spec checks the values."""
+    if isinstance(window, (tuple, list)):
+        window = tuple(plain_argument("window", x) for x in window)
+    if not isinstance(window, tuple) or len(window) != 2 or any(
             isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)) for x in window):
-        raise SpecError("window", window, "expected [left, right], two integers >= -1 (-1: unbounded on that side)")
+        check_window(window)  # raises: the Spec's message, naming what was given
     return window[0], window[1]
 
 
 def softcap_argument(softcap):
+    softcap = plain_argument("softcap", softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymInt, torch.SymFloat)):
-        raise SpecError("softcap", softcap, "expected a finite number >= 0 (0 turns softcapping off)")
+        check_softcap(softcap)  # raises: the Spec's message, naming what was given
     return softcap if isinstance(softcap, (float, torch.SymFloat)) else float(softcap)
 
 
@@ -643,7 +653,10 @@ def fwd_arguments(q, k, v, *, causal: bool = False, window=None, softcap=None, a
                   **kwargs) -> tuple[tuple, bool]:
     """attngen.attention's keywords as torch.ops.attngen.fwd's arguments, and whether the caller
     asked for the LSE. Checks what the op's schema would otherwise reject with a TypeError."""
-    overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
+    # NumPy scalars and 0-d CPU tensors as the Python values the Spec (and the op's JSON) take
+    overrides = {n: plain_value(n, x) for n, x in kwargs.items() if n in FIELDS}
+    causal, return_lse, block_mask = (plain_value(n, x) for n, x in (("causal", causal), ("lse", return_lse),
+                                                                      ("block_mask", block_mask)))
     tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
     if isinstance(block_mask, bool):  # the spec field itself: the four lists come by name
         overrides["block_mask"] = block_mask

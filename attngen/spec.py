@@ -58,12 +58,39 @@ def toml_value(value: Any) -> str:
     return str(value)
 
 
+class _Shown:
+    """A value's description, printed as is in an error message (not quoted as a string)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def plain_value(field: str, value: Any) -> Any:
+    """A NumPy scalar, or a 0-d CPU tensor or array, as the Python bool, int or float it holds;
+    anything else unchanged (the field's own check then judges it). A 0-d tensor on a GPU is
+    refused: reading its value would wait for the device (a sync hidden in a spec)."""
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, (list, tuple, dict)):
+        return value  # a Python value needs nothing (np.float64 is a float subclass: not this)
+    if getattr(value, "ndim", None) != 0 or not hasattr(value, "item"):
+        return value
+    device = getattr(value, "device", "cpu")
+    kind = getattr(device, "type", device)  # torch.device("cuda:0").type; numpy's .device is "cpu"
+    if kind != "cpu":
+        raise SpecError(field, _Shown(f"a 0-d {device} tensor"), "a Python number, a NumPy scalar or a 0-d CPU tensor: "
+                        "reading a device tensor's value waits for the device (pass x.item() if you mean to)")
+    return value.item()
+
+
 def type_name(value: Any) -> str:
     """The TOML-ish name of a value's type, for 'expected an integer, got a string'."""
     if isinstance(value, bool):
         return "a boolean"
+    kind = type(value)
     return {int: "an integer", float: "a float", str: "a string", list: "an array", tuple: "an array",
-            dict: "a table", type(None): "nothing"}.get(type(value), type(value).__name__)
+            dict: "a table", type(None): "nothing"}.get(kind, f"{kind.__module__.split('.')[0]}.{kind.__qualname__}")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -109,9 +136,9 @@ class Spec:
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
         check_keys(fields, "attngen.Spec(...)")
         for f in dataclasses.fields(self):
-            value = fields.get(f.name, f.default)
-            if f.name == "window" and isinstance(value, list):
-                value = tuple(value)  # TOML arrays: a tuple keeps the spec hashable
+            value = plain_value(f.name, fields.get(f.name, f.default))
+            if f.name == "window" and isinstance(value, (list, tuple)):
+                value = tuple(plain_value(f.name, x) for x in value)  # TOML arrays: a tuple keeps the spec hashable
             if f.name == "softcap" and type(value) is int:
                 value = float(value)  # 30 and 30.0 are one spec
             object.__setattr__(self, f.name, value)
@@ -205,14 +232,8 @@ def check_fields(s: Spec) -> None:
 def check_variant_fields(s: Spec) -> None:
     for field in ("lse", "alibi", "sinks", "block_mask", "deterministic"):
         _need_bool(s, field)
-    w = s.window
-    valid = "expected [left, right], two integers >= -1 (-1: unbounded on that side)"
-    if not isinstance(w, tuple) or len(w) != 2 or any(type(x) is not int for x in w):
-        raise SpecError("window", w, valid)
-    if any(x < -1 for x in w):
-        raise SpecError("window", w, valid)
-    if type(s.softcap) is not float or not math.isfinite(s.softcap) or s.softcap < 0:
-        raise SpecError("softcap", s.softcap, "expected a finite number >= 0 (0 turns softcapping off)")
+    check_window(s.window)
+    check_softcap(s.softcap)
     if s.head_dim_v is not None:
         head_dims = ", ".join(map(str, HEAD_DIMS))
         _need_int("head_dim_v", s.head_dim_v, f"one of {head_dims}")
@@ -228,6 +249,25 @@ def check_variant_fields(s: Spec) -> None:
             except expr.ExprError as e:  # a text too long to repeat is shown by its start
                 shown = text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
                 raise SpecError(field, shown, str(e)) from None
+
+
+def check_window(w) -> None:
+    valid = "expected [left, right], two integers >= -1 (-1: unbounded on that side)"
+    if not isinstance(w, tuple) or len(w) != 2:
+        raise SpecError("window", w, f"{valid}, got " + (f"{len(w)} values" if isinstance(w, tuple) else type_name(w)))
+    odd = [x for x in w if type(x) is not int]
+    if odd:
+        raise SpecError("window", w, f"{valid}, got {type_name(odd[0])} in it")
+    if any(x < -1 for x in w):
+        raise SpecError("window", w, valid)
+
+
+def check_softcap(c) -> None:
+    valid = "expected a finite number >= 0 (0 turns softcapping off)"
+    if type(c) is not float:
+        raise SpecError("softcap", c, f"{valid}, got {type_name(c)}")
+    if not math.isfinite(c) or c < 0:
+        raise SpecError("softcap", c, valid)
 
 
 def check_serving_fields(s: Spec) -> None:

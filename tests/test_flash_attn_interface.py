@@ -6,6 +6,7 @@ plans once. Shapes stay tiny (B <= 2, H <= 4, lengths <= ~130, head_dim 64).
 """
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -254,3 +255,102 @@ def test_softmax_scale_reaches_the_kernel():
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
     assert check_close(out, q, k, v, True, scale=0.3).ok
     assert not check_close(out, q, k, v, True).ok
+
+
+@pytest.mark.parametrize("door, keywords", [
+    ("attention", {"window": (np.int64(5), 0), "softcap": np.float32(3.0), "causal": np.bool_(True),
+                   "return_lse": np.bool_(True), "consumers": np.int64(1)}),
+    ("attention", {"window": (torch.tensor(5), torch.tensor(0)), "softcap": torch.tensor(3.0),
+                   "causal": torch.tensor(True), "return_lse": True}),
+    ("flash_attn_func", {"window_size": (np.int64(5), 0), "softcap": np.float32(3.0), "causal": np.bool_(True),
+                         "deterministic": np.bool_(False), "num_splits": np.int64(1), "attention_chunk": np.int64(0)}),
+    ("flash_attn_func", {"window_size": (torch.tensor(5), 0), "softcap": torch.tensor(3.0),
+                         "causal": torch.tensor(True), "deterministic": torch.tensor(False)}),
+])
+def test_numpy_scalars_and_cpu_0d_tensors_are_the_numbers_they_hold(door, keywords):
+    """Issue 25: a NumPy scalar (or a 0-d CPU tensor) is the same call as the Python number."""
+    q, k, v = rand(1, 5, 2, D, seed=1), rand(1, 7, 2, D, seed=2), rand(1, 7, 2, D, seed=3)
+    fn = attngen.attention if door == "attention" else fa.flash_attn_func
+    plain = {n: tuple(int(e) for e in x) if isinstance(x, tuple) else getattr(x, "item", lambda: x)()
+             for n, x in keywords.items()}
+    got, want = fn(q, k, v, **keywords), fn(q, k, v, **plain)
+    for a, b in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (got, want))):
+        assert torch.equal(a, b)
+
+
+def _kvcache_call(case):
+    q = rand(2, 3, 2, D)
+    dense, pages = rand(4, 128, 2, D, seed=1), rand(8, 64, 2, D, seed=2)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([200, 3], dtype=torch.int32)
+    calls = {
+        "dense lengths": dict(k_cache=dense, v_cache=dense, cache_seqlens=lens),
+        "paged lengths": dict(k_cache=pages, v_cache=pages, page_table=table, cache_seqlens=lens),
+        "int64 lengths": dict(k_cache=dense, v_cache=dense, cache_seqlens=lens.long() // 100),
+        "batch idx": dict(k_cache=dense, v_cache=dense, cache_seqlens=5, cache_batch_idx=torch.tensor([0, 7], dtype=torch.int32)),
+        "batch idx shape": dict(k_cache=dense, v_cache=dense, cache_seqlens=5, cache_batch_idx=torch.tensor([0], dtype=torch.int32)),
+        "splits with a window": dict(k_cache=dense, v_cache=dense, cache_seqlens=5, num_splits=4, window_size=(3, 0)),
+        "int64 page table": dict(k_cache=pages, v_cache=pages, page_table=table.long(), cache_seqlens=5),
+        "page out of range": dict(k_cache=pages, v_cache=pages, page_table=table + 6, cache_seqlens=100),
+        "too many new keys": dict(k_cache=dense, v_cache=dense, cache_seqlens=5, k=rand(2, 200, 2, D), v=rand(2, 200, 2, D)),
+    }
+    return lambda: fa.flash_attn_with_kvcache(q, **calls[case])
+
+
+KVCACHE_ERRORS = {  # each message names FA3's argument, and its value as given
+    "dense lengths": r"^cache_seqlens\[0\] = 200: expected 0 to 128: .* k_cache\.shape\[1\]",
+    "paged lengths": r"^cache_seqlens\[0\] = 200: expected at most .* \(page_table\.shape\[1\] pages",
+    "int64 lengths": r"^cache_seqlens = a torch\.int64 tensor",
+    "batch idx": r"^cache_batch_idx\[1\] = 7: expected a row of the cache in \[0, 4\)",
+    "batch idx shape": r"^cache_batch_idx = a torch\.int32 tensor of shape \[1\]",
+    "splits with a window": r"`num_splits` = 4: .*use num_splits = 1",
+    "int64 page table": r"^page_table\.dtype = torch\.int64",
+    "page out of range": r"^page_table\[1, 0\] = 8: .*num_pages = k_cache\.shape\[0\]\).*cache_seqlens\[1\] = 100",
+    "too many new keys": r"^k\.shape\[1\] \(seqlen_new\) = 200: expected at most 128",
+}
+
+
+@pytest.mark.parametrize("case", sorted(KVCACHE_ERRORS))
+def test_kvcache_errors_speak_fa3s_argument_names(case):
+    """Issue 25: the kvcache door's errors named attngen's internals (seqused_k, block_table, splits)."""
+    with pytest.raises((InputError, SpecError), match=KVCACHE_ERRORS[case]) as info:
+        _kvcache_call(case)()
+    assert not re.search(r"seqused_k|block_table|(?<!num_)splits =|`splits`", str(info.value))
+
+
+def test_varlen_errors_speak_fa3s_argument_names():
+    q = rand(6, 2, D)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(SpecError, match=r"`num_splits` = 4: .*use num_splits = 1"):
+        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, num_splits=4, window_size=(2, 0))
+    with pytest.raises(SpecError, match=r"`window_size` = \[-2, 0\]"):
+        fa.flash_attn_func(rand(1, 3, 2, D), rand(1, 3, 2, D), rand(1, 3, 2, D), window_size=(-2, 0))
+
+
+def test_strided_inputs_fa3_takes_are_copied_and_gradients_reach_the_original():
+    """Issue 25: q, k, v = qkv.unbind(2) (last dim contiguous, strides multiples of 16 bytes) is FA3's
+    usual call; the door copies it to packed tensors, and autograd carries gradients back to qkv."""
+    qkv = rand(1, 5, 3, 2, D, seed=4).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    packed = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = fa.flash_attn_func(*packed, causal=True)
+    want.float().square().sum().backward()
+    assert torch.equal(out, want)
+    assert all(torch.equal(qkv.grad[:, :, i], t.grad) for i, t in enumerate(packed))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q, k, v = rand(5, 3, 2, D, seed=5).unbind(1)
+    assert torch.equal(fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3),
+                       fa.flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 3, 3))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: rand(1, 5, 2, 2 * D)[..., ::2], r"^q\.stride\(\) = \(1280, 256, 128, 2\): expected the last dimension"),
+    (lambda: rand(1, 5, 2, D + 1)[..., :D], r"^q\.stride\(1\) = 130: expected a multiple of 8 elements \(16 bytes\)"),
+])
+def test_strided_inputs_fa3_refuses_are_refused_by_name(make, message):
+    x = make()
+    with pytest.raises(InputError, match=message):
+        fa.flash_attn_func(x, x, x)

@@ -337,8 +337,8 @@ BAD = [  # (what, the call's keywords, the argument the message starts with)
     ("duplicate cache rows", lambda: dense(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), "cache_batch_idx"),
     ("past the pages", lambda: paged(cache_seqlens=torch.tensor([0, 14, 60], dtype=torch.int32)), "cache_seqlens[2]"),
     ("a page out of range", lambda: paged(page_table=paged()["page_table"].index_fill(1, torch.tensor([0]), 99)),
-     "block_table[0, 0]"),
-    ("two sequences, one page", lambda: paged(page_table=shared_page_table()), "block_table"),
+     "page_table[0, 0]"),  # FA3's name for the door's block_table (issue 25)
+    ("two sequences, one page", lambda: paged(page_table=shared_page_table()), "page_table"),
     ("rotary with the append", lambda: dense(rotary_cos=E), "rotary_cos"),
     ("packed new keys", lambda: dense(cu_seqlens_k_new=E), "cu_seqlens_k_new"),
 ]

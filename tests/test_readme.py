@@ -60,3 +60,23 @@ def test_ci_installs_chromium_before_the_tests_and_ends_with_the_test_command():
     install = next(i for i, line in enumerate(lines) if "apt-get install" in line and "chromium" in line)
     assert install < len(lines) - 1
     assert any("command -v chromium" in line for line in lines[:install])  # only when it is missing
+
+
+def test_the_readme_says_how_a_machine_without_a_gpu_installs_torchs_cpu_build():
+    """Issue 25: a CPU machine need not install CUDA's libraries; the README says so after its commands."""
+    text = (ROOT / "README.md").read_text()
+    after = text.split("```", 2)[2].split("\n## ", 1)[0]  # the text between the two commands and the first section
+    assert "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu" in after
+
+
+def test_the_module_table_lists_every_module_once():
+    """Issue 25: render_bwd was listed twice and five modules not at all."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| `attngen/")]
+    named = [m for line in table for m in re.findall(r"`attngen/([\w/]+?)(?:\.py)?/?`", line.split(" | ")[0])]
+    modules = {p.stem for p in (ROOT / "attngen").glob("*.py") if not p.stem.startswith("__")}
+    packages = {p.parent.name for p in (ROOT / "attngen").glob("*/__init__.py")}
+    assert sorted(named) == sorted(set(named)), "a module listed twice"
+    assert modules | packages <= set(named)

@@ -223,3 +223,44 @@ def test_in_range_fields_either_build_or_name_a_budget(fields):
         make_plan(Spec(**fields))
     except SpecError as e:
         assert e.field in ("block_n", "k_stages/v_stages", "consumers")
+
+
+def test_numpy_scalars_and_cpu_0d_tensors_are_the_values_they_hold():
+    """Issue 25: window=(np.int64(5), 0) was refused with a message its value seemed to satisfy."""
+    import numpy as np
+    import torch
+
+    plain = Spec(window=(5, 0), softcap=3.0, causal=True, consumers=1, head_dim=64, splits=1, deterministic=True)
+    assert Spec(softcap=np.float64(3.0)) == Spec(softcap=3.0)  # a float subclass, but not a float
+    given = Spec(window=(np.int64(5), torch.tensor(0)), softcap=np.float32(3.0), causal=np.bool_(True),
+                 consumers=torch.tensor(1), head_dim=np.array(64), splits=np.int32(1), deterministic=torch.tensor(True))
+    assert given == plain and hash(given) == hash(plain) and to_toml(given) == to_toml(plain)
+    assert type(given.softcap) is float and all(type(x) is int for x in given.window)
+
+
+@pytest.mark.parametrize("fields, shown", [
+    ({"window": (1.5, 0)}, "got a float in it"),
+    ({"window": (1, 2, 3)}, "got 3 values"),
+    ({"softcap": [3.0]}, "got an array"),
+])
+def test_a_type_the_spec_cannot_take_is_named(fields, shown):
+    with pytest.raises(SpecError, match=shown):
+        Spec(**fields)
+
+
+def test_an_array_or_a_device_0d_tensor_is_named_not_read():
+    import numpy as np
+    import torch
+
+    with pytest.raises(SpecError, match=r"`softcap` = \[3\. 3\.\]: .*got numpy\.ndarray"):
+        Spec(softcap=np.full(2, 3.0))
+    # a device tensor's value would need a sync: refused (a meta tensor stands in for a CUDA one here)
+    with pytest.raises(SpecError, match=r"`softcap` = a 0-d meta tensor: .*waits for the device"):
+        Spec(softcap=torch.tensor(3.0, device="meta"))
+
+
+def test_the_errors_are_exported_at_the_top_level():
+    from attngen.reference import InputError
+
+    assert attngen.InputError is InputError and attngen.SpecError is SpecError
+    assert {"InputError", "SpecError"} <= set(attngen.__all__)
