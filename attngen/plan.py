@@ -196,6 +196,14 @@ def serving_tags(spec: Spec) -> list:
     return tags
 
 
+def float_token(x: float) -> str:
+    """A float as part of an identifier, distinct for distinct floats: its 6-digit form where that
+    reads back as x (30.0: 30, 0.5: 0p5, 1e+20: 1e20, the names kernels always had), else its shortest
+    exact form (2.0000001: 2p0000001); '-' (an exponent's sign) becomes m (1e-05: 1em05)."""
+    text = f"{x:g}" if float(f"{x:g}") == x else repr(x)
+    return text.replace(".", "p").replace("+", "").replace("-", "m")
+
+
 def variant_tags(spec: Spec) -> list:
     """Name parts of the variant fields that differ from their defaults (none for a plain kernel)."""
     tags = []
@@ -204,7 +212,7 @@ def variant_tags(spec: Spec) -> list:
     if spec.window != (-1, -1):
         tags.append("w" + "_".join("inf" if x < 0 else str(x) for x in spec.window))
     if spec.softcap:
-        tags.append("sc" + f"{spec.softcap:g}".replace(".", "p").replace("+", ""))
+        tags.append("sc" + float_token(spec.softcap))
     if spec.alibi:
         tags.append("alibi")
     if spec.sinks:

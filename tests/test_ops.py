@@ -112,6 +112,14 @@ def test_lse_gqa_and_variant_tensors_through_the_op():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+def test_a_tiny_softcap_through_the_op_matches_the_reference():
+    """softcap 1e-5 is valid (a finite number >= 0): its kernel's name must be an identifier (it was `_sc1e-05`)."""
+    q, k, v = qkv(20)
+    out = attngen.attention(q, k, v, softcap=1e-5)
+    assert check_close(out, q, k, v, False, softcap=1e-5).ok
+    assert not check_close(out, q, k, v, False).ok  # the cap flattens every score: another answer than none
+
+
 def test_a_non_default_scale_through_the_op_matches_the_reference():
     """softmax_scale (or scale) reaches the emitted kernel on the CPU model and the reference at the same scale."""
     q, k, v = qkv(70, 90, heads=4, kv_heads=2)
