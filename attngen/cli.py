@@ -282,15 +282,10 @@ def emulate_verdict(plan, args) -> tuple:
     """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
     from attngen import emulator
     from attngen.emulator import EmulationError
-    from attngen.emulator.driver import check_emulated
+    from attngen.emulator.driver import check_emulated, run_shape_text
 
     heads, kv_heads, q_len, kv_len = run_shape(plan, args)
-    from attngen.serving import serving_fields
-
-    if serving_fields(plan).uses_serving:  # a ragged batch built from the lengths: the result names them
-        what = f"CPU model vs fp64 reference (H={heads} HKV={kv_heads}, seed {args.seed})"
-    else:
-        what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    what = f"CPU model vs fp64 reference ({run_shape_text(plan, 1, heads, kv_heads, q_len, kv_len)}, seed {args.seed})"
     if args.softmax_scale is not None:
         what = f"{what[:-1]}, softmax scale {args.softmax_scale!r})"
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse

@@ -259,6 +259,26 @@ def test_python_dash_m_attngen_is_the_command():
     assert proc.returncode == 0 and proc.stdout == attngen.render_source(attngen.load_spec(DEFAULT))
 
 
+def test_emulate_and_check_run_a_dense_split_kv_spec_at_the_shape_the_flags_give(tmp_path, capsys):
+    """issue 25: both crashed on a ragged batch a dense KV cannot hold, naming lengths nobody gave."""
+    from argparse import Namespace
+
+    from attngen.cli import emulate_verdict
+
+    spec = tmp_path / "split.toml"
+    spec.write_text("head_dim = 64\nsplits = 2\n")
+    rc, out, err = run_main(capsys, "emulate", str(spec), "--batch", "2", "--q-len", "70", "--kv-len", "200")
+    assert rc == 0 and err == "" and "B=2 H=1 HKV=1 Sq=70 Skv=200" in out and "2 sequences (q [70, 70], kv [200, 200]" in out
+    ok, what = emulate_verdict(attngen.make_plan(attngen.load_spec(spec)),
+                               Namespace(q_len=200, kv_len=333, seed=0, softmax_scale=None))
+    assert ok and what.startswith("CPU model vs fp64 reference (B=1 H=2 HKV=2 Sq=200 Skv=333, seed 0): 1 sequence (q [200]"), what
+    # a kernel whose sequences may differ runs a ragged batch built from the lengths, whatever --batch says
+    varlen = tmp_path / "varlen.toml"
+    varlen.write_text('head_dim = 64\nlayout = "varlen"\n')
+    rc, out, _ = run_main(capsys, "emulate", str(varlen), "--batch", "3", "--q-len", "70", "--kv-len", "200")
+    assert rc == 0 and "a ragged batch of 4 from Sq=70 Skv=200 (--batch 3 does not apply)" in out, out
+
+
 def test_emulate_of_a_tiny_shape_runs(capsys):
     rc, out, err = run_main(capsys, "emulate", str(DEFAULT), "--q-len", "1", "--kv-len", "1", "--seed", "5")
     assert rc == 0 and err == "" and "PASS" in out
