@@ -116,7 +116,7 @@ def scale_argument(softmax_scale, scale, head_dim: int):
             return value.detach().to(device="cpu", dtype=torch.float64)
     else:
         value = resolve_scale(softmax_scale, scale, head_dim=head_dim)
-    if not _compiling():
+    if not compiling():
         return torch.full((), value, dtype=torch.float64)  # eager: the cheapest 0-d tensor (a third of ones * s)
     return torch.ones((), dtype=torch.float64) * value  # dynamo specializes torch.full's and torch.tensor's number
 
@@ -558,7 +558,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
         scale=scale, block_mask=block_mask, **kwargs)
-    if q.device.type == "cpu" and not _compiling() and torch.is_grad_enabled() and any(
+    if q.device.type == "cpu" and not compiling() and torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, k, v, *args[9])):
         check_training_time(args)
     result, lse = fwd(*args)
@@ -570,7 +570,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     return (result, lse) if asked_lse else result
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """Whether torch.compile is tracing: a check that reads tensor values on the host runs eagerly only."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
