@@ -15,7 +15,7 @@ import hashlib
 import json
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, Spec, SpecError
+from attngen.spec import FIELDS, HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, Spec, SpecError, ruled_out
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 SHAPE_FIELDS = ("batch", "heads", "kv_heads", "q_len", "kv_len")
@@ -722,8 +722,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
-        raise SpecError("deterministic", True, "false with block_mask = true and gqa_group > 1: the deterministic "
-                        "backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
+        raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
+                        "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
     # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
     forward_spec = forward.spec

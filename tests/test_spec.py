@@ -48,6 +48,29 @@ def test_bad_field_names_field_value_and_valid_range(fields, field, hint):
     assert f"= {toml_value(list(fields.values())[0])}:" in str(err)  # the value as TOML writes it
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", causal=True), "`causal` = true: expected false with block_mask = true: "),
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", window=[3, 3]), "`window` = [3, 3]: expected [-1, -1] with block_mask = true: "),
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", splits=2), "`splits` = 2: expected 1 with block_mask = true: "),
+    (dict(block_mask=True), "`block_mask` = true: expected false with no mask_mod: "),
+    (dict(pingpong=True, consumers=1), "`pingpong` = true: expected false (or no pingpong) with consumers = 1: "),
+    (dict(page_size=64), "`page_size` = 64: expected no page_size with paged_kv = false: "),
+    (dict(layout="varlen", aligned=True), '`aligned` = true: expected false with layout = "varlen": '),
+    (dict(splits=2, sinks=True), "`splits` = 2: expected 1 with sinks = true: "),
+    (dict(splits=2, window=[3, -1]), "`splits` = 2: expected 1 with window = [3, -1]: "),
+])
+def test_a_value_another_field_rules_out_says_what_would_be_valid_beside_it(fields, message):
+    """issue 25: "`causal` = true: false with block_mask = true" read as if false were the problem."""
+    assert message in str(error_for(**fields))
+
+
+def test_the_deterministic_backward_refusal_says_what_would_be_valid():
+    from attngen.plan import plan_backward
+
+    with pytest.raises(SpecError, match=r"`deterministic` = true: expected false with block_mask = true and gqa_group = 2: "):
+        plan_backward(Spec(block_mask=True, mask_mod="q_idx >= kv_idx", deterministic=True, gqa_group=2))
+
+
 def test_values_are_shown_as_toml_writes_them():
     assert str(error_for(causal="yes")) == 'spec field `causal` = "yes": expected true or false, got a string'
     assert str(error_for(aligned=1)) == "spec field `aligned` = 1: expected true or false, got an integer"
