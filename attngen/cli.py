@@ -241,6 +241,9 @@ def cmd_check(args) -> int:
     check_dir_option("--cache-dir", args.cache_dir)
     plan = plan_of(args.spec)
     check_run_args(plan, args)  # the CPU run's options, before generating or building anything
+    rounded = rounding_note(plan, args)
+    if rounded:
+        print(rounded)
     bp, refused = cli_bwd.backward_plan_or_reason(plan)
     print(f"generated  {generate(plan, args.output)}")
     result = build(plan, cache_dir=args.cache_dir)
@@ -267,6 +270,16 @@ def run_shape(plan, args) -> tuple:
         q_len = -(-q_len // spec.block_m) * spec.block_m
         kv_len = -(-kv_len // spec.block_n) * spec.block_n
     return 2 * spec.gqa_group, 2, q_len, kv_len
+
+
+def rounding_note(plan, args) -> str:
+    """What run_shape rounded, said once ("" when nothing was): an aligned kernel runs whole tiles only."""
+    _, _, q_len, kv_len = run_shape(plan, args)
+    spec = plan.spec
+    changed = [f"{option} {given} -> {used} (a multiple of {tile} = {size})" for option, given, used, tile, size in
+               (("--q-len", args.q_len, q_len, "block_m", spec.block_m), ("--kv-len", args.kv_len, kv_len, "block_n", spec.block_n))
+               if given != used]
+    return f"aligned spec: the CPU runs round up {', '.join(changed)}" if changed else ""
 
 
 def check_run_args(plan, args) -> None:

@@ -562,9 +562,9 @@ def check_shape(spec: Spec, shape: Shape) -> None:
         raise SpecError("shape", str(shape), f"a tensor of {largest} elements; at most {hw.INT32_MAX} (the kernel indexes with int32)")
     if spec.aligned:
         if shape.q_len % spec.block_m:
-            raise SpecError("shape.q_len", shape.q_len, f"aligned spec: expected a multiple of block_m = {spec.block_m}")
+            raise SpecError("shape.q_len", shape.q_len, f"expected a multiple of block_m = {spec.block_m} (aligned spec)")
         if shape.kv_len % spec.block_n:
-            raise SpecError("shape.kv_len", shape.kv_len, f"aligned spec: expected a multiple of block_n = {spec.block_n}")
+            raise SpecError("shape.kv_len", shape.kv_len, f"expected a multiple of block_n = {spec.block_n} (aligned spec)")
 
 
 def tflops(shape: Shape, head_dim: int, causal: bool, seconds: float) -> float:
