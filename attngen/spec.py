@@ -144,12 +144,16 @@ VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "sof
                     "deterministic": False}
 
 
+def did_you_mean(name: str, choices, where: str = "") -> str:
+    """"did you mean `x`? " for the choice nearest a misspelt name (`where` said after it), or "" when none is near."""
+    near = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"did you mean `{near[0]}`{where}? " if near else ""
+
+
 def check_keys(data: dict, source: str) -> None:
     for key, value in data.items():
         if key not in FIELDS:
-            near = difflib.get_close_matches(str(key), FIELDS, n=1)
-            hint = f"did you mean `{near[0]}`? " if near else ""
-            raise SpecError(str(key), value, f"unknown key in {source}; {hint}valid keys: {', '.join(FIELDS)}")
+            raise SpecError(str(key), value, f"unknown key in {source}; {did_you_mean(key, FIELDS)}valid keys: {', '.join(FIELDS)}")
 
 
 def _need_int(field: str, v, valid: str) -> None:
