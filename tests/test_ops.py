@@ -385,6 +385,26 @@ def test_spec_fields_from_module_attributes_compile_dynamic():
     assert torch.equal(compiled(q, k, v), module(q, k, v))
 
 
+def test_spec_fields_passed_into_a_fullgraph_compile_run_or_are_refused_by_attngen():
+    """issue 25: a schedule field given as the compiled function's argument turns symbolic once its value
+    changes (dynamo's automatic dynamic) and its JSON text could not be traced; a bad softmax_scale
+    argument showed dynamo's "repr_impl not implemented". Each value now gets its graph, and a bad
+    value attngen's own error from the op."""
+    q, k, v = qkv(20)
+
+    def f(q, k, v, consumers, scale):
+        return attngen.attention(q, k, v, causal=True, consumers=consumers, softmax_scale=scale)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for consumers, scale in ((1, 0.2), (2, 0.3), (1, 0.25)):
+        assert torch.equal(compiled(q, k, v, consumers, scale), f(q, k, v, consumers, scale))
+    with pytest.raises(InputError, match=r"^softmax_scale = -1.0: expected a positive float"):
+        compiled(q, k, v, 2, -1.0)
+    with pytest.raises(SpecError, match=r"^spec field `consumers` = 4: expected an integer from 1 to 3"):
+        compiled(q, k, v, 4, 0.3)
+
+
 def test_export_with_a_dynamic_sequence_length(tmp_path):
     module = Attention(window=(48, 0), softcap=15.0)
     q, k, v = qkv(70)
