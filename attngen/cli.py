@@ -241,6 +241,9 @@ def cmd_check(args) -> int:
     check_dir_option("--cache-dir", args.cache_dir)
     plan = plan_of(args.spec)
     check_run_args(plan, args)  # the CPU run's options, before generating or building anything
+    rounded = rounding_note(plan, args)
+    if rounded:
+        print(rounded)
     bp, refused = cli_bwd.backward_plan_or_reason(plan)
     print(f"generated  {generate(plan, args.output)}")
     result = build(plan, cache_dir=args.cache_dir)
@@ -269,6 +272,16 @@ def run_shape(plan, args) -> tuple:
     return 2 * spec.gqa_group, 2, q_len, kv_len
 
 
+def rounding_note(plan, args) -> str:
+    """What run_shape rounded, said once ("" when nothing was): an aligned kernel runs whole tiles only."""
+    _, _, q_len, kv_len = run_shape(plan, args)
+    spec = plan.spec
+    changed = [f"{option} {given} -> {used} (a multiple of {tile} = {size})" for option, given, used, tile, size in
+               (("--q-len", args.q_len, q_len, "block_m", spec.block_m), ("--kv-len", args.kv_len, kv_len, "block_n", spec.block_n))
+               if given != used]
+    return f"aligned spec: the CPU runs round up {', '.join(changed)}" if changed else ""
+
+
 def check_run_args(plan, args) -> None:
     from attngen.emulator import check_run
 
@@ -282,15 +295,10 @@ def emulate_verdict(plan, args) -> tuple:
     """Run the emitted kernel on the CPU model at one odd shape and compare with the fp64 reference."""
     from attngen import emulator
     from attngen.emulator import EmulationError
-    from attngen.emulator.driver import check_emulated
+    from attngen.emulator.driver import check_emulated, run_shape_text
 
     heads, kv_heads, q_len, kv_len = run_shape(plan, args)
-    from attngen.serving import serving_fields
-
-    if serving_fields(plan).uses_serving:  # a ragged batch built from the lengths: the result names them
-        what = f"CPU model vs fp64 reference (H={heads} HKV={kv_heads}, seed {args.seed})"
-    else:
-        what = f"CPU model vs fp64 reference (B=1 H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}, seed {args.seed})"
+    what = f"CPU model vs fp64 reference ({run_shape_text(plan, 1, heads, kv_heads, q_len, kv_len)}, seed {args.seed})"
     if args.softmax_scale is not None:
         what = f"{what[:-1]}, softmax scale {args.softmax_scale!r})"
     try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse

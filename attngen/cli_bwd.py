@@ -96,7 +96,7 @@ def draw_inputs(bp: BackwardPlan, batch, heads, kv_heads, q_len, kv_len, seed):
         q, k, v, tensors = variant_inputs(bp.forward, batch, heads, kv_heads, q_len, kv_len, seed)
         dout = np.random.default_rng(seed + 7).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
         return q, k, v, dout, tensors, {}
-    lq, lk = serving_lengths("varlen", q_len, kv_len)
+    lq, lk = serving_lengths("varlen", q_len, kv_len, paged=False)
     *_, tensors = variant_inputs(bp.forward, len(lq), heads, kv_heads, max(lq), max(lk), seed)  # per sequence
     cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
     rng = np.random.default_rng(seed)

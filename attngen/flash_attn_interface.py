@@ -25,7 +25,7 @@ import re
 import torch
 
 from attngen.inputs import check_tma_layout
-from attngen.ops import append_kv, attention, check_attention, plain_argument
+from attngen.ops import append_kv, attention, check_attention, compiling, plain_argument
 from attngen.plan import BLOCK_N_CANDIDATES
 from attngen.reference import InputError
 from attngen.spec import SpecError
@@ -194,7 +194,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kw.update(_chunk_mask(attention_chunk, 0, 0, "a varlen call"))
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
         raise InputError("max_seqlen_k", type(max_seqlen_k).__name__, "an int, the longest key sequence")
-    if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 and cu_seqlens_k.numel() > 1:
+    # FA3's contract, checked eagerly; attngen reads each key length from cu_seqlens_k, so a traced call
+    # (its max would be data-dependent: a graph break, or a fullgraph error) skips it harmlessly
+    if not compiling() and isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 and cu_seqlens_k.numel() > 1:
         longest = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
         if max_seqlen_k < longest:
             raise InputError("max_seqlen_k", max_seqlen_k, f"at least {longest}, the longest sequence in cu_seqlens_k")

@@ -25,6 +25,7 @@ from attngen import serving
 from attngen.hw import GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.plan import Plan, Shape, as_plan
 from attngen.reference import InputError, to_numpy
+from attngen.spec import FIELDS, did_you_mean
 
 HOLDERS = ("float32", "float64")  # what the CPU model also takes, holding values to round to the kernel's dtype
 
@@ -187,9 +188,11 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
     unknown = sorted(set(tensors) - {t.name for t in wanted})
-    if unknown:
-        takes = ", ".join(t.name for t in wanted) or "no extra tensors"
-        raise InputError(unknown[0], _describe(tensors[unknown[0]]), f"no such tensor: the spec takes {takes}")
+    if unknown:  # a misspelt tensor, or a spec field given beside the spec (casual=True)
+        name, takes = unknown[0], ", ".join(t.name for t in wanted) or "no extra tensors"
+        hint = did_you_mean(name, [*(t.name for t in wanted), "alibi_slopes", "sinks"]) or \
+            did_you_mean(name, FIELDS, ", a spec field (set on the spec)")
+        raise InputError(name, _describe(tensors[name]), f"no such tensor: {hint}the spec takes {takes}")
     ordered = []
     for t in wanted:
         shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"

@@ -34,6 +34,7 @@ import os
 import time
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from attngen import expr, runtime, serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
@@ -73,6 +74,10 @@ def encode_splits(num_splits) -> int:
 
 def _json(field: str, x) -> str:
     """One field's value as JSON text, by hand: torch.compile traces this (json.dumps it cannot)."""
+    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # a compiled function's argument is symbolic once its value changed (dynamo's automatic dynamic),
+        # and str() of it cannot be traced; a spec field picks the kernel: each value is its graph's constant
+        x = guard_scalar(x)
     if isinstance(x, bool):
         return "true" if x else "false"
     if x is None:
@@ -116,11 +121,19 @@ def scale_argument(softmax_scale, scale, head_dim: int):
                 raise InputError(name, "a tensor that requires grad",
                                  "a constant: the kernels have no gradient for the softmax scale")
             return value.detach().to(device="cpu", dtype=torch.float64)
+    elif compiling() and (softmax_scale is None or scale is None) and _number(softmax_scale if scale is None else scale):
+        # checked where the op runs (_scale_value): a refusal raised while dynamo traces is dynamo's error
+        # (fullgraph: "Observed exception", or one about the message's repr), not attngen's line
+        value = softmax_scale if scale is None else scale
     else:
         value = resolve_scale(softmax_scale, scale, head_dim=head_dim)
-    if not _compiling():
+    if not compiling():
         return torch.full((), value, dtype=torch.float64)  # eager: the cheapest 0-d tensor (a third of ones * s)
     return torch.ones((), dtype=torch.float64) * value  # dynamo specializes torch.full's and torch.tensor's number
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _scale_value(softmax_scale, head_dim: int) -> float:
@@ -611,7 +624,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, softmax_scale=softmax_scale,
         scale=scale, block_mask=block_mask, **kwargs)
-    if not _compiling() and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *args[9])):
+    if not compiling() and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *args[9])):
         check_training(args)
     result, lse = fwd(*args)
     if out is not None:
@@ -622,7 +635,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     return (result, lse) if asked_lse else result
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """Whether torch.compile is tracing: a check that reads tensor values on the host runs eagerly only."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 

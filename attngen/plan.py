@@ -15,7 +15,7 @@ import hashlib
 import json
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, Spec, SpecError
+from attngen.spec import FIELDS, HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, Spec, SpecError, ruled_out
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 SHAPE_FIELDS = ("batch", "heads", "kv_heads", "q_len", "kv_len")
@@ -196,6 +196,14 @@ def serving_tags(spec: Spec) -> list:
     return tags
 
 
+def float_token(x: float) -> str:
+    """A float as part of an identifier, distinct for distinct floats: its 6-digit form where that
+    reads back as x (30.0: 30, 0.5: 0p5, 1e+20: 1e20, the names kernels always had), else its shortest
+    exact form (2.0000001: 2p0000001); '-' (an exponent's sign) becomes m (1e-05: 1em05)."""
+    text = f"{x:g}" if float(f"{x:g}") == x else repr(x)
+    return text.replace(".", "p").replace("+", "").replace("-", "m")
+
+
 def variant_tags(spec: Spec) -> list:
     """Name parts of the variant fields that differ from their defaults (none for a plain kernel)."""
     tags = []
@@ -204,7 +212,7 @@ def variant_tags(spec: Spec) -> list:
     if spec.window != (-1, -1):
         tags.append("w" + "_".join("inf" if x < 0 else str(x) for x in spec.window))
     if spec.softcap:
-        tags.append("sc" + f"{spec.softcap:g}".replace(".", "p").replace("+", ""))
+        tags.append("sc" + float_token(spec.softcap))
     if spec.alibi:
         tags.append("alibi")
     if spec.sinks:
@@ -554,9 +562,9 @@ def check_shape(spec: Spec, shape: Shape) -> None:
         raise SpecError("shape", str(shape), f"a tensor of {largest} elements; at most {hw.INT32_MAX} (the kernel indexes with int32)")
     if spec.aligned:
         if shape.q_len % spec.block_m:
-            raise SpecError("shape.q_len", shape.q_len, f"aligned spec: expected a multiple of block_m = {spec.block_m}")
+            raise SpecError("shape.q_len", shape.q_len, f"expected a multiple of block_m = {spec.block_m} (aligned spec)")
         if shape.kv_len % spec.block_n:
-            raise SpecError("shape.kv_len", shape.kv_len, f"aligned spec: expected a multiple of block_n = {spec.block_n}")
+            raise SpecError("shape.kv_len", shape.kv_len, f"expected a multiple of block_n = {spec.block_n} (aligned spec)")
 
 
 def tflops(shape: Shape, head_dim: int, causal: bool, seconds: float) -> float:
@@ -714,8 +722,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
-        raise SpecError("deterministic", True, "false with block_mask = true and gqa_group > 1: the deterministic "
-                        "backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
+        raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
+                        "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
     # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
     forward_spec = forward.spec

@@ -41,6 +41,11 @@ class SpecError(ValueError):
         super().__init__(f"spec field `{field}` = {toml_value(value)}: {valid}")
 
 
+def ruled_out(field: str, value: Any, valid: str, given: str, why: str) -> SpecError:
+    """A value that another field's value rules out: what would be valid beside it, and why."""
+    return SpecError(field, value, f"expected {valid} with {given}: {why}")
+
+
 def toml_value(value: Any) -> str:
     """A value as the user would write it in a spec file (true, "yes", 128)."""
     if isinstance(value, bool):
@@ -166,12 +171,16 @@ VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "sof
                     "deterministic": False}
 
 
+def did_you_mean(name: str, choices, where: str = "") -> str:
+    """"did you mean `x`? " for the choice nearest a misspelt name (`where` said after it), or "" when none is near."""
+    near = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"did you mean `{near[0]}`{where}? " if near else ""
+
+
 def check_keys(data: dict, source: str) -> None:
     for key, value in data.items():
         if key not in FIELDS:
-            near = difflib.get_close_matches(str(key), FIELDS, n=1)
-            hint = f"did you mean `{near[0]}`? " if near else ""
-            raise SpecError(str(key), value, f"unknown key in {source}; {hint}valid keys: {', '.join(FIELDS)}")
+            raise SpecError(str(key), value, f"unknown key in {source}; {did_you_mean(key, FIELDS)}valid keys: {', '.join(FIELDS)}")
 
 
 def _need_int(field: str, v, valid: str) -> None:
@@ -226,7 +235,8 @@ def check_fields(s: Spec) -> None:
     check_variant_fields(s)
     check_serving_fields(s)
     if s.pingpong and s.consumers < 2:
-        raise SpecError("pingpong", s.pingpong, "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
+        raise ruled_out("pingpong", s.pingpong, "false (or no pingpong)", f"consumers = {s.consumers}",
+                        "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
 
 
 def check_variant_fields(s: Spec) -> None:
@@ -278,7 +288,8 @@ def check_serving_fields(s: Spec) -> None:
         valid = f"a multiple of {PAGE_SIZE_STEP} from {PAGE_SIZE_STEP} to {MAX_PAGE_SIZE}"
         _need_int("page_size", s.page_size, valid)
         if not s.paged_kv:
-            raise SpecError("page_size", s.page_size, "only with paged_kv = true (a dense K/V has no pages)")
+            raise ruled_out("page_size", s.page_size, "no page_size", "paged_kv = false",
+                            "a dense K/V has no pages (page_size goes with paged_kv = true)")
         if not (PAGE_SIZE_STEP <= s.page_size <= MAX_PAGE_SIZE and s.page_size % PAGE_SIZE_STEP == 0):
             raise SpecError("page_size", s.page_size, f"expected {valid}")
     if s.splits != "auto":
@@ -288,14 +299,14 @@ def check_serving_fields(s: Spec) -> None:
     serving = s.layout != "bshd" or s.paged_kv
     check_block_mask_field(s)
     if serving and s.aligned:
-        raise SpecError("aligned", s.aligned, "varlen and paged kernels read each sequence's length at call time; "
-                        "aligned = true needs tile-multiple lengths known ahead")
+        raise ruled_out("aligned", s.aligned, "false", serving_given(s), "varlen and paged kernels read each "
+                        "sequence's length at call time; aligned = true needs tile-multiple lengths known ahead")
     if s.splits != 1 and s.sinks:
-        raise SpecError("splits", s.splits, "a sink joins each row's softmax once, but every split would count it; "
-                        "use splits = 1 with sinks")
+        raise ruled_out("splits", s.splits, "1", "sinks = true", "a sink joins each row's softmax once, but every "
+                        "split would count it")
     if s.splits != 1 and s.window != (-1, -1):
-        raise SpecError("splits", s.splits, "split-KV with a sliding window is not supported; use splits = 1 "
-                        "(a window already bounds each row's keys)")
+        raise ruled_out("splits", s.splits, "1", f"window = {toml_value(s.window)}", "split-KV with a sliding window "
+                        "is not supported (a window already bounds each row's keys)")
 
 
 def check_block_mask_field(s: Spec) -> None:
@@ -304,16 +315,23 @@ def check_block_mask_field(s: Spec) -> None:
     if not s.block_mask:
         return
     if not s.mask_mod.strip():
-        raise SpecError("block_mask", s.block_mask, "needs a mask_mod: the partial tiles of the block mask run it")
+        raise ruled_out("block_mask", s.block_mask, "false", "no mask_mod", "a block mask needs a mask_mod, which "
+                        "its partial tiles run")
     if s.causal:
-        raise SpecError("causal", s.causal, "false with block_mask = true: write causality into the mask_mod "
+        raise ruled_out("causal", s.causal, "false", "block_mask = true", "write causality into the mask_mod "
                         "(q_idx >= kv_idx), whose tiles the block mask lists")
     if s.window != (-1, -1):
-        raise SpecError("window", s.window, "[-1, -1] with block_mask = true: write the window into the mask_mod")
+        raise ruled_out("window", s.window, "[-1, -1]", "block_mask = true", "write the window into the mask_mod")
     for field in ("layout", "paged_kv", "splits"):
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
-            raise SpecError(field, getattr(s, field), f"{toml_value(VARIANT_DEFAULTS[field])} with block_mask = true "
-                            "(a block mask serves bshd, dense, unsplit kernels)")
+            raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), "block_mask = true",
+                            "a block mask serves bshd, dense, unsplit kernels")
+
+
+def serving_given(s: Spec) -> str:
+    """The serving fields that make a kernel read its lengths at call time, as the spec sets them."""
+    given = [f"layout = {toml_value(s.layout)}"] if s.layout != "bshd" else []
+    return " and ".join(given + (["paged_kv = true"] if s.paged_kv else []))
 
 
 def serving_field(s: Spec) -> tuple:

@@ -127,7 +127,7 @@ def launch_serving_once(plan, kernel) -> str:
     from attngen.serving import check_serving, check_serving_close, random_serving_inputs
 
     spec = plan.spec
-    lq, lk = serving_lengths(spec.layout, 200, 333)
+    lq, lk = serving_lengths(spec.layout, 200, 333, paged=spec.paged_kv)
     x = random_serving_inputs(spec.layout, spec.paged_kv, plan.page_size or None, spec.dtype, spec.head_dim, None,
                               lq, lk, 2 * spec.gqa_group, 2, seed=0, neighbour_fill=1e4)
     dt = getattr(torch, spec.dtype)

@@ -176,6 +176,8 @@ def run_main(capsys, *argv):
     (["show", "{latin1}"], ["not UTF-8"]),
     (["show", "{missing}"], ["no such spec file"]),
     (["emulate", "{casual}"], ["did you mean `causal`"]),
+    (["emulate", "{aligned}", "--q-len", "70"], ["--q-len = 70: expected a multiple of block_m = 128 (aligned spec)"]),
+    (["emulate", "{aligned}", "--kv-len", "300"], ["--kv-len = 300: expected a multiple of block_n = 128 (aligned spec)"]),
     ([], ["required: COMMAND"]),
     (["tune", "{spec}", "--dry-run", "--max-candidates", "0"], ["--max-candidates = 0", "positive integer"]),
     (["tune", "{spec}", "--dry-run", "-j", "-1"], ["--jobs = -1", "positive integer"]),
@@ -200,7 +202,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     casual = tmp_path / "casual.toml"
     casual.write_text("casual = true\n")
     paths = {"{spec}": str(DEFAULT), "{tmp}": str(tmp_path), "{latin1}": str(latin1), "{missing}": str(tmp_path / "no.toml"),
-             "{casual}": str(casual), "{missing_dir}": str(tmp_path / "no" / "dir" / "x"), "{under_file}": str(DEFAULT / "x")}
+             "{casual}": str(casual), "{aligned}": str(ROOT / "examples" / "seed_parity.toml"), "{missing_dir}": str(tmp_path / "no" / "dir" / "x"), "{under_file}": str(DEFAULT / "x")}
 
     def no_work(*a, **k):
         raise AssertionError("did work before rejecting the input")
@@ -214,6 +216,23 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     rc, out, err = run_main(capsys, *[paths.get(a, a) for a in argv])
     one_line_error(err, rc, *fragments)
     assert out == ""
+
+
+def test_check_says_when_it_rounds_the_lengths_of_an_aligned_spec(capsys, monkeypatch):
+    """An aligned kernel runs whole tiles only: check rounds --q-len/--kv-len up, and says so first."""
+    class Generated(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Generated
+
+    monkeypatch.setattr("attngen.cli.generate", stop)
+    with pytest.raises(Generated):
+        main(["check", str(ROOT / "examples" / "seed_parity.toml"), "--q-len", "70", "--kv-len", "256"])
+    assert capsys.readouterr().out == "aligned spec: the CPU runs round up --q-len 70 -> 128 (a multiple of block_m = 128)\n"
+    with pytest.raises(Generated):  # nothing to round: nothing said
+        main(["check", str(ROOT / "examples" / "seed_parity.toml"), "--q-len", "128", "--kv-len", "256"])
+    assert capsys.readouterr().out == ""
 
 
 def test_the_checker_of_one_line_errors_rejects_tracebacks_and_usage_blocks():
@@ -257,6 +276,26 @@ def test_help_shows_every_default_and_the_policy_choices(capsys):
 def test_python_dash_m_attngen_is_the_command():
     proc = subprocess.run([sys.executable, "-m", "attngen", "show", str(DEFAULT)], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout == attngen.render_source(attngen.load_spec(DEFAULT))
+
+
+def test_emulate_and_check_run_a_dense_split_kv_spec_at_the_shape_the_flags_give(tmp_path, capsys):
+    """issue 25: both crashed on a ragged batch a dense KV cannot hold, naming lengths nobody gave."""
+    from argparse import Namespace
+
+    from attngen.cli import emulate_verdict
+
+    spec = tmp_path / "split.toml"
+    spec.write_text("head_dim = 64\nsplits = 2\n")
+    rc, out, err = run_main(capsys, "emulate", str(spec), "--batch", "2", "--q-len", "70", "--kv-len", "200")
+    assert rc == 0 and err == "" and "B=2 H=1 HKV=1 Sq=70 Skv=200" in out and "2 sequences (q [70, 70], kv [200, 200]" in out
+    ok, what = emulate_verdict(attngen.make_plan(attngen.load_spec(spec)),
+                               Namespace(q_len=200, kv_len=333, seed=0, softmax_scale=None))
+    assert ok and what.startswith("CPU model vs fp64 reference (B=1 H=2 HKV=2 Sq=200 Skv=333, seed 0): 1 sequence (q [200]"), what
+    # a kernel whose sequences may differ runs a ragged batch built from the lengths, whatever --batch says
+    varlen = tmp_path / "varlen.toml"
+    varlen.write_text('head_dim = 64\nlayout = "varlen"\n')
+    rc, out, _ = run_main(capsys, "emulate", str(varlen), "--batch", "3", "--q-len", "70", "--kv-len", "200")
+    assert rc == 0 and "a ragged batch of 4 from Sq=70 Skv=200 (--batch 3 does not apply)" in out, out
 
 
 def test_emulate_of_a_tiny_shape_runs(capsys):

@@ -231,6 +231,24 @@ def test_a_flex_layout_tensor_is_a_layout_error():
         fa.flash_attn_with_kvcache(rand(1, 4, 3, D), rand(1, 2, 64, D), rand(1, 2, 64, D), cache_seqlens=5)
 
 
+def test_the_varlen_door_compiles_fullgraph_and_matches_eager():
+    """issue 25: the max_seqlen_k check read cu_seqlens_k's values while tracing (a data-dependent guard
+    under fullgraph); it runs eagerly only, where a short max_seqlen_k is still refused."""
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    q, k, v = rand(100, 2, D, seed=30), rand(100, 2, D, seed=31), rand(100, 2, D, seed=32)
+
+    def f(q, k, v, cu):
+        return fa.flash_attn_varlen_func(q, k, v, cu, cu, 60, 60, causal=True)
+
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(f)(q, k, v, cu)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cu)
+    assert torch.equal(compiled, f(q, k, v, cu))
+    with pytest.raises(InputError, match="max_seqlen_k = 59: expected at least 60"):
+        fa.flash_attn_varlen_func(q, k, v, cu, cu, 60, 59)
+
+
 def test_a_repeated_call_plans_once(monkeypatch):
     calls = []
     real = ops._resolve

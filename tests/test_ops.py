@@ -112,6 +112,14 @@ def test_lse_gqa_and_variant_tensors_through_the_op():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+def test_a_tiny_softcap_through_the_op_matches_the_reference():
+    """softcap 1e-5 is valid (a finite number >= 0): its kernel's name must be an identifier (it was `_sc1e-05`)."""
+    q, k, v = qkv(20)
+    out = attngen.attention(q, k, v, softcap=1e-5)
+    assert check_close(out, q, k, v, False, softcap=1e-5).ok
+    assert not check_close(out, q, k, v, False).ok  # the cap flattens every score: another answer than none
+
+
 def test_a_non_default_scale_through_the_op_matches_the_reference():
     """softmax_scale (or scale) reaches the emitted kernel on the CPU model and the reference at the same scale."""
     q, k, v = qkv(70, 90, heads=4, kv_heads=2)
@@ -397,6 +405,26 @@ def test_spec_fields_from_module_attributes_compile_dynamic():
     compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
     q, k, v = qkv(33)
     assert torch.equal(compiled(q, k, v), module(q, k, v))
+
+
+def test_spec_fields_passed_into_a_fullgraph_compile_run_or_are_refused_by_attngen():
+    """issue 25: a schedule field given as the compiled function's argument turns symbolic once its value
+    changes (dynamo's automatic dynamic) and its JSON text could not be traced; a bad softmax_scale
+    argument showed dynamo's "repr_impl not implemented". Each value now gets its graph, and a bad
+    value attngen's own error from the op."""
+    q, k, v = qkv(20)
+
+    def f(q, k, v, consumers, scale):
+        return attngen.attention(q, k, v, causal=True, consumers=consumers, softmax_scale=scale)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for consumers, scale in ((1, 0.2), (2, 0.3), (1, 0.25)):
+        assert torch.equal(compiled(q, k, v, consumers, scale), f(q, k, v, consumers, scale))
+    with pytest.raises(InputError, match=r"^softmax_scale = -1.0: expected a positive float"):
+        compiled(q, k, v, 2, -1.0)
+    with pytest.raises(SpecError, match=r"^spec field `consumers` = 4: expected an integer from 1 to 3"):
+        compiled(q, k, v, 4, 0.3)
 
 
 def test_export_with_a_dynamic_sequence_length(tmp_path):

@@ -113,12 +113,24 @@ def test_emulate_takes_the_serving_keywords_and_validates_them():
 def test_check_runs_the_ragged_batch_and_fails_a_broken_kernel(plan):
     ok, text, _ = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 130, 200)
     assert ok, text
-    lq, lk = serving_lengths(plan.spec.layout, 130, 200)
+    lq, lk = serving_lengths(plan.spec.layout, 130, 200, paged=plan.spec.paged_kv)
     assert f"q {lq}, kv {lk}" in text
     # a kernel that takes one key too many for every sequence: the 1e4 neighbours show
     broken = render_source(plan).replace("kv_len = ", "kv_len = 1 + ", 1)
     assert broken != render_source(plan)
     ok, text, _ = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 130, 200, source=broken)
+    assert not ok and "FAIL" in text
+
+
+def test_check_runs_a_dense_split_kv_kernel_at_the_given_shape():
+    """split-KV alone keeps a dense bshd KV, one key length per batch: the check runs the lengths it
+    was given (issue 25: it drew the ragged batch and crashed on its unequal key lengths)."""
+    plan = make_plan(attngen.Spec(head_dim=64, splits=2))
+    ok, text, _ = check_emulated(plan, 2, 2, 2, 70, 333)
+    assert ok and text.startswith("2 sequences (q [70, 70], kv [333, 333], 3 splits): "), text
+    broken = render_source(plan).replace("first_tile = split_idx * tiles_per_split", "first_tile = split_idx * tiles_per_split + 1", 1)
+    assert broken != render_source(plan)  # each split skips its first tile
+    ok, text, _ = check_emulated(plan, 2, 2, 2, 70, 333, source=broken)
     assert not ok and "FAIL" in text
 
 

@@ -11,7 +11,7 @@ from attngen.spec import Spec, SpecError
 
 @pytest.mark.parametrize("fields, field, words", [
     (dict(layout="thd"), "layout", '"varlen"'),
-    (dict(page_size=64), "page_size", "only with paged_kv"),
+    (dict(page_size=64), "page_size", "expected no page_size with paged_kv = false"),
     (dict(paged_kv=True, page_size=40), "page_size", "multiple of 16"),
     (dict(paged_kv=True, page_size=8192), "page_size", "to 4096"),
     (dict(paged_kv="yes"), "paged_kv", "true or false"),

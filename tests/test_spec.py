@@ -1,6 +1,7 @@
 """Spec validation: every field, every budget, unknown keys, TOML, names and hashes."""
 
 import ast
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -45,6 +46,29 @@ def test_bad_field_names_field_value_and_valid_range(fields, field, hint):
     assert err.field == field
     assert hint in str(err)
     assert f"= {toml_value(list(fields.values())[0])}:" in str(err)  # the value as TOML writes it
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", causal=True), "`causal` = true: expected false with block_mask = true: "),
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", window=[3, 3]), "`window` = [3, 3]: expected [-1, -1] with block_mask = true: "),
+    (dict(block_mask=True, mask_mod="q_idx >= kv_idx", splits=2), "`splits` = 2: expected 1 with block_mask = true: "),
+    (dict(block_mask=True), "`block_mask` = true: expected false with no mask_mod: "),
+    (dict(pingpong=True, consumers=1), "`pingpong` = true: expected false (or no pingpong) with consumers = 1: "),
+    (dict(page_size=64), "`page_size` = 64: expected no page_size with paged_kv = false: "),
+    (dict(layout="varlen", aligned=True), '`aligned` = true: expected false with layout = "varlen": '),
+    (dict(splits=2, sinks=True), "`splits` = 2: expected 1 with sinks = true: "),
+    (dict(splits=2, window=[3, -1]), "`splits` = 2: expected 1 with window = [3, -1]: "),
+])
+def test_a_value_another_field_rules_out_says_what_would_be_valid_beside_it(fields, message):
+    """issue 25: "`causal` = true: false with block_mask = true" read as if false were the problem."""
+    assert message in str(error_for(**fields))
+
+
+def test_the_deterministic_backward_refusal_says_what_would_be_valid():
+    from attngen.plan import plan_backward
+
+    with pytest.raises(SpecError, match=r"`deterministic` = true: expected false with block_mask = true and gqa_group = 2: "):
+        plan_backward(Spec(block_mask=True, mask_mod="q_idx >= kv_idx", deterministic=True, gqa_group=2))
 
 
 def test_values_are_shown_as_toml_writes_them():
@@ -203,6 +227,56 @@ def test_every_valid_spec_renders_to_python_that_parses(spec):
     # the consumer body is emitted once, whatever the number of consumers
     assert source.count("def consumer(") == 1
     assert source.count("with T.ws(") == spec.consumers
+
+
+# Softcaps whose 6-digit forms are invalid in a name (1e-05) or shared (2, 2.0000001, 2.000001), and any other.
+SOFTCAPS = st.one_of(st.sampled_from([0.0, 2.0, 2.0000001, 2.000001, 1e-5, 1.0000001e-5, 1e20, 1.0000001e20, 30.0, 0.5]),
+                     st.floats(min_value=0.0, allow_nan=False, allow_infinity=False))
+
+
+NAMED_FIELDS = {"causal": st.booleans(), "softcap": SOFTCAPS, "lse": st.booleans(), "alibi": st.booleans(),
+                "window": st.sampled_from([(-1, -1), (0, -1), (5, 3), (-1, 7)]), "head_dim_v": st.sampled_from([None, 64, 128]),
+                "splits": st.sampled_from([1, 2, 3, "auto"])}
+
+
+@st.composite
+def named_spec_pairs(draw):
+    """Two specs over the fields a name spells out beyond the schedule (head_dim 64), the second
+    the first with one field drawn again: names that differ in one token, or collide."""
+    a = {name: draw(strategy) for name, strategy in NAMED_FIELDS.items()}
+    changed = draw(st.sampled_from(sorted(NAMED_FIELDS)))
+    b = {**a, changed: draw(NAMED_FIELDS[changed])}
+    if changed == "softcap" and draw(st.booleans()):  # a neighbour: the same 6 significant digits, or nearly
+        x = a["softcap"]
+        b["softcap"] = draw(st.sampled_from([math.nextafter(x, math.inf), x * (1 + 1e-7), float(f"{x:g}")]))
+    plans = []
+    for fields in (a, b):
+        if fields["splits"] != 1:  # split-KV takes no window
+            fields["window"] = (-1, -1)
+        plans.append(make_plan(Spec(head_dim=64, **fields)))
+    return plans
+
+
+def kernel_body(plan) -> str:
+    """The emitted source without its header's spec and hash lines: the kernel itself."""
+    return "\n".join(line for line in attngen.render_source(plan).splitlines()
+                     if not line.startswith("#") and not line.startswith("SPEC_HASH"))
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200)
+@given(named_spec_pairs())
+def test_names_are_identifiers_and_distinct_kernels_never_share_one(pair):
+    a, b = pair
+    assert a.name.isidentifier() and b.name.isidentifier(), (a.name, b.name)
+    if a.name == b.name:  # one generated/<name>.py: it must be the same kernel
+        assert kernel_body(a) == kernel_body(b), (a.spec, b.spec)
+
+
+def test_softcap_names_keep_their_tokens_and_tell_close_values_apart():
+    names = {v: make_plan(Spec(softcap=v)).name.removeprefix("fa3_fwd_hd128_f16_full_g1_c2_k2v2_m128n128_")
+             for v in (30.0, 0.5, 7.5, 1e20, 2.0, 2.0000001, 2.000001, 1e-5)}
+    assert names == {30.0: "sc30", 0.5: "sc0p5", 7.5: "sc7p5", 1e20: "sc1e20", 2.0: "sc2", 2.0000001: "sc2p0000001",
+                     2.000001: "sc2p000001", 1e-5: "sc1em05"}
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])

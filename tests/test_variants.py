@@ -359,6 +359,23 @@ def test_emulate_checks_call_time_tensors():
         emulate(spec, q, k, v, alibi_slopes=np.zeros(2), bias=np.zeros(2))
 
 
+def test_a_misspelt_keyword_of_the_emulators_names_the_nearest_tensor_or_spec_field():
+    """issue 25: emulate_backward(..., casual=True) said only "no such tensor"; attention's did-you-mean
+    (spec.did_you_mean) now names the nearest call-time tensor, or else the spec field meant."""
+    from attngen.emulator import emulate_backward
+
+    spec = Spec(head_dim=64, sinks=True)
+    q, k, v = random_inputs("float16", 64, 1, 2, 2, 9, 9)
+    sinks = np.zeros(2, np.float32)
+    with pytest.raises(InputError, match=r"casual = bool: expected no such tensor: did you mean `causal`, a spec field "
+                                         r"\(set on the spec\)\? the spec takes sinks"):
+        emulate_backward(spec, q, k, v, q, sinks=sinks, casual=True)
+    with pytest.raises(InputError, match=r"sink = a tensor of shape \[2\]: expected no such tensor: did you mean `sinks`\? "):
+        emulate(spec, q, k, v, sinks=sinks, sink=sinks)
+    with pytest.raises(InputError, match=r"alibi_slope = .*: did you mean `alibi_slopes`\? the spec takes no extra tensors"):
+        attngen.attention(*(torch.from_numpy(x).half() for x in (q, k, v)), alibi_slope=torch.ones(2))
+
+
 def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
     """attngen.attention maps its keywords to spec fields and tensors (compile stubbed: no GPU)."""
     from attngen import runtime

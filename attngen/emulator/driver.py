@@ -639,8 +639,8 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     from attngen.serving import serving_fields
 
     if serving_fields(plan).uses_serving:
-        return check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, seed=seed, policy=policy, source=source,
-                                      filename=filename, run=run, softmax_scale=softmax_scale)
+        return check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, batch=batch, seed=seed, policy=policy,
+                                      source=source, filename=filename, run=run, softmax_scale=softmax_scale)
     spec = plan.spec
     q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, q_len, kv_len, seed)
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
@@ -660,17 +660,31 @@ PADDING_ROWS = 5  # packed rows past the last sequence: a kernel must leave them
 CHECK_SPLITS = 3
 
 
-def serving_lengths(layout: str, q_len: int, kv_len: int) -> tuple:
-    """The ragged batch `check` runs a serving kernel on: the requested lengths, a 1-row query,
-    more queries than keys (causal rows that see nothing), and (varlen) an empty sequence."""
+def serving_lengths(layout: str, q_len: int, kv_len: int, *, paged: bool, batch: int = 1) -> tuple:
+    """The batch `check` runs a serving kernel on: where lengths may differ (varlen, or a paged
+    cache) a ragged one: the requested lengths, a 1-row query, more queries than keys (causal
+    rows that see nothing), and (varlen) an empty sequence. A dense bshd KV (split-KV alone) has
+    one key length: `batch` sequences of the requested lengths, the shape a plain call takes."""
+    if layout == "bshd" and not paged:
+        return [q_len] * batch, [kv_len] * batch
     kv = [kv_len, kv_len // 3 + 1, 5, 9]
     if layout == "bshd":  # one query length for the batch
         return [q_len] * 4, kv
     return [q_len, 1, q_len // 2 + 1, 0], kv
 
 
-def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, policy="random", source=None, filename=None,
-                           run=None, softmax_scale=None):
+def run_shape_text(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> str:
+    """The shape a CPU run takes, in the user's terms: B, H, HKV, Sq, Skv, or for a kernel whose
+    sequences may differ in length, the ragged batch serving_lengths builds from Sq and Skv."""
+    spec = plan.spec
+    if spec.layout == "bshd" and not spec.paged_kv:
+        return f"B={batch} H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}"
+    n = len(serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv)[0])
+    return f"H={heads} HKV={kv_heads}, a ragged batch of {n} from Sq={q_len} Skv={kv_len}" + ("" if batch == 1 else f" (--batch {batch} does not apply)")
+
+
+def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, seed=0, policy="random", source=None,
+                           filename=None, run=None, softmax_scale=None):
     """check_emulated for a serving kernel: a ragged batch (serving_lengths) whose unused cache rows and
     pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
     when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
@@ -678,7 +692,7 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, poli
     from attngen.serving import check_serving, check_serving_close, random_serving_inputs
 
     spec = plan.spec
-    lq, lk = serving_lengths(spec.layout, q_len, kv_len)
+    lq, lk = serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv, batch=batch)
     x = random_serving_inputs(spec.layout, spec.paged_kv, plan.page_size or None, spec.dtype, spec.head_dim,
                               plan.head_dim_v, lq, lk, heads, kv_heads, seed=seed, neighbour_fill=1e4)
     q, keywords = x.q, dict(x.keywords)
@@ -692,7 +706,7 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, seed=0, poli
     call = check_serving(plan, q, x.k, x.v, **keywords)
     res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
                               **variant_of(spec))
-    ok, text = res.ok, f"{len(lq)} sequences (q {lq}, kv {lk}"
+    ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)
     if plan.varlen:
@@ -867,7 +881,7 @@ def command(args, plan=None) -> int:
     except InputError as e:
         print(f"attngen: error: {e}", file=sys.stderr)
         return 2
-    shape = f"B={args.batch} H={heads} HKV={args.kv_heads} Sq={args.q_len} Skv={args.kv_len}"
+    shape = run_shape_text(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len)
     scale = getattr(args, "softmax_scale", None)
     print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
           f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
