@@ -7,6 +7,8 @@ An expression is Python syntax read with `ast` and checked against a whitelist:
     numeric literals         2, 0.5, 1e-3
     name[index, ...]         a float32 call-time tensor (bias[h], doc[b, q_idx], table[q_idx - kv_idx + 64]);
                              indices are integer expressions, clamped to the tensor's extent
+    name.int32[index, ...]   an int32 call-time tensor (exact ids, tables of indices): its entries
+                             are integers, usable as indices, in % and // and compared exactly
     + - * /  unary -         arithmetic (/ is true division)
     a % n, a // n            integer remainder and floor division (document ids, strided patterns):
                              a an integer expression, n a nonzero integer literal; Python's floor
@@ -72,6 +74,7 @@ class Expr:
     types: dict = dataclasses.field(compare=False, repr=False)  # id(node) -> INT/FLOAT/BOOL
     tensors: tuple  # ((name, (axis extent or None, ...)), ...) in order of first use
     uses: frozenset  # the variables it reads
+    int_tensors: frozenset = frozenset()  # the tensors written name.int32[...]: int32 kernel parameters
 
     @property
     def canonical(self) -> str:
@@ -89,6 +92,14 @@ def _is_name(node, name) -> bool:
     return isinstance(node, ast.Name) and node.id == name
 
 
+def tensor_name(sub: ast.Subscript) -> tuple:
+    """(name, is_int32) of a tensor subscript `name[...]` or `name.int32[...]`, or (None, False)."""
+    v = sub.value
+    if isinstance(v, ast.Attribute) and v.attr == "int32" and isinstance(v.value, ast.Name):
+        return v.value.id, True
+    return (v.id, False) if isinstance(v, ast.Name) else (None, False)
+
+
 def parse(text: str, kind: str) -> Expr:
     """Check `text` as a score_mod (numeric, may read `score`) or mask_mod (boolean)."""
     if not isinstance(text, str):
@@ -103,7 +114,7 @@ def parse(text: str, kind: str) -> Expr:
     except (RecursionError, MemoryError):  # nesting Python's own parser cannot take
         raise ExprError(1, f"the expression nests deeper than {MAX_DEPTH} levels; at most {MAX_DEPTH}") from None
     _check_size(tree)
-    types, tensors, uses = {}, {}, set()
+    types, tensors, uses, ints = {}, {}, set(), {}
 
     def bad(node, what):
         raise ExprError(_col(node), f"{what} is not allowed; {ALLOWED}")
@@ -163,9 +174,11 @@ def parse(text: str, kind: str) -> Expr:
                 bad(node, f"`{node.id}` without a call")
             bad(node, f"the name `{node.id}` (a tensor must be indexed, like {node.id}[h])")
         if isinstance(node, ast.Subscript):
-            if not isinstance(node.value, ast.Name):
-                bad(node, "indexing anything but a tensor name")
-            name = node.value.id
+            name, is_int = tensor_name(node)
+            if name is None:
+                bad(node, "indexing anything but a tensor name (or name.int32)")
+            if ints.setdefault(name, is_int) != is_int:
+                raise ExprError(_col(node), f"`{name}` is indexed both as {name}[...] (float32) and {name}.int32[...]")
             if name in RESERVED or name.startswith("_") or keyword.iskeyword(name):
                 raise ExprError(_col(node), f"`{name}` cannot name a tensor (reserved); {ALLOWED}")
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
@@ -182,7 +195,7 @@ def parse(text: str, kind: str) -> Expr:
                     raise ExprError(_col(node), f"`{name}` is indexed with {len(old)} and {len(axes)} indices")
                 axes = [a if a == o else None for a, o in zip(axes, old)]
             tensors[name] = tuple(axes)
-            return FLOAT
+            return INT if is_int else FLOAT
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
                 return numeric(node.operand, "the operand of -")
@@ -239,7 +252,8 @@ def parse(text: str, kind: str) -> Expr:
         raise ExprError(1, "score_mod must give a number (a new score); a boolean belongs in mask_mod")
     if kind == "mask_mod" and result != BOOL:
         raise ExprError(1, "mask_mod must give a boolean (true: the key is visible), for example q_idx >= kv_idx")
-    return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses))
+    return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses),
+                frozenset(n for n, is_int in ints.items() if is_int))
 
 
 def _check_size(tree) -> None:
@@ -286,7 +300,8 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
         if isinstance(node, ast.Name):
             return env[node.id]
         if isinstance(node, ast.Subscript):
-            arr = np.asarray(tensors[node.value.id], np.float64)
+            name, is_int = tensor_name(node)
+            arr = np.asarray(tensors[name], np.int64 if is_int else np.float64)
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             parts = np.broadcast_arrays(*[np.asarray(ev(i)) for i in idx])
             return arr[tuple(np.clip(p, 0, n - 1) for p, n in zip(parts, arr.shape))]
@@ -364,7 +379,7 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
         if isinstance(node, ast.Name):
             return names[node.id]
         if isinstance(node, ast.Subscript):
-            name = node.value.id
+            name = tensor_name(node)[0]
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             out = []
             for axis, i in enumerate(idx):

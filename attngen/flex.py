@@ -195,7 +195,7 @@ class _Translator:
         while out in self.tensors:
             n += 1
             out = f"{base}{n}"
-        self.tensors[out] = t.detach().to(torch.float32)
+        self.tensors[out] = stored_tensor(t)
         self.by_id[id(t)] = out
         return out
 
@@ -246,10 +246,21 @@ class _Translator:
                 raise FlexTranslationError(fn, line, f"`{ast.unparse(base)}` has {t.dim()} dimensions, indexed with {len(chain)}")
             if any(isinstance(i, (ast.Slice, ast.Starred)) for i in chain):
                 raise FlexTranslationError(fn, line, "a slice (index with b, h, q_idx, kv_idx expressions)")
+            if _exact_integers(t) and t.numel() and not _fits_int32(t):
+                raise FlexTranslationError(fn, line, f"the integer tensor `{ast.unparse(base)}` holds values beyond int32 "
+                                                     f"(the kernel's integers; renumber them from 0)")
             name = self.tensor(t, base.attr if isinstance(base, ast.Attribute) else base.id)
-            idx = [ex(i) for i in chain]
-            return ast.Subscript(ast.Name(name, ast.Load()), idx[0] if len(idx) == 1 else ast.Tuple(idx, ast.Load()),
-                                 ast.Load())
+            # Python's (and torch's) negative index counts from the end: wrapped where it may be negative
+            idx = [i if _nonnegative(i) else ast.Call(ast.Name("where", ast.Load()), [
+                ast.Compare(i, [ast.Lt()], [ast.Constant(0)]), ast.BinOp(i, ast.Add(), ast.Constant(n)), i], [])
+                for i, n in zip((ex(i) for i in chain), t.shape)]
+            ref = ast.Name(name, ast.Load())
+            if _exact_integers(t):
+                ref = ast.Attribute(ref, "int32", ast.Load())
+            entry = ast.Subscript(ref, idx[0] if len(idx) == 1 else ast.Tuple(idx, ast.Load()), ast.Load())
+            if t.dtype == torch.bool:  # a boolean mask tensor (keep[b, kv_idx]): its entries are conditions
+                return ast.Compare(entry, [ast.NotEq()], [ast.Constant(0)])
+            return entry
         if isinstance(node, ast.BinOp):
             ops = {ast.Add: ast.Add, ast.Sub: ast.Sub, ast.Mult: ast.Mult, ast.Div: ast.Div, ast.Mod: ast.Mod,
                    ast.FloorDiv: ast.FloorDiv}
@@ -285,6 +296,39 @@ class _Translator:
         if isinstance(node, ast.IfExp):
             raise FlexTranslationError(fn, line, "a conditional expression `x if c else y` (use torch.where(c, x, y))")
         raise FlexTranslationError(fn, line, f"the construct `{type(node).__name__}` ({ast.unparse(node)[:40]})")
+
+
+def _exact_integers(t: torch.Tensor) -> bool:
+    """An integer or bool tensor: kept as int32 (name.int32[...]), exact, not rounded to float32."""
+    return not (t.is_floating_point() or t.is_complex())
+
+
+def _fits_int32(t: torch.Tensor) -> bool:
+    return int(t.min()) >= -2**31 and int(t.max()) < 2**31
+
+
+def stored_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A captured tensor as the kernel takes it: int32 for integers and bools, else float32."""
+    return t.detach().to(torch.int32 if _exact_integers(t) else torch.float32).contiguous()
+
+
+def _nonnegative(node) -> bool:
+    """Whether a translated integer index is provably >= 0 (then it is left as written)."""
+    if isinstance(node, ast.Name):
+        return node.id in expr.INDEX_VARS
+    if isinstance(node, ast.Constant):
+        return node.value >= 0
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        return _nonnegative(node.left) and _nonnegative(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.FloorDiv)):  # floor forms, by a literal
+        return _nonnegative(node.right) and (isinstance(node.op, ast.Mod) or _nonnegative(node.left))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        args = node.args
+        if node.func.id == "max":
+            return any(_nonnegative(a) for a in args)
+        if node.func.id in ("min", "where"):
+            return all(_nonnegative(a) for a in (args if node.func.id == "min" else args[1:]))
+    return False
 
 
 _OPNAMES = {ast.Pow: "** (power)", ast.LShift: "<<", ast.RShift: ">>", ast.BitXor: "^ (xor)",

@@ -114,8 +114,8 @@ def test_captures_helpers_and_locals_become_expression_parts():
     tr = flex.translate(sliding, "mask_mod")
     assert tr.text == "q_idx >= kv_idx and q_idx - kv_idx <= 9" and tr.tensors == {}
     tr = flex.translate(document, "mask_mod")
-    assert tr.text == "doc_ids[q_idx] == doc_ids[kv_idx] and q_idx >= kv_idx"
-    assert tr.tensors["doc_ids"].dtype == torch.float32 and torch.equal(tr.tensors["doc_ids"], doc_ids.float())
+    assert tr.text == "doc_ids.int32[q_idx] == doc_ids.int32[kv_idx] and q_idx >= kv_idx"  # integers stay exact
+    assert tr.tensors["doc_ids"].dtype == torch.int32 and torch.equal(tr.tensors["doc_ids"], doc_ids.int())
     q = torch.zeros(3)  # a captured tensor under a reserved name gets another
     assert flex.translate(lambda b, h, i, j: q[i] > 0, "mask_mod").text == "t_q[q_idx] > 0"
 
@@ -140,8 +140,8 @@ def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monk
     assert not torch.equal(first, second) and len(calls) == 1  # new values, the same kernel
     bshd = q.transpose(1, 2)
     assert check_close(second.transpose(1, 2), bshd, bshd, bshd, False,
-                       mask_mod="doc_ids[q_idx] == doc_ids[kv_idx] and q_idx >= kv_idx",
-                       tensors={"doc_ids": torch.tensor([0.0] * 50 + [1.0] * 50)}).ok
+                       mask_mod="doc_ids.int32[q_idx] == doc_ids.int32[kv_idx] and q_idx >= kv_idx",
+                       tensors={"doc_ids": torch.tensor([0] * 50 + [1] * 50, dtype=torch.int32)}).ok
 
 
 def test_a_wrong_translation_is_caught_by_the_check(monkeypatch):
