@@ -68,7 +68,61 @@ def _file(fn) -> str:
 @dataclasses.dataclass(frozen=True)
 class Translated:
     text: str  # the expression (canonical form)
-    tensors: dict  # name -> torch.Tensor (float32) the expression indexes
+    tensors: dict  # name -> torch.Tensor (float32, or int32 for integer and bool tensors) the expression indexes
+    mask: str = ""  # a score_mod's -inf, split off as a mask_mod (canonical form): "" when it has none
+
+
+INF = "__inf__"  # infinity in a translated tree (the language has no such literal): split off or refused
+
+
+def _is_neg_inf(node) -> bool:
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Name) \
+        and node.operand.id == INF
+
+
+def _has_inf(node) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == INF for n in ast.walk(node))
+
+
+def _and(a, b):
+    return b if a is None else (a if b is None else ast.BoolOp(ast.And(), [a, b]))
+
+
+def _not(c):
+    return ast.UnaryOp(ast.Not(), c)
+
+
+def split_masked(tree):
+    """A translated score_mod with -inf in it as (mask or None, score): the tree equals
+    where(mask, score, -inf). -inf may stand as a branch of where (at any depth of wheres) and
+    have a finite term added to or subtracted from it; anywhere else it has no mask meaning
+    (None, None)."""
+    if not _has_inf(tree):
+        return None, tree
+    if _is_neg_inf(tree):
+        return ast.Compare(ast.Constant(0), [ast.NotEq()], [ast.Constant(0)]), ast.Constant(0)
+    if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id == "where":
+        c, a, b = tree.args
+        if _has_inf(c):
+            return None, None
+        (ma, sa), (mb, sb) = split_masked(a), split_masked(b)
+        if sa is None or sb is None:
+            return None, None
+        if _is_neg_inf(b):
+            return _and(c, ma), sa
+        if _is_neg_inf(a):
+            return _and(_not(c), mb), sb
+        true = ast.Compare(ast.Constant(0), [ast.Eq()], [ast.Constant(0)])
+        mask = ast.BoolOp(ast.Or(), [_and(c, ma) if ma else c, _and(_not(c), mb) if mb else _not(c)])
+        return (mask if ma or mb else true), ast.Call(tree.func, [c, sa, sb], [])
+    if isinstance(tree, ast.BinOp) and isinstance(tree.op, (ast.Add, ast.Sub)):
+        for inner, other, left in ((tree.left, tree.right, True), (tree.right, tree.left, False)):
+            if _has_inf(inner) and not _has_inf(other) and (left or isinstance(tree.op, ast.Add)):
+                m, sc = split_masked(inner)
+                if sc is None:
+                    return None, None
+                return m, ast.BinOp(sc, tree.op, other) if left else ast.BinOp(other, tree.op, sc)
+    return None, None
 
 
 def _function_node(fn):
@@ -205,6 +259,9 @@ class _Translator:
         if isinstance(value, numbers.Integral):
             return ast.Constant(int(value))
         if isinstance(value, numbers.Real):
+            if math.isinf(value):  # a masked key (split off by split_masked) or refused there
+                inf = ast.Name(INF, ast.Load())
+                return inf if value > 0 else ast.UnaryOp(ast.USub(), inf)
             return ast.Constant(float(value))
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             raise FlexTranslationError(fn, line, "a captured 0-d tensor (pass a Python number, or index a 1-d tensor)")
@@ -225,6 +282,9 @@ class _Translator:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise FlexTranslationError(fn, line, f"the tensor `{node.id}` used whole (index it, like {node.id}[h])")
             return self.literal(fn, value, line)
+        if isinstance(node, ast.Attribute) and node.attr == "min" and isinstance(node.value, ast.Call) \
+                and self.resolve(fn, node.value.func, env) is torch.finfo:
+            return self.literal(fn, -math.inf, line)  # torch.finfo(dtype).min: a masked key, as -inf
         if isinstance(node, ast.Attribute):
             value = self.resolve(fn, node, env)
             if value is None:
@@ -284,6 +344,11 @@ class _Translator:
             if target is None and isinstance(node.func, ast.Attribute):
                 raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` on a value "
                                                      f"(use a function: torch.{node.func.attr}(x))")
+            if target is float and len(node.args) == 1 and isinstance(node.args[0], ast.Constant):
+                try:  # float("-inf"), float("inf"), float(2)
+                    return self.literal(fn, float(node.args[0].value), line)
+                except (TypeError, ValueError):
+                    raise FlexTranslationError(fn, line, f"`{ast.unparse(node)}` is not a number") from None
             args = [ex(a) for a in node.args]
             name = _function_name(target)
             if name is not None:
@@ -358,7 +423,19 @@ def translate(fn, kind: str) -> Translated:
     tr = _Translator(kind)
     names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
     tree = tr.function(fn, [ast.Name(n, ast.Load()) for n in names])
+    mask = ""
+    if _has_inf(tree):
+        cond, tree = split_masked(tree) if kind == "score_mod" else (None, None)
+        if tree is None:
+            raise FlexTranslationError(fn, _function_node(fn).lineno, "an infinity where it is not a masked key "
+                                       "(write -inf as a branch of torch.where(cond, score, -float('inf')), or use a mask_mod)")
+        mask = _canonical(fn, ast.unparse(ast.fix_missing_locations(cond)), "mask_mod")
     text = ast.unparse(ast.fix_missing_locations(tree))
+    return Translated(_canonical(fn, text, kind), tr.tensors, mask)
+
+
+def _canonical(fn, text: str, kind: str) -> str:
+    """The translated text checked by the expression language, in canonical form (memoized per text)."""
     canonical = _parsed.get((text, kind))
     if canonical is None:
         try:
@@ -370,7 +447,7 @@ def translate(fn, kind: str) -> Translated:
         if len(_parsed) > 1024:
             _parsed.clear()
         _parsed[(text, kind)] = canonical
-    return Translated(canonical, tr.tensors)
+    return canonical
 
 
 _parsed: dict = {}
@@ -533,10 +610,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise InputError("kernel_options", kernel_options, "None: attngen picks its schedule from the spec and "
                                                            "the tuned table (spec fields go to attngen.attention)")
     kw = {}
+    score_mask = ""  # the score_mod's -inf keys, as a mask
     if score_mod is not None:
         tr = translate(score_mod, "score_mod")
-        kw["score_mod"] = tr.text
+        if tr.text != "score":  # (where(c, score, -inf) is a mask alone)
+            kw["score_mod"] = tr.text
         kw.update(tr.tensors)
+        score_mask = tr.mask
     if block_mask is not None:
         mm = getattr(block_mask, "mask_mod", None)
         lengths = tuple(getattr(block_mask, "seq_lengths", ()))
@@ -555,7 +635,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
         kw["mask_mod"] = tr.text
         kw.update(tr.tensors)
-        kw["block_mask"] = kernel_block_mask(block_mask, bshape, query, value, kw)
+        bm = kernel_block_mask(block_mask, bshape, query, value, kw)
+        if score_mask:  # the block mask's tiles, its full ones masked too: the score_mod's -inf may fall there
+            st = np.where(bm.states == tiles.FULL, tiles.PARTIAL, bm.states).astype(bm.states.dtype)
+            kw["mask_mod"] = _canonical(score_mod, f"({tr.text}) and ({score_mask})", "mask_mod")
+            bm = _block_mask(bm.seq_lengths, bm.BLOCK_SIZE, st, bm.mask_mod, kw["mask_mod"], bm.mask_tensors,
+                             bm.kv_num_blocks.device)
+        kw["block_mask"] = bm
+    elif score_mask:
+        kw["mask_mod"] = score_mask
     if scale is not None:  # a run-time scale (issue 18); passed only when asked for
         kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
     kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
