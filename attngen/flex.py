@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import functools
 import inspect
 import keyword
 import linecache
@@ -174,19 +175,34 @@ class _Translator:
         self.by_id: dict[int, str] = {}
 
     # -- one function: parameters bound to expression trees, locals substituted -------------
-    def function(self, fn, args: list, depth: int = 0) -> ast.expr:
+    def function(self, fn, args: list, depth: int = 0, keywords: dict | None = None) -> ast.expr:
         if depth > 8:
-            raise FlexTranslationError(fn, fn.__code__.co_firstlineno, "calls nest more than 8 deep")
+            raise FlexTranslationError(fn, getattr(getattr(fn, "__code__", None), "co_firstlineno", "?"),
+                                       "calls nest more than 8 deep")
+        if isinstance(fn, functools.partial):  # its bound arguments are captured values
+            return self.function(fn.func, [_Bound(x) for x in fn.args] + list(args), depth + 1,
+                                 {**{n: _Bound(x) for n, x in fn.keywords.items()}, **(keywords or {})})
+        if _torch_helper(fn, "noop_mask"):  # its body (batch.new_ones(...)) is a constant True
+            return _literal_bool(True)
+        combined = _mask_combiner(fn)
+        if combined is not None:  # torch's and_masks / or_masks: their mods, joined
+            op, mods = combined
+            parts = [self.function(m, args, depth + 1) for m in mods]
+            return _literal_bool(isinstance(op, ast.And)) if not parts else \
+                parts[0] if len(parts) == 1 else ast.BoolOp(op, parts)
         node = _function_node(fn)
         line0 = node.lineno
         a = node.args
         if a.vararg or a.kwarg or a.kwonlyargs:
             raise FlexTranslationError(fn, line0, "*args, **kwargs or keyword-only parameters")
         params = [p.arg for p in a.posonlyargs + a.args]
-        if len(params) != len(args):
-            raise FlexTranslationError(fn, line0, f"it takes {len(params)} parameters, {len(args)} expected "
-                                                  f"({', '.join(SCORE_ARGS if self.kind == 'score_mod' else MASK_ARGS)})")
         env = dict(zip(params, args))
+        env.update(keywords or {})
+        defaults = dict(zip(params[len(params) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+        env.update((p, _Bound(x)) for p, x in defaults.items() if p not in env)  # a default value is a capture
+        if len(args) > len(params) or set(env) != set(params):
+            raise FlexTranslationError(fn, line0, f"it takes {len(params)} parameters, {len(args)} given "
+                                                  f"({', '.join(SCORE_ARGS if self.kind == 'score_mod' else MASK_ARGS)})")
         if isinstance(node, ast.Lambda):
             return self.expr(fn, node.body, env, depth)
         body = node.body
@@ -198,9 +214,15 @@ class _Translator:
                 return self.expr(fn, stmt.value, env, depth)
             if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                if len(targets) != 1 or not isinstance(targets[0], ast.Name):
-                    raise FlexTranslationError(fn, stmt.lineno, "an assignment to anything but one plain name")
-                env[targets[0].id] = self.expr(fn, stmt.value, env, depth)
+                value = self.expr(fn, stmt.value, env, depth)
+                for target in targets:
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    values = value if isinstance(target, ast.Tuple) else [value]
+                    if not all(isinstance(n, ast.Name) for n in names) or not isinstance(values, list) \
+                            or len(values) != len(names):
+                        raise FlexTranslationError(fn, stmt.lineno, "an assignment to anything but plain names "
+                                                                    "(x = ..., or x, y = a tuple of as many)")
+                    env.update((n.id, v) for n, v in zip(names, values))
                 continue
             if isinstance(stmt, ast.Pass):
                 continue
@@ -227,7 +249,7 @@ class _Translator:
         """The Python object a name or attribute chain (torch.where, math.pi, self_cfg.x) refers to."""
         if isinstance(node, ast.Name):
             if node.id in env:
-                return None
+                return env[node.id].value if isinstance(env[node.id], _Bound) else None
             return self.lookup(fn, node.id, node.lineno)
         if isinstance(node, ast.Attribute):
             base = self.resolve(fn, node.value, env)
@@ -254,8 +276,8 @@ class _Translator:
         return out
 
     def literal(self, fn, value, line) -> ast.expr:
-        if isinstance(value, bool):  # the language has no boolean literal
-            return ast.Compare(ast.Constant(0), [ast.Eq() if value else ast.NotEq()], [ast.Constant(0)])
+        if isinstance(value, bool):
+            return _literal_bool(value)
         if isinstance(value, numbers.Integral):
             return ast.Constant(int(value))
         if isinstance(value, numbers.Real):
@@ -275,10 +297,13 @@ class _Translator:
             if isinstance(node.value, (bool, int, float)):
                 return self.literal(fn, node.value, line)
             raise FlexTranslationError(fn, line, f"the literal {node.value!r}")
+        if isinstance(node, ast.Tuple):  # a tuple value (x, y = helper(i)): unpacked by an assignment
+            return [ex(e) for e in node.elts]
         if isinstance(node, ast.Name):
-            if node.id in env:
-                return env[node.id]
-            value = self.lookup(fn, node.id, line)
+            value = env.get(node.id)
+            if node.id in env and not isinstance(value, _Bound):
+                return value
+            value = value.value if node.id in env else self.lookup(fn, node.id, line)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise FlexTranslationError(fn, line, f"the tensor `{node.id}` used whole (index it, like {node.id}[h])")
             return self.literal(fn, value, line)
@@ -361,6 +386,32 @@ class _Translator:
         if isinstance(node, ast.IfExp):
             raise FlexTranslationError(fn, line, "a conditional expression `x if c else y` (use torch.where(c, x, y))")
         raise FlexTranslationError(fn, line, f"the construct `{type(node).__name__}` ({ast.unparse(node)[:40]})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """A parameter bound by functools.partial to a Python value (a number, a tensor): a capture."""
+    value: object
+
+
+def _literal_bool(value: bool) -> ast.expr:
+    """True or False in the language, which has no boolean literal."""
+    return ast.Compare(ast.Constant(0), [ast.Eq() if value else ast.NotEq()], [ast.Constant(0)])
+
+
+def _torch_helper(fn, name: str) -> bool:
+    """Whether fn is torch.nn.attention.flex_attention's `name` (or a function made inside it)."""
+    return getattr(fn, "__module__", None) == "torch.nn.attention.flex_attention" and \
+        getattr(getattr(fn, "__code__", None), "co_name", None) == name
+
+
+def _mask_combiner(fn):
+    """(ast.And() or ast.Or(), the mods) for a mask made by torch's and_masks / or_masks, else None."""
+    if not (_torch_helper(fn, "and_mask") or _torch_helper(fn, "or_mask")) or "mask_mods" not in fn.__code__.co_freevars:
+        return None
+    code = fn.__code__
+    mods = fn.__closure__[code.co_freevars.index("mask_mods")].cell_contents
+    return (ast.And() if code.co_name == "and_mask" else ast.Or()), tuple(mods)
 
 
 def _exact_integers(t: torch.Tensor) -> bool:
