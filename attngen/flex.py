@@ -45,11 +45,40 @@ TAKEN = expr.RESERVED | set(FIELDS) | {"softmax_scale", "scale", "out", "cu_seql
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
-# torch / math functions -> the language's (argument count checked by expr.parse)
-TORCH_FUNCS = {"where": "where", "tanh": "tanh", "exp": "exp", "log": "log", "abs": "abs",
-               "minimum": "min", "maximum": "max", "min": "min", "max": "max"}
-MATH_FUNCS = {"tanh": "tanh", "exp": "exp", "log": "log", "fabs": "abs"}
-BUILTIN_FUNCS = {abs: "abs", min: "min", max: "max"}
+# torch / math functions -> the language's, or an OPS entry written with them (arguments checked by expr.parse)
+UNARY = ("tanh", "exp", "exp2", "log", "abs", "sin", "cos", "tan", "sqrt")
+TORCH_FUNCS = {**{f: f for f in UNARY}, "where": "where", "minimum": "min", "maximum": "max", "min": "min",
+               "max": "max", "pow": "pow", "sigmoid": "sigmoid", "clamp": "clamp", "clip": "clamp",
+               "square": "square"}
+NN_FUNCS = {"silu": "silu", "sigmoid": "sigmoid"}  # torch.nn.functional
+MATH_FUNCS = {"tanh": "tanh", "exp": "exp", "exp2": "exp2", "log": "log", "fabs": "abs", "sin": "sin", "cos": "cos",
+              "tan": "tan", "sqrt": "sqrt", "pow": "pow"}
+BUILTIN_FUNCS = {abs: "abs", min: "min", max: "max", pow: "pow"}
+# methods on a value (x.pow(2), x.clamp(min=0)): the torch function of that name, x its first argument
+METHODS = {"pow", "sqrt", "clamp", "clip", "abs", "exp", "exp2", "log", "tanh", "sin", "cos", "tan", "sigmoid", "square"}
+# parameter names, for keyword arguments (torch's)
+PARAMS = {"where": ("condition", "input", "other"), "pow": ("input", "exponent"), "clamp": ("input", "min", "max"),
+          "min": ("input", "other"), "max": ("input", "other")}
+
+
+def _call(name: str, *args) -> ast.expr:
+    return ast.Call(ast.Name(name, ast.Load()), list(args), [])
+
+
+def _sigmoid_denominator(x):
+    return ast.BinOp(ast.Constant(1), ast.Add(), _call("exp", ast.UnaryOp(ast.USub(), x)))
+
+
+# ops written with the language's functions
+OPS = {"sigmoid": lambda x: ast.BinOp(ast.Constant(1), ast.Div(), _sigmoid_denominator(x)),
+       "silu": lambda x: ast.BinOp(x, ast.Div(), _sigmoid_denominator(x)),
+       "square": lambda x: ast.BinOp(x, ast.Mult(), x),
+       "clamp": lambda x, lo=None, hi=None: _clamp(x, lo, hi)}
+
+
+def _clamp(x, lo, hi):
+    x = x if lo is None else _call("max", x, lo)
+    return x if hi is None else _call("min", x, hi)
 
 
 class FlexTranslationError(InputError):
@@ -275,6 +304,24 @@ class _Translator:
         self.by_id[id(t)] = out
         return out
 
+    def keywords(self, fn, node, name: str, given: int, ex) -> list:
+        """A call's keyword arguments (torch.clamp(x, min=0), torch.where(c, input=a, other=b)) as the
+        positional ones after the `given` first, by torch's parameter names; a trailing one left out is None."""
+        if not node.keywords:
+            return []
+        params = PARAMS.get(name, ("input",))
+        by_name = {k.arg: k.value for k in node.keywords}
+        unknown = sorted(set(by_name) - set(params[given:]))
+        if unknown or None in by_name:
+            raise FlexTranslationError(fn, node.lineno, f"the keyword argument `{unknown[0] if unknown else '**'}` in "
+                                                        f"`{ast.unparse(node.func)}` (it takes {', '.join(params)})")
+        out = [ex(by_name[p]) if p in by_name else None for p in params[given:]]
+        while out and out[-1] is None:
+            out.pop()
+        if None in out:
+            raise FlexTranslationError(fn, node.lineno, f"`{ast.unparse(node)}` leaves out a middle argument")
+        return out
+
     def literal(self, fn, value, line) -> ast.expr:
         if isinstance(value, bool):
             return _literal_bool(value)
@@ -349,8 +396,15 @@ class _Translator:
         if isinstance(node, ast.BinOp):
             ops = {ast.Add: ast.Add, ast.Sub: ast.Sub, ast.Mult: ast.Mult, ast.Div: ast.Div, ast.Mod: ast.Mod,
                    ast.FloorDiv: ast.FloorDiv}
-            if isinstance(node.op, (ast.BitAnd, ast.BitOr)):
-                return ast.BoolOp(ast.And() if isinstance(node.op, ast.BitAnd) else ast.Or(), [ex(node.left), ex(node.right)])
+            if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+                left, right = ex(node.left), ex(node.right)
+                if _is_condition(left) or _is_condition(right):  # a mask's & | (torch's bool tensors): and, or
+                    if isinstance(node.op, ast.BitXor):
+                        return ast.Compare(_as_int(left), [ast.NotEq()], [_as_int(right)])
+                    return ast.BoolOp(ast.And() if isinstance(node.op, ast.BitAnd) else ast.Or(), [left, right])
+                return ast.BinOp(left, type(node.op)(), right)  # integers (kv_idx & 1): bitwise
+            if isinstance(node.op, ast.Pow):
+                return _call("pow", ex(node.left), ex(node.right))
             if type(node.op) not in ops:
                 raise FlexTranslationError(fn, line, f"the operator {_OPNAMES.get(type(node.op), type(node.op).__name__)}")
             return ast.BinOp(ex(node.left), ops[type(node.op)](), ex(node.right))
@@ -363,26 +417,35 @@ class _Translator:
         if isinstance(node, ast.Compare):
             return ast.Compare(ex(node.left), [type(o)() for o in node.ops], [ex(c) for c in node.comparators])
         if isinstance(node, ast.Call):
-            if node.keywords:
-                raise FlexTranslationError(fn, line, f"keyword arguments in a call of `{ast.unparse(node.func)}`")
             target = self.resolve(fn, node.func, env)
-            if target is None and isinstance(node.func, ast.Attribute):
-                raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` on a value "
-                                                     f"(use a function: torch.{node.func.attr}(x))")
+            positional = list(node.args)
+            if target is None and isinstance(node.func, ast.Attribute):  # a method on a value: x.pow(2)
+                if node.func.attr not in METHODS:
+                    raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` (methods: "
+                                                         f"{', '.join(sorted(METHODS))}; or a torch function)")
+                target, positional = getattr(torch, node.func.attr), [node.func.value] + positional
             if target is float and len(node.args) == 1 and isinstance(node.args[0], ast.Constant):
                 try:  # float("-inf"), float("inf"), float(2)
                     return self.literal(fn, float(node.args[0].value), line)
                 except (TypeError, ValueError):
                     raise FlexTranslationError(fn, line, f"`{ast.unparse(node)}` is not a number") from None
-            args = [ex(a) for a in node.args]
             name = _function_name(target)
+            args = [ex(a) for a in positional]
             if name is not None:
-                return ast.Call(ast.Name(name, ast.Load()), args, [])
-            if inspect.isfunction(target):  # a helper mod (and_masks-style): inlined
+                args += self.keywords(fn, node, name, len(args), ex)
+                if name in OPS:
+                    try:
+                        return OPS[name](*args)
+                    except TypeError:
+                        raise FlexTranslationError(fn, line, f"`{ast.unparse(node)}`: {len(args)} arguments") from None
+                return _call(name, *args)
+            if inspect.isfunction(target) or isinstance(target, functools.partial):  # a helper: inlined
+                if node.keywords:
+                    raise FlexTranslationError(fn, line, f"keyword arguments in a call of `{ast.unparse(node.func)}`")
                 return self.function(target, args, depth + 1)
             raise FlexTranslationError(fn, line, f"calling `{ast.unparse(node.func)}` (supported: torch.where, "
-                                                 f"torch.tanh/exp/log/abs/minimum/maximum, abs, min, max, and "
-                                                 f"Python functions made of these)")
+                                                 f"torch.{'/'.join(UNARY)}, pow, sigmoid, silu, clamp, square, "
+                                                 f"minimum/maximum, abs, min, max, and Python functions made of these)")
         if isinstance(node, ast.IfExp):
             raise FlexTranslationError(fn, line, "a conditional expression `x if c else y` (use torch.where(c, x, y))")
         raise FlexTranslationError(fn, line, f"the construct `{type(node).__name__}` ({ast.unparse(node)[:40]})")
@@ -447,13 +510,21 @@ def _nonnegative(node) -> bool:
     return False
 
 
-_OPNAMES = {ast.Pow: "** (power)", ast.LShift: "<<", ast.RShift: ">>", ast.BitXor: "^ (xor)",
-            ast.MatMult: "@ (matmul)"}
+_OPNAMES = {ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@ (matmul)"}
+
+
+def _is_condition(node) -> bool:
+    """Whether a translated tree is a condition (a comparison, and/or/not), not an integer."""
+    return isinstance(node, (ast.Compare, ast.BoolOp)) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not))
+
+
+def _as_int(node):
+    return ast.Call(ast.Name("where", ast.Load()), [node, ast.Constant(1), ast.Constant(0)], []) if _is_condition(node) else node
 
 
 def _function_name(target):
-    """The language's name of a torch/math/builtin function object, or None."""
-    for table, module in ((TORCH_FUNCS, torch), (MATH_FUNCS, math)):
+    """The op name (the language's function, or an OPS entry) of a torch/math/builtin function object, or None."""
+    for table, module in ((TORCH_FUNCS, torch), (NN_FUNCS, torch.nn.functional), (MATH_FUNCS, math)):
         for py, ours in table.items():
             if getattr(module, py, None) is target:
                 return ours
