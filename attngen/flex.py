@@ -692,7 +692,7 @@ def _to_bshd(t):
 KERNEL_Q_TILES = (128, 64, 192)  # 64 rows per consumer warpgroup; the default first
 
 
-def kernel_block_mask(bm, bshape, query, value, kw: dict) -> BlockMask:
+def kernel_block_mask(bm, bshape, head_dim: int, dtype, head_dim_v: int, kw: dict) -> BlockMask:
     """The block mask the kernel visits: attngen's own (a torch BlockMask is classified again by
     create_block_mask from its mask_mod), over the kernel's tiles. Its BLOCK_SIZE is taken as
     the tiles when a kernel plans with them; else the first Q tile (128, 64, 192) and the
@@ -706,8 +706,8 @@ def kernel_block_mask(bm, bshape, query, value, kw: dict) -> BlockMask:
         bm = create_block_mask(bm.mask_mod, bshape[0], bshape[1], *bm.seq_lengths,
                                BLOCK_SIZE=(int(size[0]), int(size[-1])))
     bq, bk = bm.BLOCK_SIZE
-    fields = dict(head_dim=int(query.shape[-1]), dtype=spec_dtype(query.dtype) or "float16", block_mask=True,
-                  mask_mod=kw["mask_mod"], score_mod=kw.get("score_mod", ""), head_dim_v=int(value.shape[-1]))
+    fields = dict(head_dim=head_dim, dtype=spec_dtype(dtype) or "float16", block_mask=True,
+                  mask_mod=kw["mask_mod"], score_mod=kw.get("score_mod", ""), head_dim_v=head_dim_v)
 
     def plans(m, n) -> bool:
         try:
@@ -731,6 +731,38 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if kernel_options:
         raise InputError("kernel_options", kernel_options, "None: attngen picks its schedule from the spec and "
                                                            "the tuned table (spec fields go to attngen.attention)")
+    meta = (tuple(int(n) for n in query.shape), int(key.shape[2]), int(value.shape[-1]), query.dtype)
+    if torch.compiler.is_compiling():  # the translation is a constant of the graph (_traced_mods)
+        kw = dict(_TRACED[_traced_mods(score_mod, block_mask, meta)])
+    else:
+        kw = _mods(score_mod, block_mask, meta)
+    if scale is not None:  # a run-time scale (issue 18); passed only when asked for
+        kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
+    kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
+    out, lse = result if return_lse else (result, None)
+    out = out.transpose(1, 2)  # [B, H, S, D], a view
+    return (out, lse) if return_lse else out
+
+
+_TRACED: dict = {}  # _traced_mods' results, by key
+
+
+@torch._dynamo.assume_constant_result
+def _traced_mods(score_mod, block_mask, meta) -> str:
+    """_mods under torch.compile: run once while tracing (the translation reads source, closures and
+    numpy, which dynamo cannot trace), its result kept in _TRACED under the returned key, a constant
+    of the graph; the graph reads the captured tensors and block-mask lists from there (guarded
+    graph inputs). So a compiled graph keeps the translation it was traced with, as torch's does."""
+    key = f"{id(score_mod)}:{id(block_mask)}:{meta}"
+    _TRACED[key] = _mods(score_mod, block_mask, meta)
+    return key
+
+
+def _mods(score_mod, block_mask, meta) -> dict:
+    """attngen.attention's keywords for a score_mod and a block mask: the translated texts, their captured
+    tensors and the kernel's block mask. `meta`: query's shape, the key length, value's head dim, the dtype."""
+    (batch, heads, q_len, head_dim), kv_len, head_dim_v, dtype = meta
     kw = {}
     score_mask = ""  # the score_mod's -inf keys, as a mask
     if score_mod is not None:
@@ -744,11 +776,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         lengths = tuple(getattr(block_mask, "seq_lengths", ()))
         if mm is None or len(lengths) != 2:
             raise InputError("block_mask", type(block_mask).__name__, "a BlockMask from attngen.create_block_mask")
-        if lengths != (query.shape[2], key.shape[2]):
-            raise InputError("block_mask.seq_lengths", lengths,
-                             f"({query.shape[2]}, {key.shape[2]}), query's and key's lengths")
+        if lengths != (q_len, kv_len):
+            raise InputError("block_mask.seq_lengths", lengths, f"({q_len}, {kv_len}), query's and key's lengths")
         bshape = tuple(getattr(block_mask, "kv_num_blocks").shape[:2]) if hasattr(block_mask, "kv_num_blocks") else (1, 1)
-        for axis, (got, want) in enumerate(zip(bshape, (query.shape[0], query.shape[1]))):
+        for axis, (got, want) in enumerate(zip(bshape, (batch, heads))):
             if got not in (1, want):
                 raise InputError(f"block_mask {'BH'[axis]}", got, f"1 or {want}")
         tr = translate(mm, "mask_mod")  # afresh: its captures as they are now, as torch's flex_attention reads them
@@ -757,22 +788,19 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
         kw["mask_mod"] = tr.text
         kw.update(tr.tensors)
-        bm = kernel_block_mask(block_mask, bshape, query, value, kw)
+        bm = kernel_block_mask(block_mask, bshape, head_dim, dtype, head_dim_v, kw)
         if score_mask:  # the block mask's tiles, its full ones masked too: the score_mod's -inf may fall there
             st = np.where(bm.states == tiles.FULL, tiles.PARTIAL, bm.states).astype(bm.states.dtype)
             kw["mask_mod"] = _canonical(score_mod, f"({tr.text}) and ({score_mask})", "mask_mod")
             bm = _block_mask(bm.seq_lengths, bm.BLOCK_SIZE, st, bm.mask_mod, kw["mask_mod"], bm.mask_tensors,
                              bm.kv_num_blocks.device)
+        elif bm.mask_text != kw["mask_mod"]:  # the same tiles; the mod's text as it translates now
+            bm = dataclasses.replace(bm, mask_text=kw["mask_mod"])
         kw["block_mask"] = bm
+        del kw["mask_mod"]  # the block mask brings its own (attention checks nothing twice)
     elif score_mask:
         kw["mask_mod"] = score_mask
-    if scale is not None:  # a run-time scale (issue 18); passed only when asked for
-        kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
-    kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
-    result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
-    out, lse = result if return_lse else (result, None)
-    out = out.transpose(1, 2)  # [B, H, S, D], a view
-    return (out, lse) if return_lse else out
+    return kw
 
 
 __all__ = ["BlockMask", "FlexTranslationError", "Translated", "create_block_mask", "flex_attention", "translate"]

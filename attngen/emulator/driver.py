@@ -423,6 +423,11 @@ def _host_array(x) -> np.ndarray:
     return np.asarray(to_numpy(x), np.float32)
 
 
+def call_time_array(t, x) -> np.ndarray:
+    """A checked call-time tensor of the plan's ExtraTensor `t` as the array its buffer takes."""
+    return np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+
+
 def check_seed(seed, argument: str = "seed") -> int:
     """A schedule and input seed: a non-negative integer (numpy's generators take no negatives)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -478,7 +483,7 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
                 args.append(None)
             continue
         x = next(given)
-        x = np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+        x = call_time_array(t, x)
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None or a in BLOCK_MASK_AXES})
         args.append(x)
     return args
