@@ -174,6 +174,8 @@ _nodes: dict = {}
 
 def _find_node(fn, code):
     lines = linecache.getlines(code.co_filename, getattr(fn, "__globals__", None))
+    if not lines and code.co_filename.startswith("<eval_with_key>"):  # a torch.fx trace's forward (_traced)
+        lines = _FX_SOURCES.get(code.co_filename, [])
     if not lines:
         raise FlexTranslationError(fn, code.co_firstlineno, "its source is not available (define it in a file)")
     try:
@@ -197,6 +199,29 @@ def _find_node(fn, code):
     return found[0]
 
 
+_FX_SOURCES: dict = {}  # a torch.fx trace's file name -> its forward's source lines
+
+
+def _has_source(fn) -> bool:
+    code = fn.__code__
+    return bool(linecache.getlines(code.co_filename, getattr(fn, "__globals__", None)))
+
+
+def _traced(fn):
+    """A mod without a source file (defined in a REPL, `python -c`, exec) as torch.fx traces it: the
+    trace's forward (whose source torch.fx writes), its `self` bound (the captured tensors are
+    its attributes). Python control flow on the arguments cannot be traced: refused, as any."""
+    import torch.fx
+    try:
+        gm = torch.fx.symbolic_trace(fn)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's code under tracing
+        raise FlexTranslationError(fn, fn.__code__.co_firstlineno, f"its source is not available (define it in a "
+                                   f"file), and torch.fx cannot trace it ({type(e).__name__}: {str(e)[:80]})") from None
+    forward = type(gm).forward
+    _FX_SOURCES[forward.__code__.co_filename] = gm.code.splitlines(True)
+    return functools.partial(forward, gm)
+
+
 class _Translator:
     def __init__(self, kind: str):
         self.kind = kind
@@ -211,6 +236,8 @@ class _Translator:
         if isinstance(fn, functools.partial):  # its bound arguments are captured values
             return self.function(fn.func, [_Bound(x) for x in fn.args] + list(args), depth + 1,
                                  {**{n: _Bound(x) for n, x in fn.keywords.items()}, **(keywords or {})})
+        if inspect.isfunction(fn) and not _has_source(fn) and not fn.__code__.co_filename.startswith("<eval_with_key>"):
+            return self.function(_traced(fn), args, depth + 1, keywords)
         if _torch_helper(fn, "noop_mask"):  # its body (batch.new_ones(...)) is a constant True
             return _literal_bool(True)
         combined = _mask_combiner(fn)
@@ -241,9 +268,15 @@ class _Translator:
         for stmt in body:
             if isinstance(stmt, ast.Return) and stmt.value is not None:
                 return self.expr(fn, stmt.value, env, depth)
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and stmt.value.value is None:
+                continue  # `q = kv = None`: a torch.fx trace freeing its values
             if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                value = self.expr(fn, stmt.value, env, depth)
+                obj = self.resolve(fn, stmt.value, env) if isinstance(stmt.value, (ast.Name, ast.Attribute)) else None
+                if isinstance(obj, torch.Tensor) and obj.dim() > 0 or callable(obj):  # t = self.table: an alias
+                    value = _Bound(obj)
+                else:
+                    value = self.expr(fn, stmt.value, env, depth)
                 for target in targets:
                     names = target.elts if isinstance(target, ast.Tuple) else [target]
                     values = value if isinstance(target, ast.Tuple) else [value]
@@ -416,6 +449,9 @@ class _Translator:
             return ast.BoolOp(type(node.op)(), [ex(v) for v in node.values])
         if isinstance(node, ast.Compare):
             return ast.Compare(ex(node.left), [type(o)() for o in node.ops], [ex(c) for c in node.comparators])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__getitem__" \
+                and len(node.args) == 1 and not node.keywords:  # t.__getitem__(i), as torch.fx writes t[i]
+            return ex(ast.copy_location(ast.Subscript(node.func.value, node.args[0], ast.Load()), node))
         if isinstance(node, ast.Call):
             target = self.resolve(fn, node.func, env)
             positional = list(node.args)
@@ -627,11 +663,15 @@ def _positive(name, x):
     return int(x)
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False) -> BlockMask:
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
+                      separate_full_blocks=True, compute_dq_write_order=False, dq_kv_order=True) -> BlockMask:
     """Evaluate mask_mod (translated, with numpy: expr.evaluate) over [B, H, Q_LEN, KV_LEN] and
     classify each BLOCK_SIZE tile (tiles.tile_states). B or H None is 1 (broadcast, as Flex).
     BLOCK_SIZE is an int or (Q block, KV block). `device`: where the index tensors live (CPU
-    by default; Flex's default is "cuda"). `_compile` is accepted and changes nothing."""
+    by default; Flex's default is "cuda"). `_compile` is accepted and changes nothing.
+    separate_full_blocks=False lists every visited tile as partial (the mask runs on all), as
+    torch's; compute_dq_write_order and dq_kv_order are accepted and change nothing (attngen's
+    backward derives its own lists and order: docs/backward.md)."""
     B = 1 if B is None else _positive("B", B)
     H = 1 if H is None else _positive("H", H)
     Q_LEN, KV_LEN = _positive("Q_LEN", Q_LEN), _positive("KV_LEN", KV_LEN)
@@ -646,6 +686,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
                "q_idx": np.arange(q0, q1)[None, None, :, None], "kv_idx": np.arange(KV_LEN)[None, None, None, :]}
         return np.broadcast_to(expr.evaluate(e, env, arrays), (B, H, q1 - q0, KV_LEN))
     st = tiles.mask_states(rows, Q_LEN, bm, bn)
+    if not separate_full_blocks:
+        st = np.where(st == tiles.FULL, tiles.PARTIAL, st).astype(st.dtype)
     dev = torch.device("cpu") if device is None else torch.device(device)
     return _block_mask((Q_LEN, KV_LEN), (bm, bn), st, mask_mod, tr.text, tr.tensors, dev)
 
@@ -666,8 +708,9 @@ def check_layout(query, key, value, enable_gqa: bool) -> None:
         _bhsd(name, t)
     hint = ("flex_attention takes [B, H, S, D] (FlexAttention's layout); a [B, S, H, D] tensor (the "
             "flash-attn layout) needs .transpose(1, 2)")
-    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
-        raise InputError("key.shape[0] (B)", key.shape[0], f"{query.shape[0]}, query's batch")
+    if key.shape[0] not in (1, query.shape[0]) or value.shape[0] != key.shape[0]:
+        raise InputError("key.shape[0] (B)", key.shape[0], f"{query.shape[0]}, query's batch, or 1 (broadcast), "
+                                                           f"and value's the same")
     if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
         raise InputError("value.shape", list(value.shape), f"heads and length {list(key.shape[1:3])} of key's: {hint}")
     if key.shape[3] != query.shape[3]:
@@ -692,11 +735,12 @@ def _to_bshd(t):
 KERNEL_Q_TILES = (128, 64, 192)  # 64 rows per consumer warpgroup; the default first
 
 
-def kernel_block_mask(bm, bshape, head_dim: int, dtype, head_dim_v: int, kw: dict) -> BlockMask:
+def kernel_block_mask(bm, bshape, head_dim: int, dtype, head_dim_v: int, kw: dict, fields: dict) -> BlockMask:
     """The block mask the kernel visits: attngen's own (a torch BlockMask is classified again by
     create_block_mask from its mask_mod), over the kernel's tiles. Its BLOCK_SIZE is taken as
     the tiles when a kernel plans with them; else the first Q tile (128, 64, 192) and the
-    largest block_n that plan and divide or are divided by its blocks (BlockMask.retiled)."""
+    largest block_n that plan and divide or are divided by its blocks (BlockMask.retiled). `fields`:
+    the call's block_m/block_n (kernel_options), the only tiles then tried."""
     from attngen.plan import BLOCK_N_CANDIDATES, make_plan
     from attngen.runtime import spec_dtype
     from attngen.spec import Spec, SpecError
@@ -715,23 +759,66 @@ def kernel_block_mask(bm, bshape, head_dim: int, dtype, head_dim_v: int, kw: dic
             return True
         except SpecError:
             return False
-    for m in ([bq] if bq in KERNEL_Q_TILES else []) + [t for t in KERNEL_Q_TILES if t != bq and tiles.retiles(bq, t)]:
-        for n in [bk] + [c for c in BLOCK_N_CANDIDATES if c != bk]:
+    ms = ([bq] if bq in KERNEL_Q_TILES else []) + [t for t in KERNEL_Q_TILES if t != bq and tiles.retiles(bq, t)]
+    ns = [bk] + [c for c in BLOCK_N_CANDIDATES if c != bk]
+    if "block_m" in fields:  # kernel_options' tiles: those or none
+        ms = [fields["block_m"]] if tiles.retiles(bq, fields["block_m"]) else []
+    if "block_n" in fields:
+        ns = [fields["block_n"]]
+    for m in ms:
+        for n in ns:
             if n % 16 == 0 and n <= 256 and tiles.retiles(bk, n) and plans(m, n):
                 return bm if (m, n) == (bq, bk) else bm.retiled(m, n)
     raise InputError("block_mask.BLOCK_SIZE", (bq, bk), "blocks that kernel tiles divide or are divided by (a Q tile "
                                                         "of 64, 128 or 192 rows, a KV tile a multiple of 16)")
 
 
+# kernel_options keys that are spec fields (the kernel's tiles); any other key is refused by name
+KERNEL_OPTIONS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n"}
+
+
+def kernel_fields(kernel_options) -> dict:
+    """torch's kernel_options as spec fields: BLOCK_M (64, 128 or 192: 64 rows per consumer) and BLOCK_N."""
+    fields = {}
+    for name, value in dict(kernel_options or {}).items():
+        if name not in KERNEL_OPTIONS:
+            raise InputError(f"kernel_options[{name!r}]", value, f"one of {', '.join(KERNEL_OPTIONS)} (spec fields; "
+                                                                 f"attngen picks the rest of its schedule itself)")
+        fields[KERNEL_OPTIONS[name]] = _positive(f"kernel_options[{name!r}]", value)
+    if "block_m" in fields:
+        if fields["block_m"] not in KERNEL_Q_TILES:
+            raise InputError("kernel_options['BLOCK_M']", fields["block_m"], "64, 128 or 192 (64 rows per consumer warpgroup)")
+        fields["consumers"] = fields["block_m"] // 64
+    return fields
+
+
+def _aux_output(lse):
+    """torch's AuxOutput(lse=..., max_scores=None), or a namedtuple of those fields on a torch without it."""
+    import collections
+    from torch.nn.attention import flex_attention as torch_flex
+    aux = getattr(torch_flex, "AuxOutput", None) or collections.namedtuple("AuxOutput", ["lse", "max_scores"])
+    return aux(lse=lse, max_scores=None)
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None):
+                   return_lse=False, kernel_options=None, *, return_aux=None):
     """torch.nn.attention.flex_attention's call, on attngen's kernel: [B, H, S, D] in and out;
-    returns out, or (out, lse [B, H, Q_LEN] float32, natural log) with return_lse."""
+    returns out, or (out, lse [B, H, Q_LEN] float32, natural log) with return_lse, or
+    (out, AuxOutput(lse=..., max_scores=None)) with return_aux=AuxRequest(lse=True) (torch's
+    AuxRequest, or any object with the fields lse and max_scores). key and value may have a batch
+    of 1 (broadcast over query's). kernel_options: BLOCK_M and BLOCK_N, the kernel's tiles."""
     check_layout(query, key, value, enable_gqa)
-    if kernel_options:
-        raise InputError("kernel_options", kernel_options, "None: attngen picks its schedule from the spec and "
-                                                           "the tuned table (spec fields go to attngen.attention)")
-    meta = (tuple(int(n) for n in query.shape), int(key.shape[2]), int(value.shape[-1]), query.dtype)
+    if return_aux is not None:
+        if getattr(return_aux, "max_scores", False):
+            raise InputError("return_aux.max_scores", True, "False: attngen's kernels keep no row max for the caller")
+        if not hasattr(return_aux, "lse"):
+            raise InputError("return_aux", type(return_aux).__name__, "torch's AuxRequest(lse=...), or None")
+        return_lse = bool(return_lse or return_aux.lse)
+    if key.shape[0] != query.shape[0]:  # a key/value batch of 1, broadcast (a copy: the kernels take packed tensors)
+        key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))
+    fields = kernel_fields(kernel_options)
+    meta = (tuple(int(n) for n in query.shape), int(key.shape[2]), int(value.shape[-1]), query.dtype,
+            tuple(sorted(fields.items())))
     if torch.compiler.is_compiling():  # the translation is a constant of the graph (_traced_mods)
         kw = dict(_TRACED[_traced_mods(score_mod, block_mask, meta)])
     else:
@@ -739,9 +826,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if scale is not None:  # a run-time scale (issue 18); passed only when asked for
         kw["softmax_scale"] = scale  # not float(): a SymFloat under torch.compile stays symbolic
     kw = {n: (x.to(query.device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    if "block_mask" not in kw:  # (with one, its tiles are the kernel's: _mods fitted them to these fields)
+        kw.update(fields)
     result = attention(_to_bshd(query), _to_bshd(key), _to_bshd(value), return_lse=return_lse, **kw)
     out, lse = result if return_lse else (result, None)
     out = out.transpose(1, 2)  # [B, H, S, D], a view
+    if return_aux is not None:
+        return out, _aux_output(lse if return_aux.lse else None)
     return (out, lse) if return_lse else out
 
 
@@ -762,7 +853,7 @@ def _traced_mods(score_mod, block_mask, meta) -> str:
 def _mods(score_mod, block_mask, meta) -> dict:
     """attngen.attention's keywords for a score_mod and a block mask: the translated texts, their captured
     tensors and the kernel's block mask. `meta`: query's shape, the key length, value's head dim, the dtype."""
-    (batch, heads, q_len, head_dim), kv_len, head_dim_v, dtype = meta
+    (batch, heads, q_len, head_dim), kv_len, head_dim_v, dtype, fields = meta
     kw = {}
     score_mask = ""  # the score_mod's -inf keys, as a mask
     if score_mod is not None:
@@ -788,7 +879,7 @@ def _mods(score_mod, block_mask, meta) -> dict:
             raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
         kw["mask_mod"] = tr.text
         kw.update(tr.tensors)
-        bm = kernel_block_mask(block_mask, bshape, head_dim, dtype, head_dim_v, kw)
+        bm = kernel_block_mask(block_mask, bshape, head_dim, dtype, head_dim_v, kw, dict(fields))
         if score_mask:  # the block mask's tiles, its full ones masked too: the score_mod's -inf may fall there
             st = np.where(bm.states == tiles.FULL, tiles.PARTIAL, bm.states).astype(bm.states.dtype)
             kw["mask_mod"] = _canonical(score_mod, f"({tr.text}) and ({score_mask})", "mask_mod")
