@@ -90,6 +90,12 @@ class FlexTranslationError(InputError):
         self.argument, self.value, self.expected = getattr(fn, "__qualname__", repr(fn)), line, what
 
 
+def _first_line(fn):
+    """fn's first line, or "?" (a partial, a torch.fx trace, a callable object)."""
+    fn = getattr(fn, "func", fn)
+    return getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
+
+
 def _file(fn) -> str:
     code = getattr(fn, "__code__", None)
     return code.co_filename if code else "?"
@@ -133,8 +139,8 @@ def split_masked(tree):
         return ast.Compare(ast.Constant(0), [ast.NotEq()], [ast.Constant(0)]), ast.Constant(0)
     if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id == "where":
         c, a, b = tree.args
-        if _has_inf(c):
-            return None, None
+        if _has_inf(c) or any(isinstance(n, ast.Name) and n.id == "score" for n in ast.walk(c)):
+            return None, None  # (a mask cannot read the score)
         (ma, sa), (mb, sb) = split_masked(a), split_masked(b)
         if sa is None or sb is None:
             return None, None
@@ -365,8 +371,8 @@ class _Translator:
                 inf = ast.Name(INF, ast.Load())
                 return inf if value > 0 else ast.UnaryOp(ast.USub(), inf)
             return ast.Constant(float(value))
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            raise FlexTranslationError(fn, line, "a captured 0-d tensor (pass a Python number, or index a 1-d tensor)")
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+            return self.literal(fn, value.item(), line)  # its value now (a new value, a new kernel text)
         raise FlexTranslationError(fn, line, f"the captured value of type {type(value).__name__} "
                                              f"(numbers become literals, tensors must be indexed)")
 
@@ -424,7 +430,9 @@ class _Translator:
                 ref = ast.Attribute(ref, "int32", ast.Load())
             entry = ast.Subscript(ref, idx[0] if len(idx) == 1 else ast.Tuple(idx, ast.Load()), ast.Load())
             if t.dtype == torch.bool:  # a boolean mask tensor (keep[b, kv_idx]): its entries are conditions
-                return ast.Compare(entry, [ast.NotEq()], [ast.Constant(0)])
+                cond = ast.Compare(entry, [ast.NotEq()], [ast.Constant(0)])
+                cond.bool_entry = True  # in arithmetic or a comparison it is its 0/1 (_entry)
+                return cond
             return entry
         if isinstance(node, ast.BinOp):
             ops = {ast.Add: ast.Add, ast.Sub: ast.Sub, ast.Mult: ast.Mult, ast.Div: ast.Div, ast.Mod: ast.Mod,
@@ -440,21 +448,24 @@ class _Translator:
                 return _call("pow", ex(node.left), ex(node.right))
             if type(node.op) not in ops:
                 raise FlexTranslationError(fn, line, f"the operator {_OPNAMES.get(type(node.op), type(node.op).__name__)}")
-            return ast.BinOp(ex(node.left), ops[type(node.op)](), ex(node.right))
+            return ast.BinOp(_entry(ex(node.left)), ops[type(node.op)](), _entry(ex(node.right)))
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, (ast.Invert, ast.Not)):
                 return ast.UnaryOp(ast.Not(), ex(node.operand))
             return ast.UnaryOp(type(node.op)(), ex(node.operand))
         if isinstance(node, ast.BoolOp):
             return ast.BoolOp(type(node.op)(), [ex(v) for v in node.values])
-        if isinstance(node, ast.Compare):
-            return ast.Compare(ex(node.left), [type(o)() for o in node.ops], [ex(c) for c in node.comparators])
+        if isinstance(node, ast.Compare):  # (a bool tensor's entry compared: its 0/1)
+            return ast.Compare(_entry(ex(node.left)), [type(o)() for o in node.ops],
+                               [_entry(ex(c)) for c in node.comparators])
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__getitem__" \
                 and len(node.args) == 1 and not node.keywords:  # t.__getitem__(i), as torch.fx writes t[i]
             return ex(ast.copy_location(ast.Subscript(node.func.value, node.args[0], ast.Load()), node))
         if isinstance(node, ast.Call):
             target = self.resolve(fn, node.func, env)
             positional = list(node.args)
+            if target is None and isinstance(node.func, ast.Attribute) and node.func.attr in ("new_zeros", "new_ones"):
+                return ast.Constant(int(node.func.attr == "new_ones"))  # h.new_zeros(h.shape): a constant, broadcast
             if target is None and isinstance(node.func, ast.Attribute):  # a method on a value: x.pow(2)
                 if node.func.attr not in METHODS:
                     raise FlexTranslationError(fn, line, f"the method `.{node.func.attr}()` (methods: "
@@ -549,6 +560,11 @@ def _nonnegative(node) -> bool:
 _OPNAMES = {ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@ (matmul)"}
 
 
+def _entry(node):
+    """A bool tensor's entry as the number 0/1 (x + keep[i], seq[q] == seq[kv]); anything else as it is."""
+    return node.left if getattr(node, "bool_entry", False) else node
+
+
 def _is_condition(node) -> bool:
     """Whether a translated tree is a condition (a comparison, and/or/not), not an integer."""
     return isinstance(node, (ast.Compare, ast.BoolOp)) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not))
@@ -585,8 +601,9 @@ def translate(fn, kind: str) -> Translated:
     if _has_inf(tree):
         cond, tree = split_masked(tree) if kind == "score_mod" else (None, None)
         if tree is None:
-            raise FlexTranslationError(fn, _function_node(fn).lineno, "an infinity where it is not a masked key "
-                                       "(write -inf as a branch of torch.where(cond, score, -float('inf')), or use a mask_mod)")
+            raise FlexTranslationError(fn, _first_line(fn), "an infinity where it is not a masked key "
+                                       "(write -inf as a branch of torch.where(cond, score, -float('inf')) with a "
+                                       "cond of b, h, q_idx, kv_idx only, or use a mask_mod)")
         mask = _canonical(fn, ast.unparse(ast.fix_missing_locations(cond)), "mask_mod")
     text = ast.unparse(ast.fix_missing_locations(tree))
     return Translated(_canonical(fn, text, kind), tr.tensors, mask)
@@ -599,7 +616,7 @@ def _canonical(fn, text: str, kind: str) -> str:
         try:
             canonical = expr.parse(text, kind).canonical
         except expr.ExprError as e:
-            line = _function_node(fn).lineno
+            line = _first_line(fn)
             raise FlexTranslationError(fn, line, f"translated to `{text}`, which the expression language rejects "
                                                  f"{e}") from None
         if len(_parsed) > 1024:
