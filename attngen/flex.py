@@ -5,17 +5,16 @@
     mask = attngen.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128)
 
 A score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx) is an ordinary Python
-function (a def, a nested def or a lambda). `translate` reads its source with `ast` (the whole
-file, so line numbers are the file's) and its closure and globals with `inspect`, and writes the
-expression language of attngen/expr.py: torch.where -> where, torch.tanh/exp/log/abs/minimum/
-maximum and the builtins abs/min/max, arithmetic, % and //, comparisons, & | ~ -> and or not.
-A captured tensor becomes a call-time tensor (float32: document ids are exact up to 2**24), a
-captured Python number a literal, and a call of another such function (and_masks-style helpers)
-is inlined. Local assignments are substituted. Anything else is a FlexTranslationError naming the
-function, the file's line and the construct: there is no fallback.
-
-The kernel does not yet skip a block mask's empty tiles (docs/interfaces.md): flex_attention with
-a block_mask applies its mask_mod as a spec mask_mod, exactly, visiting every tile.
+function (a def, a nested def, a lambda, a functools.partial; without a source file, its torch.fx
+trace). `translate` reads its source with `ast` (the whole file, so line numbers are the file's)
+and its closure and globals with `inspect`, and writes the expression language of
+attngen/expr.py (docs/interfaces.md, "Python mods, translated", has the table): torch's
+functions and methods, arithmetic, comparisons, & | ~ on conditions -> and or not. A captured
+float tensor becomes a float32 call-time tensor, an integer or bool one an int32 tensor
+(name.int32[...], exact), a captured number a literal, and a call of another such function
+(torch's and_masks/or_masks too) is inlined. A -inf branch of torch.where is split off as a
+mask (split_masked). Anything else is a FlexTranslationError naming the function, the file's
+line and the construct: there is no fallback.
 """
 
 from __future__ import annotations

@@ -291,6 +291,26 @@ def clamp_pow_sqrt(score, b, h, q, kv):
     return score.clamp(min=-2.0, max=2.0) + (score.abs() + 1).sqrt() * 0.5 + score.pow(2) * 0.1 + torch.sigmoid(score)
 
 
+class ApplyMask(torch.autograd.Function):
+    @staticmethod
+    def forward(a, mask):
+        return torch.where(mask, a, -float("inf"))
+
+
+def autograd_function_mod(score, b, h, q, kv):
+    return ApplyMask.apply(score, q <= kv)
+
+
+ADD = True
+
+
+def recompile_changed(qk, b, h, q, kv):
+    if ADD:
+        return qk + scale_0d
+    else:
+        return qk * scale_0d
+
+
 # mask mods
 def causal_mask(b, h, q, kv):
     return q >= kv
@@ -415,6 +435,8 @@ REFUSED = {  # name: (score_mod, the construct the one-line error names)
     "padded_dense_causal": (padded_dense, "an infinity where it is not a masked key"),
     "captured_reduction": (captured_reduction, "method `.sum()`"),
     "euclidean_dist_pos_embed": (euclidean_dist_pos_embed, "has 2 dimensions, indexed with 1"),
+    "autograd_function_in_score_mod": (autograd_function_mod, "calling `ApplyMask.apply`"),
+    "recompile_changed_score_mod": (recompile_changed, "the statement `If`"),
 }
 
 
