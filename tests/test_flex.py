@@ -184,6 +184,17 @@ def float_mod(score, b, h, q_idx, kv_idx):
     return score % 2
 
 
+def inf_times(score, b, h, q_idx, kv_idx):
+    return score * float("inf")
+
+
+huge_ids = torch.tensor([0, 2**40])
+
+
+def huge_id_mask(b, h, q_idx, kv_idx):
+    return huge_ids[q_idx] == huge_ids[kv_idx]
+
+
 def _line(fn, offset):
     return inspect.getsourcelines(fn)[1] + offset
 
@@ -195,6 +206,8 @@ def _line(fn, offset):
     (method, "score_mod", 2, "method `.sum()`"),
     (unknown_call, "score_mod", 1, "calling `torch.erf`"),
     (float_mod, "score_mod", 0, "left operand of % must be an integer expression"),
+    (inf_times, "score_mod", 0, "an infinity where it is not a masked key"),
+    (huge_id_mask, "mask_mod", 1, "holds values beyond int32"),
 ])
 def test_an_untranslatable_construct_names_the_function_the_line_and_the_construct(fn, kind, offset, construct):
     with pytest.raises(flex.FlexTranslationError) as info:
