@@ -890,7 +890,8 @@ def _mods(score_mod, block_mask, meta) -> dict:
             if got not in (1, want):
                 raise InputError(f"block_mask {'BH'[axis]}", got, f"1 or {want}")
         tr = translate(mm, "mask_mod")  # afresh: its captures as they are now, as torch's flex_attention reads them
-        clash = set(tr.tensors) & set(kw)
+        clash = {n for n in set(tr.tensors) & set(kw) if not (kw[n].dtype == tr.tensors[n].dtype
+                                                              and torch.equal(kw[n], tr.tensors[n]))}
         if clash:  # the two mods captured different tensors under one name
             raise InputError("block_mask.mask_mod", sorted(clash), "tensor names other than score_mod's")
         kw["mask_mod"] = tr.text

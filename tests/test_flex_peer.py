@@ -427,6 +427,7 @@ ACCEPTED = {
     "global_causal": (None, global_causal, {}),
     "new_empty_mask": (_times_two, new_zeros_mask, {"B": 2}),
     "score_and_mask": (_rel_causal, F.and_masks(sliding_window, causal_mask), {}),
+    "one_capture_in_both_mods": (document_masking_causal, document_masks, {}),
     "kv_batch_broadcast": (_generate_alibi_bias(H), F.noop_mask, {"B": 2, "BKV": 1}),  # torch needs a B-batch mask
     "gqa": (_rel_causal, None, {"H": 4, "HKV": 2}),
     "different_seqlen": (_rel_bias, causal_mask, {"Q": S // 2, "KV": S}),
