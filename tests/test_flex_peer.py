@@ -140,6 +140,12 @@ def _generate_alibi_bias(num_heads):
     return _alibi_bias
 
 
+def _generate_windowed(offset):  # test_flex_decoding.py
+    def _windowed(score, b, h, q, kv):
+        return torch.where(q + offset >= kv, score, float("-inf"))
+    return _windowed
+
+
 def _head_offset(score, b, h, m, n):
     return score * head_offset[h]
 
@@ -431,6 +437,8 @@ ACCEPTED = {
     "kv_batch_broadcast": (_generate_alibi_bias(H), F.noop_mask, {"B": 2, "BKV": 1}),  # torch needs a B-batch mask
     "gqa": (_rel_causal, None, {"H": 4, "HKV": 2}),
     "different_seqlen": (_rel_bias, causal_mask, {"Q": S // 2, "KV": S}),
+    "decode_windowed": (_generate_windowed(20), None, {"Q": 1, "KV": S}),  # one query row, as flex decoding
+    "decode_gqa": (_generate_alibi_bias(4), None, {"Q": 1, "KV": S, "H": 4, "HKV": 1}),
 }
 REFUSED = {  # name: (score_mod, the construct the one-line error names)
     "padded_dense_causal": (padded_dense, "an infinity where it is not a masked key"),
