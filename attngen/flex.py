@@ -135,7 +135,7 @@ def split_masked(tree):
     if not _has_inf(tree):
         return None, tree
     if _is_neg_inf(tree):
-        return ast.Compare(ast.Constant(0), [ast.NotEq()], [ast.Constant(0)]), ast.Constant(0)
+        return _literal_bool(False), ast.Constant(0)
     if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id == "where":
         c, a, b = tree.args
         if _has_inf(c) or any(isinstance(n, ast.Name) and n.id == "score" for n in ast.walk(c)):
@@ -147,7 +147,7 @@ def split_masked(tree):
             return _and(c, ma), sa
         if _is_neg_inf(a):
             return _and(_not(c), mb), sb
-        true = ast.Compare(ast.Constant(0), [ast.Eq()], [ast.Constant(0)])
+        true = _literal_bool(True)
         mask = ast.BoolOp(ast.Or(), [_and(c, ma) if ma else c, _and(_not(c), mb) if mb else _not(c)])
         return (mask if ma or mb else true), ast.Call(tree.func, [c, sa, sb], [])
     if isinstance(tree, ast.BinOp) and isinstance(tree.op, (ast.Add, ast.Sub)):
@@ -421,9 +421,9 @@ class _Translator:
                                                      f"(the kernel's integers; renumber them from 0)")
             name = self.tensor(t, base.attr if isinstance(base, ast.Attribute) else base.id)
             # Python's (and torch's) negative index counts from the end: wrapped where it may be negative
-            idx = [i if _nonnegative(i) else ast.Call(ast.Name("where", ast.Load()), [
-                ast.Compare(i, [ast.Lt()], [ast.Constant(0)]), ast.BinOp(i, ast.Add(), ast.Constant(n)), i], [])
-                for i, n in zip((ex(i) for i in chain), t.shape)]
+            idx = [i if _nonnegative(i) else _call("where", ast.Compare(i, [ast.Lt()], [ast.Constant(0)]),
+                                                    ast.BinOp(i, ast.Add(), ast.Constant(n)), i)
+                   for i, n in zip((ex(i) for i in chain), t.shape)]
             ref = ast.Name(name, ast.Load())
             if _exact_integers(t):
                 ref = ast.Attribute(ref, "int32", ast.Load())
@@ -570,7 +570,7 @@ def _is_condition(node) -> bool:
 
 
 def _as_int(node):
-    return ast.Call(ast.Name("where", ast.Load()), [node, ast.Constant(1), ast.Constant(0)], []) if _is_condition(node) else node
+    return _call("where", node, ast.Constant(1), ast.Constant(0)) if _is_condition(node) else node
 
 
 def _function_name(target):
