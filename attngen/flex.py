@@ -223,6 +223,8 @@ def _traced(fn):
         raise FlexTranslationError(fn, fn.__code__.co_firstlineno, f"its source is not available (define it in a "
                                    f"file), and torch.fx cannot trace it ({type(e).__name__}: {str(e)[:80]})") from None
     forward = type(gm).forward
+    if len(_FX_SOURCES) > 1024:  # each call traces afresh (its captures as they are now): keep the map small
+        _FX_SOURCES.clear()
     _FX_SOURCES[forward.__code__.co_filename] = gm.code.splitlines(True)
     return functools.partial(forward, gm)
 
