@@ -7,11 +7,16 @@ An expression is Python syntax read with `ast` and checked against a whitelist:
     numeric literals         2, 0.5, 1e-3
     name[index, ...]         a float32 call-time tensor (bias[h], doc[b, q_idx], table[q_idx - kv_idx + 64]);
                              indices are integer expressions, clamped to the tensor's extent
+    name.int32[index, ...]   an int32 call-time tensor (exact ids, tables of indices): its entries
+                             are integers, usable as indices, in % and // and compared exactly
     + - * /  unary -         arithmetic (/ is true division)
     a % n, a // n            integer remainder and floor division (document ids, strided patterns):
                              a an integer expression, n a nonzero integer literal; Python's floor
-                             semantics (the result takes n's sign), as torch's % and // on ints
-    tanh exp log abs min max where(cond, a, b)
+                             semantics (the result takes n's sign), as torch's % and // on ints;
+                             n may be an integer expression too (a tensor entry, 1 + kv_idx): then
+                             a % 0 and a // 0 are 0 (the kernel never divides by zero)
+    a & b, a | b, a ^ b      bitwise, on integer expressions (kv_idx & 1)
+    tanh exp exp2 log sin cos tan sqrt pow(a, b) abs min max where(cond, a, b)
     == != < <= > >=  and or not   comparisons and boolean logic
 
 An expression is at most MAX_CHARS characters, MAX_NODES syntax nodes and MAX_DEPTH deep (the
@@ -35,7 +40,12 @@ import numpy as np
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
-FUNCS = {"tanh": 1, "exp": 1, "log": 1, "abs": 1, "min": 2, "max": 2, "where": 3}
+FUNCS = {"tanh": 1, "exp": 1, "log": 1, "abs": 1, "min": 2, "max": 2, "where": 3,
+         "exp2": 1, "sin": 1, "cos": 1, "tan": 1, "sqrt": 1, "pow": 2}
+FLOAT_FUNCS = ("tanh", "exp", "log", "exp2", "sin", "cos", "tan", "sqrt", "pow")  # float32 in and out
+NUMPY_FUNCS = {"tanh": np.tanh, "exp": np.exp, "log": np.log, "abs": np.abs, "min": np.minimum, "max": np.maximum,
+               "exp2": np.exp2, "sin": np.sin, "cos": np.cos, "tan": np.tan, "sqrt": np.sqrt, "pow": np.power}
+BITWISE = {ast.BitAnd: "bitwise_and", ast.BitOr: "bitwise_or", ast.BitXor: "bitwise_xor"}  # integers only
 # A tensor axis indexed by exactly one of these has that extent (the runtime checks it);
 # any other index makes the axis free (any extent >= 1).
 AXIS_OF = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
@@ -52,8 +62,8 @@ MAX_DEPTH = 64
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 
-ALLOWED = ("allowed: score (score_mod only), b, h, q_idx, kv_idx, numeric literals, call-time tensors "
-           "indexed like bias[h], + - * / (int % //), tanh exp log abs min max where, comparisons, and or not")
+ALLOWED = ("allowed: score (score_mod only), b, h, q_idx, kv_idx, numbers, tensors like bias[h], "
+           "+ - * / (int % // & | ^), tanh exp exp2 log sin cos tan sqrt pow abs min max where, comparisons, and or not")
 
 
 class ExprError(ValueError):
@@ -72,6 +82,7 @@ class Expr:
     types: dict = dataclasses.field(compare=False, repr=False)  # id(node) -> INT/FLOAT/BOOL
     tensors: tuple  # ((name, (axis extent or None, ...)), ...) in order of first use
     uses: frozenset  # the variables it reads
+    int_tensors: frozenset = frozenset()  # the tensors written name.int32[...]: int32 kernel parameters
 
     @property
     def canonical(self) -> str:
@@ -89,6 +100,14 @@ def _is_name(node, name) -> bool:
     return isinstance(node, ast.Name) and node.id == name
 
 
+def tensor_name(sub: ast.Subscript) -> tuple:
+    """(name, is_int32) of a tensor subscript `name[...]` or `name.int32[...]`, or (None, False)."""
+    v = sub.value
+    if isinstance(v, ast.Attribute) and v.attr == "int32" and isinstance(v.value, ast.Name):
+        return v.value.id, True
+    return (v.id, False) if isinstance(v, ast.Name) else (None, False)
+
+
 def parse(text: str, kind: str) -> Expr:
     """Check `text` as a score_mod (numeric, may read `score`) or mask_mod (boolean)."""
     if not isinstance(text, str):
@@ -103,7 +122,7 @@ def parse(text: str, kind: str) -> Expr:
     except (RecursionError, MemoryError):  # nesting Python's own parser cannot take
         raise ExprError(1, f"the expression nests deeper than {MAX_DEPTH} levels; at most {MAX_DEPTH}") from None
     _check_size(tree)
-    types, tensors, uses = {}, {}, set()
+    types, tensors, uses, ints = {}, {}, set(), {}
 
     def bad(node, what):
         raise ExprError(_col(node), f"{what} is not allowed; {ALLOWED}")
@@ -127,12 +146,13 @@ def parse(text: str, kind: str) -> Expr:
         if visit(node.left) != INT:
             raise ExprError(_col(node.left), f"the left operand of {sym} must be an integer expression of b, h, "
                                              f"q_idx, kv_idx and integer literals (a tensor entry or score is a float)")
-        visit(node.right)
+        if visit(node.right) != INT:
+            raise ExprError(_col(node.right), f"the right operand of {sym} must be an integer literal (like 64) or "
+                                              f"an integer expression")
         lit = node.right.operand if isinstance(node.right, ast.UnaryOp) and isinstance(node.right.op, ast.USub) \
             else node.right
         if not (isinstance(lit, ast.Constant) and type(lit.value) is int):
-            raise ExprError(_col(node.right), f"the right operand of {sym} must be an integer literal (like 64), "
-                                              f"so the kernel never divides by zero")
+            return INT  # a run-time divisor: 0 gives 0 (emit, evaluate)
         if lit.value == 0:
             raise ExprError(_col(node.right), f"{sym} by the literal 0 is undefined")
         return INT
@@ -163,9 +183,11 @@ def parse(text: str, kind: str) -> Expr:
                 bad(node, f"`{node.id}` without a call")
             bad(node, f"the name `{node.id}` (a tensor must be indexed, like {node.id}[h])")
         if isinstance(node, ast.Subscript):
-            if not isinstance(node.value, ast.Name):
-                bad(node, "indexing anything but a tensor name")
-            name = node.value.id
+            name, is_int = tensor_name(node)
+            if name is None:
+                bad(node, "indexing anything but a tensor name (or name.int32)")
+            if ints.setdefault(name, is_int) != is_int:
+                raise ExprError(_col(node), f"`{name}` is indexed both as {name}[...] (float32) and {name}.int32[...]")
             if name in RESERVED or name.startswith("_") or keyword.iskeyword(name):
                 raise ExprError(_col(node), f"`{name}` cannot name a tensor (reserved); {ALLOWED}")
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
@@ -182,7 +204,7 @@ def parse(text: str, kind: str) -> Expr:
                     raise ExprError(_col(node), f"`{name}` is indexed with {len(old)} and {len(axes)} indices")
                 axes = [a if a == o else None for a, o in zip(axes, old)]
             tensors[name] = tuple(axes)
-            return FLOAT
+            return INT if is_int else FLOAT
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
                 return numeric(node.operand, "the operand of -")
@@ -194,6 +216,12 @@ def parse(text: str, kind: str) -> Expr:
         if isinstance(node, ast.BinOp):
             if isinstance(node.op, (ast.Mod, ast.FloorDiv)):
                 return integer_op(node)
+            if type(node.op) in BITWISE:
+                for side in (node.left, node.right):
+                    if visit(side) != INT:
+                        raise ExprError(_col(side), "an operand of & | ^ must be an integer expression "
+                                                    "(for conditions use and, or)")
+                return INT
             if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
                 bad(node, f"the operator {type(node.op).__name__}")
             a = numeric(node.left, "an operand of arithmetic")
@@ -227,7 +255,7 @@ def parse(text: str, kind: str) -> Expr:
                 b = numeric(node.args[2], "a branch of where()")
                 return INT if a == b == INT else FLOAT
             ts = [numeric(a, f"an argument of {fn}()") for a in node.args]
-            if fn in ("tanh", "exp", "log"):
+            if fn in FLOAT_FUNCS:
                 return FLOAT
             return INT if all(t == INT for t in ts) else FLOAT
         if isinstance(node, ast.IfExp):
@@ -239,7 +267,8 @@ def parse(text: str, kind: str) -> Expr:
         raise ExprError(1, "score_mod must give a number (a new score); a boolean belongs in mask_mod")
     if kind == "mask_mod" and result != BOOL:
         raise ExprError(1, "mask_mod must give a boolean (true: the key is visible), for example q_idx >= kv_idx")
-    return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses))
+    return Expr(text, kind, tree, types, tuple(tensors.items()), frozenset(uses),
+                frozenset(n for n, is_int in ints.items() if is_int))
 
 
 def _check_size(tree) -> None:
@@ -286,7 +315,8 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
         if isinstance(node, ast.Name):
             return env[node.id]
         if isinstance(node, ast.Subscript):
-            arr = np.asarray(tensors[node.value.id], np.float64)
+            name, is_int = tensor_name(node)
+            arr = np.asarray(tensors[name], np.int64 if is_int else np.float64)
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             parts = np.broadcast_arrays(*[np.asarray(ev(i)) for i in idx])
             return arr[tuple(np.clip(p, 0, n - 1) for p, n in zip(parts, arr.shape))]
@@ -301,10 +331,11 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
                 return a - b
             if isinstance(node.op, ast.Mult):
                 return a * b
-            if isinstance(node.op, ast.Mod):  # numpy's, like Python's: floor semantics
-                return np.mod(a, b)
-            if isinstance(node.op, ast.FloorDiv):
-                return np.floor_divide(a, b)
+            if isinstance(node.op, (ast.Mod, ast.FloorDiv)):  # numpy's, like Python's: floor semantics
+                f = np.mod if isinstance(node.op, ast.Mod) else np.floor_divide
+                return np.where(np.equal(b, 0), 0, f(a, np.where(np.equal(b, 0), 1, b)))  # x // 0 = x % 0 = 0
+            if type(node.op) in BITWISE:
+                return getattr(np, BITWISE[type(node.op)])(np.asarray(a, np.int64), np.asarray(b, np.int64))
             with np.errstate(divide="ignore", invalid="ignore"):
                 return np.true_divide(a, b)
         if isinstance(node, ast.BoolOp):
@@ -328,8 +359,9 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 if fn == "where":
                     return np.where(args[0], args[1], args[2])
-                return {"tanh": np.tanh, "exp": np.exp, "log": np.log, "abs": np.abs,
-                        "min": np.minimum, "max": np.maximum}[fn](*args)
+                if fn in FLOAT_FUNCS:
+                    args = [np.asarray(a, np.float64) for a in args]  # pow(2, -1) is 0.5, not an integer error
+                return NUMPY_FUNCS[fn](*args)
         raise AssertionError(ast.dump(node))
 
     return ev(expr.tree)
@@ -364,7 +396,7 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
         if isinstance(node, ast.Name):
             return names[node.id]
         if isinstance(node, ast.Subscript):
-            name = node.value.id
+            name = tensor_name(node)[0]
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             out = []
             for axis, i in enumerate(idx):
@@ -384,7 +416,13 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
         if isinstance(node, ast.BinOp):
             if isinstance(node.op, (ast.Mod, ast.FloorDiv)):  # TVM's floor forms (C's % and / truncate)
                 fn = "floormod" if isinstance(node.op, ast.Mod) else "floordiv"
-                return f"T.{fn}({ev(node.left)}, {ev(node.right)})"
+                lit = node.right.operand if isinstance(node.right, ast.UnaryOp) else node.right
+                if isinstance(lit, ast.Constant):
+                    return f"T.{fn}({ev(node.left)}, {ev(node.right)})"
+                d = ev(node.right)  # a run-time divisor: 0 gives 0, and is never divided by
+                return f"T.if_then_else({d} == 0, 0, T.{fn}({ev(node.left)}, T.if_then_else({d} == 0, 1, {d})))"
+            if type(node.op) in BITWISE:
+                return f"T.{BITWISE[type(node.op)]}({ev(node.left)}, {ev(node.right)})"
             op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
             if isinstance(node.op, ast.Div):
                 a, b = as_float(node.left), as_float(node.right)
@@ -405,8 +443,8 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
             if fn == "where":
                 a, b = operands(node.args[1:])
                 return f"T.if_then_else({ev(node.args[0])}, {a}, {b})"
-            if fn in ("tanh", "exp", "log"):
-                return f"T.{fn}({as_float(node.args[0])})"
+            if fn in FLOAT_FUNCS:
+                return f"T.{fn}({', '.join(as_float(a) for a in node.args)})"
             args = operands(node.args)
             return f"T.{fn}({', '.join(args)})"
         raise AssertionError(ast.dump(node))
@@ -421,7 +459,9 @@ def derivative(e: Expr) -> Expr:
 
     Rules: d score = 1; a literal, b, h, q_idx, kv_idx or a tensor entry (its indices are integers)
     has derivative 0; sums, products and quotients by the usual rules; tanh(u)' = (1 - tanh(u)^2) u',
-    exp(u)' = exp(u) u', log(u)' = u' / u; abs(u)' = sign(u) u' (0 at u = 0, as torch); min(a, b)'
+    exp(u)' = exp(u) u', log(u)' = u' / u; exp2(u)' = exp2(u) ln2 u'; sin' = cos, cos' = -sin, tan(u)' =
+    u' / cos(u)^2, sqrt(u)' = u' / (2 sqrt(u)); pow(a, b)' = b pow(a, b - 1) a' + pow(a, b) log(a) b';
+    abs(u)' = sign(u) u' (0 at u = 0, as torch); min(a, b)'
     and max(a, b)' take the derivative of the operand chosen (b's at a tie); where(c, a, b)' =
     where(c, a', b'). Products with 0 and 1 and sums with 0 are folded, so `score * 2` gives `2`.
     """
@@ -462,7 +502,7 @@ def derivative(e: Expr) -> Expr:
         if isinstance(n, ast.UnaryOp):
             du = d(n.operand)
             return du if isinstance(n.op, ast.UAdd) or is_const(du, 0) else ast.UnaryOp(ast.USub(), du)
-        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mod, ast.FloorDiv)):
+        if isinstance(n, ast.BinOp) and (isinstance(n.op, (ast.Mod, ast.FloorDiv)) or type(n.op) in BITWISE):
             return zero  # integer operands: no score inside
         if isinstance(n, ast.BinOp):
             a, b = n.left, n.right
@@ -484,10 +524,25 @@ def derivative(e: Expr) -> Expr:
                     return zero
                 op = ast.Lt() if fn == "min" else ast.Gt()
                 return call("where", ast.Compare(args[0], [op], [args[1]]), da, db)
+            if fn == "pow":  # (a^b)' = b a^(b-1) a' + a^b log(a) b'
+                a, b = args
+                da, db = d(a), d(b)
+                lower = call("pow", a, ast.BinOp(b, ast.Sub(), one))
+                return add(mul(mul(b, lower), da), mul(mul(n, call("log", a)), db))
             du = d(args[0])
             if is_const(du, 0):
                 return zero
             u = args[0]
+            if fn == "exp2":
+                return mul(mul(call("exp2", u), ast.Constant(math.log(2))), du)
+            if fn == "sin":
+                return mul(call("cos", u), du)
+            if fn == "cos":
+                return mul(ast.UnaryOp(ast.USub(), call("sin", u)), du)
+            if fn == "tan":  # 1 / cos(u)^2
+                return div(du, ast.BinOp(call("cos", u), ast.Mult(), call("cos", u)))
+            if fn == "sqrt":
+                return div(du, ast.BinOp(ast.Constant(2), ast.Mult(), call("sqrt", u)))
             if fn == "tanh":
                 return mul(ast.BinOp(one, ast.Sub(), ast.BinOp(call("tanh", u), ast.Mult(), call("tanh", u))), du)
             if fn == "exp":

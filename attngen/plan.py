@@ -476,7 +476,13 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
             raise SpecError(field, getattr(spec, field), f"tensor `{name}` has the name of a spec field; rename it")
     if per_sequence:  # no kernel-wide q_len/kv_len to size a mod's tensor by: those axes are free
         used = {name: (field, tuple(None if a in ("q_len", "kv_len") else a for a in axes)) for name, (field, axes) in used.items()}
-    extra += [ExtraTensor(name, f"X_{name}", axes) for name, (_, axes) in used.items()]
+    ints = set().union(*(e.int_tensors for e in (score_expr, mask_expr) if e))
+    for name in ints:  # one tensor, one kernel parameter type
+        if any(e and name in dict(e.tensors) and name not in e.int_tensors for e in (score_expr, mask_expr)):
+            raise SpecError("score_mod", spec.score_mod, f"tensor `{name}` is float32 ({name}[...]) in one mod "
+                                                         f"and int32 ({name}.int32[...]) in the other")
+    extra += [ExtraTensor(name, f"X_{name}", axes, dtype="int32" if name in ints else "float32")
+              for name, (_, axes) in used.items()]
     if spec.block_mask:
         extra += [ExtraTensor(name, param, axes, dtype="int32") for name, param, axes in BLOCK_MASK_TENSORS]
 

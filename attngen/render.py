@@ -19,7 +19,7 @@ import jinja2
 
 from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.plan import AppendPlan, BLOCK_MASK_AXES, Plan, Shape, as_plan, masks_some_tile
+from attngen.plan import AppendPlan, BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, Plan, Shape, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 
 TEMPLATE = "fa3_fwd.py.j2"
@@ -731,12 +731,15 @@ def header_lines(plan: Plan) -> list[str]:
         + f", {plan.threads} threads, setmaxnreg {plan.producer_regs}/{plan.consumer_regs}",
         f"smem:      {plan.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in plan.smem.items()) + ")",
     ]
-    inputs = [t for t in plan.extra if not t.output and t.dtype == "float32"]
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
+    inputs = [t for t in plan.extra if not t.output and t.name not in lists]
     if inputs:  # a free axis takes any extent >= 1
-        lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]" for t in inputs)
-                     + " (float32, passed by name at call time)")
+        marked = any(t.dtype != "float32" for t in inputs)  # int32 mod tensors (name.int32[...])
+        lines.append("tensors:   " + ", ".join(f"{t.name} [{', '.join(a or 'any' for a in t.shape)}]"
+                                               + (f" {t.dtype}" if t.dtype != "float32" else "") for t in inputs)
+                     + f" (float32{' unless marked' if marked else ''}, passed by name at call time)")
     if plan.block_mask:
-        lines.append("block mask: " + ", ".join(f"{t.name} [{', '.join(t.shape)}]" for t in plan.extra if t.dtype == "int32")
+        lines.append("block mask: " + ", ".join(f"{t.name} [{', '.join(t.shape)}]" for t in plan.extra if t.name in lists)
                      + " (int32, by name at call time; bm_batch, bm_heads: 1 or the call's)")
     lines.append("spec:")
     lines += ["  " + line for line in to_toml(spec).splitlines()]

@@ -335,7 +335,7 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                     else "output: dK, scaled"),
             _tensor(kv_names[1], kv_shape(dv, vl), kv_out,
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
-    calls = [_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"', f"call time: {t.name}") for t in call_tensors(bp)]
+    calls = [_tensor(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}") for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
     main += calls + block_mask_params(bp) + seq + [scale]
     dq = [_tensor("Q", q_shape("HEAD_DIM", vl), "DTYPE"), _tensor("K", kv_shape("HEAD_DIM", vl), "DTYPE"),

@@ -34,7 +34,8 @@ def test_allowed_expressions_parse(text, kind):
 @pytest.mark.parametrize("text, kind, col, fragment", [
     ("score + foo", "score_mod", 9, "the name `foo`"),
     ("score ** 2", "score_mod", 1, "operator Pow"),
-    ("sin(score)", "score_mod", 1, "calling `sin`"),
+    ("erf(score)", "score_mod", 1, "calling `erf`"),
+    ("(q_idx < 3) & 1", "mask_mod", 2, "an operand of & | ^ must be an integer"),
     ("score > 0", "mask_mod", 1, "`score` is only defined in score_mod"),
     ("q_idx > 0", "score_mod", 1, "must give a number"),
     ("q_idx + 1", "mask_mod", 1, "must give a boolean"),
@@ -117,6 +118,9 @@ class FakeT:
     """The T.* functions the emitted text uses, in numpy (float32 like the kernel)."""
     tanh, exp, log, abs = staticmethod(np.tanh), staticmethod(np.exp), staticmethod(np.log), staticmethod(np.abs)
     min, max = staticmethod(np.minimum), staticmethod(np.maximum)
+    exp2, sin, cos, tan, sqrt, pow = (staticmethod(f) for f in (np.exp2, np.sin, np.cos, np.tan, np.sqrt, np.power))
+    bitwise_and, bitwise_or, bitwise_xor = (staticmethod(f) for f in (np.bitwise_and, np.bitwise_or, np.bitwise_xor))
+    floordiv, floormod = staticmethod(np.floor_divide), staticmethod(np.mod)
 
     @staticmethod
     def if_then_else(c, a, b):
@@ -141,6 +145,9 @@ EXPRS = [
     ("(q_idx - kv_idx) / 3 + max(score, 0)", "score_mod"),
     ("q_idx / 2 >= kv_idx / 3 or doc[q_idx] == doc[kv_idx]", "mask_mod"),
     ("not (kv_idx < 3) and 0 <= q_idx - kv_idx < 20", "mask_mod"),
+    ("sin(score) * cos(score / 2) + tan(score / 4) + exp2(score / 3) + sqrt(abs(score) + 1) + pow(abs(score) + 1, 1.5)",
+     "score_mod"),
+    ("(kv_idx & 3) == 1 or (q_idx | 1) == (kv_idx ^ 2) or ids.int32[q_idx] // (kv_idx - 4) == 1", "mask_mod"),
 ]
 
 
@@ -152,7 +159,7 @@ def test_emitted_text_computes_what_evaluate_computes(which, seed):
     env = {"score": rng.standard_normal((1, 9, 11)), "b": 0, "h": np.arange(3)[:, None, None],
            "q_idx": np.arange(9)[None, :, None], "kv_idx": np.arange(11)[None, None, :]}
     tensors = {"bias": rng.standard_normal(3), "table": rng.standard_normal(17),
-               "doc": np.sort(rng.integers(0, 3, 12)).astype(float)}
+               "doc": np.sort(rng.integers(0, 3, 12)).astype(float), "ids": rng.integers(0, 9, 12).astype(np.int32)}
     want = expr.evaluate(e, env, tensors)
     got = _emitted_value(e, env, tensors)
     np.testing.assert_allclose(np.broadcast_to(got, np.shape(want)), want, rtol=1e-12, atol=1e-12)

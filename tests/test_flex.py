@@ -114,8 +114,8 @@ def test_captures_helpers_and_locals_become_expression_parts():
     tr = flex.translate(sliding, "mask_mod")
     assert tr.text == "q_idx >= kv_idx and q_idx - kv_idx <= 9" and tr.tensors == {}
     tr = flex.translate(document, "mask_mod")
-    assert tr.text == "doc_ids[q_idx] == doc_ids[kv_idx] and q_idx >= kv_idx"
-    assert tr.tensors["doc_ids"].dtype == torch.float32 and torch.equal(tr.tensors["doc_ids"], doc_ids.float())
+    assert tr.text == "doc_ids.int32[q_idx] == doc_ids.int32[kv_idx] and q_idx >= kv_idx"  # integers stay exact
+    assert tr.tensors["doc_ids"].dtype == torch.int32 and torch.equal(tr.tensors["doc_ids"], doc_ids.int())
     q = torch.zeros(3)  # a captured tensor under a reserved name gets another
     assert flex.translate(lambda b, h, i, j: q[i] > 0, "mask_mod").text == "t_q[q_idx] > 0"
 
@@ -140,8 +140,8 @@ def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monk
     assert not torch.equal(first, second) and len(calls) == 1  # new values, the same kernel
     bshd = q.transpose(1, 2)
     assert check_close(second.transpose(1, 2), bshd, bshd, bshd, False,
-                       mask_mod="doc_ids[q_idx] == doc_ids[kv_idx] and q_idx >= kv_idx",
-                       tensors={"doc_ids": torch.tensor([0.0] * 50 + [1.0] * 50)}).ok
+                       mask_mod="doc_ids.int32[q_idx] == doc_ids.int32[kv_idx] and q_idx >= kv_idx",
+                       tensors={"doc_ids": torch.tensor([0] * 50 + [1] * 50, dtype=torch.int32)}).ok
 
 
 def test_a_wrong_translation_is_caught_by_the_check(monkeypatch):
@@ -157,8 +157,8 @@ def test_a_wrong_translation_is_caught_by_the_check(monkeypatch):
 # -- translation errors: the function, the file's line, the construct ---------------------------------------
 
 
-def pow_mod(score, b, h, q_idx, kv_idx):
-    return score ** 2
+def shift_mod(score, b, h, q_idx, kv_idx):
+    return score + (q_idx << 2)
 
 
 def branchy(b, h, q_idx, kv_idx):
@@ -173,15 +173,26 @@ def ternary(score, b, h, q_idx, kv_idx):
 
 def method(score, b, h, q_idx, kv_idx):
     x = score * 2
-    return x.abs()
+    return x.sum()
 
 
 def unknown_call(score, b, h, q_idx, kv_idx):
-    return torch.sin(score)
+    return torch.erf(score)
 
 
 def float_mod(score, b, h, q_idx, kv_idx):
     return score % 2
+
+
+def inf_times(score, b, h, q_idx, kv_idx):
+    return score * float("inf")
+
+
+huge_ids = torch.tensor([0, 2**40])
+
+
+def huge_id_mask(b, h, q_idx, kv_idx):
+    return huge_ids[q_idx] == huge_ids[kv_idx]
 
 
 def _line(fn, offset):
@@ -189,12 +200,14 @@ def _line(fn, offset):
 
 
 @pytest.mark.parametrize("fn, kind, offset, construct", [
-    (pow_mod, "score_mod", 1, "** (power)"),
+    (shift_mod, "score_mod", 1, "the operator <<"),
     (branchy, "mask_mod", 1, "the statement `If`"),
     (ternary, "score_mod", 1, "conditional expression"),
-    (method, "score_mod", 2, "method `.abs()`"),
-    (unknown_call, "score_mod", 1, "calling `torch.sin`"),
+    (method, "score_mod", 2, "method `.sum()`"),
+    (unknown_call, "score_mod", 1, "calling `torch.erf`"),
     (float_mod, "score_mod", 0, "left operand of % must be an integer expression"),
+    (inf_times, "score_mod", 0, "an infinity where it is not a masked key"),
+    (huge_id_mask, "mask_mod", 1, "holds values beyond int32"),
 ])
 def test_an_untranslatable_construct_names_the_function_the_line_and_the_construct(fn, kind, offset, construct):
     with pytest.raises(flex.FlexTranslationError) as info:
@@ -242,7 +255,7 @@ def test_percent_and_floordiv_emit_tilelangs_floor_forms():
     ("score % 2", 1, "left operand of % must be an integer"),
     ("bias[h] // 4", 1, "left operand of // must be an integer"),
     ("q_idx % 2.5", 9, "right operand of % must be an integer literal"),
-    ("q_idx // kv_idx", 10, "right operand of // must be an integer literal"),
+    ("q_idx // (kv_idx / 2)", 11, "right operand of // must be an integer literal"),
     ("q_idx % 0", 9, "% by the literal 0"),
     ("(q_idx / 2) % 3", 2, "left operand of %"),
 ])
@@ -250,6 +263,19 @@ def test_a_non_integer_operand_of_percent_is_a_column_precise_error(text, col, f
     with pytest.raises(expr.ExprError) as info:
         expr.parse(text, "score_mod")
     assert info.value.col == col and fragment in info.value.message
+
+
+def test_a_run_time_divisor_gives_0_where_it_is_0_in_the_kernel_and_the_reference():
+    e = expr.parse("q_idx // (kv_idx - 3) + q_idx % (kv_idx - 3)", "score_mod")
+    qi, kj = np.arange(10)[:, None], np.arange(7)[None, :]
+    got = expr.evaluate(e, {"q_idx": qi, "kv_idx": kj}, {})
+    want = [[0 if j == 3 else i // (j - 3) + i % (j - 3) for j in range(7)] for i in range(10)]
+    assert np.array_equal(got, want)
+    q, k, v = rand(1, 70, 2, D, seed=1), rand(1, 70, 2, D, seed=2), rand(1, 70, 2, D, seed=3)
+    mask = "(q_idx + 5) // (kv_idx - 3) % 3 != 1"
+    out = attngen.attention(q, k, v, mask_mod=mask)
+    assert check_close(out, q, k, v, False, mask_mod=mask).ok
+    assert not check_close(out, q, k, v, False, mask_mod="(q_idx + 5) // max(kv_idx - 3, 1) % 3 != 1").ok
 
 
 def test_a_percent_mask_on_the_cpu_model_matches_the_reference():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from attngen.emulator import blas
-from attngen.emulator.driver import PROXY_FENCES, Runtime, Stats, _host_array, check_schedule, emulate
+from attngen.emulator.driver import PROXY_FENCES, Runtime, Stats, _host_array, call_time_array, check_schedule, emulate
 from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
 
 
@@ -98,7 +98,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         dsinks = t.get("dSinks")
         lse2, dpsum = t["LSE2"], t["dPsum"]
         sm = [np.float32(sm_scale)]
-        calls = [_host_array(named[x.name]) for x in extra]
+        calls = [call_time_array(x, named[x.name]) for x in extra]
         main_calls = calls + bm_lists[:4] + ints  # the main kernel's transposed lists, the dq kernel's kv_*
         calls = calls + bm_lists[4:] + ints
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])

@@ -423,6 +423,11 @@ def _host_array(x) -> np.ndarray:
     return np.asarray(to_numpy(x), np.float32)
 
 
+def call_time_array(t, x) -> np.ndarray:
+    """A checked call-time tensor of the plan's ExtraTensor `t` as the array its buffer takes."""
+    return np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+
+
 def check_seed(seed, argument: str = "seed") -> int:
     """A schedule and input seed: a non-negative integer (numpy's generators take no negatives)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -478,7 +483,7 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
                 args.append(None)
             continue
         x = next(given)
-        x = np.asarray(to_numpy(x), np.int32) if t.dtype == "int32" else _host_array(x)
+        x = call_time_array(t, x)
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None or a in BLOCK_MASK_AXES})
         args.append(x)
     return args
@@ -589,6 +594,9 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     mask_mod tensors hold small non-decreasing integers along their last axis (document ids, a
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
+    from attngen.plan import BLOCK_MASK_TENSORS
+
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
     spec = plan.spec
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
@@ -596,7 +604,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
     tensors = {}
     for t in plan.extra:
-        if t.output or t.dtype == "int32":  # a block mask's lists: from the mask_mod, below
+        if t.output or t.name in lists:  # a block mask's lists: from the mask_mod, below
             continue
         if t.name == "alibi_slopes":
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
@@ -604,7 +612,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
-            tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.float32)
+            tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
     if plan.block_mask:
         tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
     return q, k, v, tensors

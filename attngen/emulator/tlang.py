@@ -426,6 +426,27 @@ class TLang:
     def tanh(self, x):
         return np.tanh(_f32(x))
 
+    def sin(self, x):
+        return np.sin(_f32(x))
+
+    def cos(self, x):
+        return np.cos(_f32(x))
+
+    def tan(self, x):
+        return np.tan(_f32(x))
+
+    def pow(self, x, y):
+        return np.power(_f32(x), _f32(y))
+
+    def bitwise_and(self, a, b):
+        return np.bitwise_and(a, b)
+
+    def bitwise_or(self, a, b):
+        return np.bitwise_or(a, b)
+
+    def bitwise_xor(self, a, b):
+        return np.bitwise_xor(a, b)
+
     def Cast(self, dtype, x):
         if dtype == "int32":
             return self.int32(x)
