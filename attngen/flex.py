@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from attngen import expr, tiles
-from attngen.ops import _compiling, attention
+from attngen.ops import attention, compiling
 from attngen.reference import InputError
 from attngen.spec import FIELDS
 
@@ -839,7 +839,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     fields = kernel_fields(kernel_options)
     meta = (tuple(int(n) for n in query.shape), int(key.shape[2]), int(value.shape[-1]), query.dtype,
             tuple(sorted(fields.items())))
-    if _compiling():  # the translation is a constant of the graph (_traced_mods)
+    if compiling():  # the translation is a constant of the graph (_traced_mods)
         kw = dict(_TRACED[_traced_mods(score_mod, block_mask, meta)])
     else:
         kw = _mods(score_mod, block_mask, meta)
