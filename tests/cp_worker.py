@@ -1,0 +1,68 @@
+"""The ranks of tests/test_distributed.py: W processes on gloo (CPU tensors, the CPU model), one
+process group for many cases. Rank 0 saves each case's full tensors (out, LSE, dq, dk, dv,
+reassembled by unshard_sequence) for the parent, which checks them against the fp64 reference."""
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def inputs(case: dict):
+    """The full q, k, v and dout of a case (every rank makes the same ones from the seed)."""
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    dtype = getattr(torch, case.get("dtype", "float16"))
+    b, s, h, hkv, d = case.get("batch", 1), case["seq"], case["heads"], case["kv_heads"], case.get("head_dim", 64)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=g).to(dtype) for n in (h, hkv, hkv, h))
+    return q, k, v, dout
+
+
+def run_case(case: dict, group=None) -> dict:
+    from attngen import distributed as cp
+
+    cp._TEST_ONLY_MUTANT = case.get("mutant")
+    lb = case.get("load_balance", "zigzag")
+    q, k, v, dout = inputs(case)
+    parts = [cp.shard_sequence(t, load_balance=lb, group=group).requires_grad_() for t in (q, k, v)]
+    out, lse = cp.context_parallel_attention(
+        *parts, group=group, method=case.get("method", "ring"), load_balance=lb, causal=case.get("causal", False),
+        window_size=tuple(case.get("window", (-1, -1))), softcap=case.get("softcap", 0.0),
+        softmax_scale=case.get("scale"), return_lse=True)
+    out.backward(cp.shard_sequence(dout, load_balance=lb, group=group))
+    full = lambda t, dim=1: cp.unshard_sequence(t.detach(), dim=dim, load_balance=lb, group=group)
+    result = {"out": full(out), "lse": full(lse, 2), "dq": full(parts[0].grad), "dk": full(parts[1].grad),
+              "dv": full(parts[2].grad)}
+    cp._TEST_ONLY_MUTANT = None
+    return result
+
+
+def _worker(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(cases):
+            try:
+                result = run_case(case)
+            except Exception as e:  # recorded for the parent; every rank raises the same check errors
+                result = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            if rank == 0:
+                torch.save(result, os.path.join(outdir, f"case{i}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, cases: list) -> list[dict]:
+    """Run `cases` on `world` gloo ranks (spawned once); rank 0's result per case."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_worker, args=(world, free_port(), cases, outdir), nprocs=world, join=True)
+        return [torch.load(os.path.join(outdir, f"case{i}.pt")) for i in range(len(cases))]
