@@ -27,9 +27,28 @@ def inputs(case: dict):
     return q, k, v, dout
 
 
+def run_layout(case: dict, group=None) -> dict:
+    """Every rank's shard of positions 0..S-1, and the gradient unshard_sequence gives each part when
+    every rank's loss is sum(full * (position + 1))."""
+    from attngen import distributed as cp
+
+    lb = case.get("load_balance", "zigzag")
+    positions = torch.arange(case["seq"], dtype=torch.float32).view(1, -1, 1, 1)
+    part = cp.shard_sequence(positions, load_balance=lb, group=group).requires_grad_()
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, part.detach(), group=group)
+    full = cp.unshard_sequence(part, load_balance=lb, group=group)
+    (full * (positions + 1)).sum().backward()
+    grads = [torch.empty_like(part) for _ in parts]
+    dist.all_gather(grads, part.grad, group=group)
+    return {"parts": [p.flatten() for p in parts], "full": full.detach().flatten(), "grads": [g.flatten() for g in grads]}
+
+
 def run_case(case: dict, group=None) -> dict:
     from attngen import distributed as cp
 
+    if case.get("kind") == "layout":
+        return run_layout(case, group)
     cp._TEST_ONLY_MUTANT = case.get("mutant")
     lb = case.get("load_balance", "zigzag")
     q, k, v, dout = inputs(case)
@@ -57,6 +76,7 @@ def _worker(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
                 result = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
             if rank == 0:
                 torch.save(result, os.path.join(outdir, f"case{i}.pt"))
+        dist.barrier()  # no rank closes its connections while another still reads from them
     finally:
         dist.destroy_process_group()
 
