@@ -311,13 +311,13 @@ class _Config(NamedTuple):
     size: int  # the chunk length
 
 
-def _call_args(cfg: _Config, call: Call, q, k, v) -> tuple:
+def _call_args(kernel: dict, call: Call, q, k, v) -> tuple:
     """torch.ops.attngen.fwd's (and .bwd's) arguments for one call, LSE on."""
     causal = call.causal and _TEST_ONLY_MUTANT != "causal_flag"
     window = call.window if call.window != (-1, -1) else None
     args, _ = ops.fwd_arguments(q[:, call.q0:call.q1].contiguous(), k[:, call.k0:call.k1].contiguous(),
                                 v[:, call.k0:call.k1].contiguous(), causal=causal, window=window, return_lse=True,
-                                **cfg.kernel)
+                                **kernel)
     return args
 
 
@@ -368,10 +368,32 @@ def _forward(cfg: _Config, q, k, v):
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     q_segments = segments(_q_ids(cfg.rank, cfg.world, cfg.load_balance), cfg.size)
     for k_segments, k_blk, v_blk in _blocks(cfg, k, v):
-        for call in step_calls(q_segments, k_segments, cfg.causal, cfg.window):
-            part_out, part_lse = ops.fwd(*_call_args(cfg, call, q, k_blk, v_blk))
-            _merge(out, lse, slice(call.q0, call.q1), part_out, part_lse)
+        _attend(q_segments, k_segments, cfg.causal, cfg.window, cfg.kernel, q, k_blk, v_blk, out, lse)
     return out, lse
+
+
+def _attend(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out, lse) -> None:
+    """One step's kernel calls, merged into out and lse. A function of its own, with no collective
+    and no process group among its arguments, so that torch.compile makes it one graph (docs/distributed.md)."""
+    for call in step_calls(q_segments, k_segments, causal, window):
+        part_out, part_lse = ops.fwd(*_call_args(kernel, call, q, k_blk, v_blk))
+        _merge(out, lse, slice(call.q0, call.q1), part_out, part_lse)
+
+
+def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out, lse, dout, dq, skip: bool):
+    """One step's backward calls: dq accumulated in place (float32), the block's (dk, dv) in float32
+    returned (zero with the test-only `skip`)."""
+    dk_blk = torch.zeros(k_blk.shape, dtype=torch.float32, device=k_blk.device)
+    dv_blk = torch.zeros(v_blk.shape, dtype=torch.float32, device=v_blk.device)
+    for call in step_calls(q_segments, k_segments, causal, window):
+        rows = slice(call.q0, call.q1)
+        args = _call_args(kernel, call, q, k_blk, v_blk)
+        g = ops.bwd(dout[:, rows].contiguous(), out[:, rows].contiguous(), lse[:, :, rows].contiguous(), *args)
+        dq[:, rows] += g[0].float()
+        if not skip:
+            dk_blk[:, call.k0:call.k1] += g[1].float()
+            dv_blk[:, call.k0:call.k1] += g[2].float()
+    return dk_blk, dv_blk
 
 
 def _backward(cfg: _Config, q, k, v, out, lse, dout):
@@ -382,17 +404,8 @@ def _backward(cfg: _Config, q, k, v, out, lse, dout):
     q_segments = segments(_q_ids(cfg.rank, cfg.world, cfg.load_balance), cfg.size)
 
     def step_grads(k_segments, k_blk, v_blk, skip: bool):
-        dk_blk = torch.zeros(k_blk.shape, dtype=torch.float32, device=k.device)
-        dv_blk = torch.zeros(v_blk.shape, dtype=torch.float32, device=v.device)
-        for call in step_calls(q_segments, k_segments, cfg.causal, cfg.window):
-            rows = slice(call.q0, call.q1)
-            args = _call_args(cfg, call, q, k_blk, v_blk)
-            g = ops.bwd(dout[:, rows].contiguous(), out[:, rows].contiguous(), lse[:, :, rows].contiguous(), *args)
-            dq[:, rows] += g[0].float()
-            if not skip:
-                dk_blk[:, call.k0:call.k1] += g[1].float()
-                dv_blk[:, call.k0:call.k1] += g[2].float()
-        return dk_blk, dv_blk
+        return _step_grads(q_segments, k_segments, cfg.causal, cfg.window, cfg.kernel, q, k_blk, v_blk, out, lse, dout,
+                           dq, skip)
 
     if cfg.method == "allgather":
         (k_segments, k_full, v_full), = _blocks(cfg, k, v)

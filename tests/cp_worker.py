@@ -44,11 +44,51 @@ def run_layout(case: dict, group=None) -> dict:
     return {"parts": [p.flatten() for p in parts], "full": full.detach().flatten(), "grads": [g.flatten() for g in grads]}
 
 
+def run_compiled(case: dict, group=None) -> dict:
+    """The case under torch.compile (a recording backend: dynamo's graphs, run as traced) against eager:
+    torch._dynamo.explain's graph and break counts and reasons, the attngen ops in each graph, and
+    whether out and the gradients equal eager's."""
+    from attngen import distributed as cp
+
+    lb, method = case.get("load_balance", "zigzag"), case.get("method", "ring")
+    q, k, v, dout = (cp.shard_sequence(t, load_balance=lb, group=group) for t in inputs(case))
+
+    def f(q, k, v):
+        return cp.context_parallel_attention(q, k, v, group=group, method=method, load_balance=lb,
+                                             causal=case.get("causal", False))
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(case.get("grad", False)) for t in (q, k, v)]
+        out = fn(*leaves)
+        if case.get("grad"):
+            out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves if t.grad is not None]
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        # with inputs that need a gradient an autograd.Function may be traced whole, its forward and
+        # backward as subgraphs (modules of gm): count in those too
+        graphs.append(sum("attngen" in str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                          for n in m.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(*(t.detach().clone().requires_grad_(case.get("grad", False)) for t in (q, k, v)))
+    torch._dynamo.reset()
+    same = all(torch.equal(a, b) for a, b in zip(run(f), run(torch.compile(f, backend=backend))))
+    reasons = sorted({str(b.reason).split("\n")[0][:120] for b in explained.break_reasons})
+    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count, "reasons": reasons,
+            "attngen_ops_per_graph": graphs, "same_as_eager": same}
+
+
 def run_case(case: dict, group=None) -> dict:
     from attngen import distributed as cp
 
     if case.get("kind") == "layout":
         return run_layout(case, group)
+    if case.get("kind") == "compile":
+        return run_compiled(case, group)
     cp._TEST_ONLY_MUTANT = case.get("mutant")
     lb = case.get("load_balance", "zigzag")
     q, k, v, dout = inputs(case)
