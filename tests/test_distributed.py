@@ -325,3 +325,33 @@ def test_one_rank_is_attngen_attention(one_rank):
     q, k, v = qkv(seq=6)
     out, lse = cp.context_parallel_attention(q, k, v, causal=True, return_lse=True)
     assert check_close(out, q, k, v, True).ok and check_lse(lse, q, k, v, True).ok
+
+
+# -- the cost model (bench/context_parallel_model.py) ---------------------------------------------------
+
+
+def load_model():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "context_parallel_model.py"
+    spec = importlib.util.spec_from_file_location("context_parallel_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_cost_model_counts_the_calls_distributed_makes(capsys):
+    """Zigzag is balanced (1.00) and contiguous is not ((2W-1) x nearly, the last rank's full blocks
+    against the first's one triangle), counted from step_calls; a step's transfer stops hiding when
+    the sequence per rank shrinks (compute grows as its square, bytes linearly)."""
+    model = load_model()
+    for world in (2, 3, 8):
+        assert model.balance(world, "zigzag", 16) == 1.0
+        assert 2 * world - 2 < model.balance(world, "contiguous", 16) < 2 * world - 1
+    args = ["--worlds", "8", "--seqs", "4096", "1048576", "--ib", "50"]
+    model.main(args)
+    printed = capsys.readouterr().out
+    assert "MODEL (not measured)" in printed
+    short, long = model.rows(model.parse(args))
+    assert not short["ib_hides"] and long["ib_hides"] and long["nvl_hides"]
