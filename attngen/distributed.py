@@ -24,14 +24,15 @@ attngen's backward op per step with the merged (global) out and LSE, so the LSE 
 
 from __future__ import annotations
 
+import ast
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from attngen import ops
+from attngen import expr, ops
 from attngen.reference import InputError
-from attngen.spec import FIELDS
+from attngen.spec import FIELDS, SpecError
 
 METHODS = ("ring", "allgather")
 LOAD_BALANCES = ("zigzag", "contiguous")
@@ -43,18 +44,20 @@ REFUSED = {
     "alibi_slopes": "ALiBi reads q_idx - kv_idx, which is local to each step's kernel call",
     "sinks": "a sink joins each row's denominator once, and each step's LSE would count it again",
     "score_mod": "its q_idx and kv_idx would be each step's local indices, not the sequence's",
-    "mask_mod": "its q_idx and kv_idx would be each step's local indices, not the sequence's",
-    "block_mask": "a block mask lists tiles of the whole sequence, not of one step's chunks",
-    "cu_seqlens": "varlen batches over the global sequence are not implemented for context parallelism",
+    "block_mask": "a block mask lists tiles of the whole sequence, not of one step's chunks (pass its mask_mod "
+                  "text with method='allgather')",
 }
+# with method="ring" (a step's keys are two runs of the sequence); the all-gather takes them
+ALLGATHER_ONLY = ("mask_mod", "cu_seqlens")
+DOCUMENT = "cp_document"  # the call-time tensor of document ids that cu_seqlens becomes
 
 # TEST-ONLY: a named mutation, so tests can show that they catch it (tests/test_distributed.py).
 # None in any real use. "merge_no_rescale": partial outputs summed without the LSE weights;
 # "zigzag_order": the attention takes a zigzag rank's two chunks in the wrong order;
 # "dkdv_skip_step": the backward drops the last ring step's dK/dV; "causal_flag": a causal
-# (diagonal) call runs the full kernel.
+# (diagonal) call runs the full kernel; "mask_offset": a global mask_mod reads the call's local rows.
 _TEST_ONLY_MUTANT: str | None = None
-MUTANTS = ("merge_no_rescale", "zigzag_order", "dkdv_skip_step", "causal_flag")
+MUTANTS = ("merge_no_rescale", "zigzag_order", "dkdv_skip_step", "causal_flag", "mask_offset")
 
 
 # -- the layout: which chunks of the sequence each rank holds ---------------------------------------
@@ -188,9 +191,10 @@ class Call(NamedTuple):
     k1: int
     causal: bool
     window: tuple  # (left, right), -1 unbounded; (-1, -1) with causal or for a wholly visible rectangle
+    q_pos: int = -1  # the global position of row q0 when the call's rows are one run of the sequence, else -1
 
 
-def _pair_call(qs: Segment, ks: Segment, causal: bool, window: tuple) -> Call | None:
+def _pair_call(qs: Segment, ks: Segment, causal: bool, window: tuple, keys_from_start: bool = False) -> Call | None:
     """The call for query segment qs against key segment ks, or None when no row sees a key there.
 
     Globally row i sees key j when i - left <= j <= i + right (causal: right = 0). In the pair's
@@ -213,6 +217,8 @@ def _pair_call(qs: Segment, ks: Segment, causal: bool, window: tuple) -> Call | 
     s0, s1 = (0 if lo is None else max(0, -lo)), (n - 1 if hi is None else min(n - 1, m - 1 + hi))
     if a0 > a1 or s0 > s1:
         return None
+    if keys_from_start:
+        s0 = 0
     rows, keys = a1 - a0 + 1, s1 - s0 + 1
     new_left = None if lo is None else lo + s1 - a1
     new_right = None if hi is None else hi + a1 - s1
@@ -223,7 +229,7 @@ def _pair_call(qs: Segment, ks: Segment, causal: bool, window: tuple) -> Call | 
         new_right = None
     is_causal = new_left is None and new_right == 0
     win = (-1, -1) if is_causal else (-1 if new_left is None else new_left, -1 if new_right is None else new_right)
-    return Call(qs.offset + a0, qs.offset + a1 + 1, ks.offset + s0, ks.offset + s1 + 1, is_causal, win)
+    return Call(qs.offset + a0, qs.offset + a1 + 1, ks.offset + s0, ks.offset + s1 + 1, is_causal, win, qs.start + a0)
 
 
 def _whole(call: Call | None, qs: Segment, ks: Segment) -> bool:
@@ -232,10 +238,17 @@ def _whole(call: Call | None, qs: Segment, ks: Segment) -> bool:
             and call.k1 - call.k0 == ks.length)
 
 
-def step_calls(q_segments: list[Segment], k_segments: list[Segment], causal: bool, window: tuple) -> list[Call]:
+def step_calls(q_segments: list[Segment], k_segments: list[Segment], causal: bool, window: tuple,
+               masked: bool = False) -> list[Call]:
     """The kernel calls of one step: each (query, key) segment pair's call, with wholly visible pairs
     merged into one call where they fill all the rows of a key segment, all the keys of a query
-    segment, or the whole step (local rows and block keys are contiguous in memory)."""
+    segment, or the whole step (local rows and block keys are contiguous in memory).
+    `masked` (a mask_mod over global positions; the all-gather's one key segment, the whole sequence
+    from position 0): one call per query segment, its keys from position 0, so the call's q_idx is
+    q_pos + q_idx and its kv_idx the global one."""
+    if masked:
+        return [c for qs in q_segments for ks in k_segments
+                if (c := _pair_call(qs, ks, causal, window, keys_from_start=True)) is not None]
     grid = [[_pair_call(qs, ks, causal, window) for ks in k_segments] for qs in q_segments]
     whole = [[_whole(grid[i][j], qs, ks) for j, ks in enumerate(k_segments)] for i, qs in enumerate(q_segments)]
     q_end = q_segments[-1].offset + q_segments[-1].length
@@ -312,13 +325,34 @@ class _Config(NamedTuple):
 
 
 def _call_args(kernel: dict, call: Call, q, k, v) -> tuple:
-    """torch.ops.attngen.fwd's (and .bwd's) arguments for one call, LSE on."""
+    """torch.ops.attngen.fwd's (and .bwd's) arguments for one call, LSE on. A mask_mod over global
+    positions (the kernel's "global_mask_mod") becomes the call's own (at_rows)."""
     causal = call.causal and _TEST_ONLY_MUTANT != "causal_flag"
     window = call.window if call.window != (-1, -1) else None
+    fields = dict(kernel)
+    mask = fields.pop("global_mask_mod", None)
+    if mask is not None:
+        fields["mask_mod"] = at_rows(mask, call.q_pos)
     args, _ = ops.fwd_arguments(q[:, call.q0:call.q1].contiguous(), k[:, call.k0:call.k1].contiguous(),
                                 v[:, call.k0:call.k1].contiguous(), causal=causal, window=window, return_lse=True,
-                                **kernel)
+                                **fields)
     return args
+
+
+def at_rows(mask_mod: str, q_pos: int) -> str:
+    """A mask_mod over global positions as a call's own: q_idx -> (q_idx + q_pos), and kv_idx ->
+    (kv_idx + 0) (the call's keys start at position 0; an index that is not the bare variable leaves
+    a tensor's axis free, so a tensor over the whole sequence is not checked against the call's length)."""
+    tree = expr.parse(mask_mod, "mask_mod").tree
+    if _TEST_ONLY_MUTANT == "mask_offset":
+        q_pos = 0
+
+    class Shift(ast.NodeTransformer):
+        def visit_Name(self, node):
+            offset = {"q_idx": q_pos, "kv_idx": 0}.get(node.id)
+            return node if offset is None else ast.BinOp(ast.Name(node.id, ast.Load()), ast.Add(), ast.Constant(offset))
+
+    return ast.unparse(Shift().visit(tree))
 
 
 def _peers(cfg: _Config) -> tuple[int, int]:
@@ -375,7 +409,7 @@ def _forward(cfg: _Config, q, k, v):
 def _attend(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out, lse) -> None:
     """One step's kernel calls, merged into out and lse. A function of its own, with no collective
     and no process group among its arguments, so that torch.compile makes it one graph (docs/distributed.md)."""
-    for call in step_calls(q_segments, k_segments, causal, window):
+    for call in step_calls(q_segments, k_segments, causal, window, "global_mask_mod" in kernel):
         part_out, part_lse = ops.fwd(*_call_args(kernel, call, q, k_blk, v_blk))
         _merge(out, lse, slice(call.q0, call.q1), part_out, part_lse)
 
@@ -385,7 +419,7 @@ def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk,
     returned (zero with the test-only `skip`)."""
     dk_blk = torch.zeros(k_blk.shape, dtype=torch.float32, device=k_blk.device)
     dv_blk = torch.zeros(v_blk.shape, dtype=torch.float32, device=v_blk.device)
-    for call in step_calls(q_segments, k_segments, causal, window):
+    for call in step_calls(q_segments, k_segments, causal, window, "global_mask_mod" in kernel):
         rows = slice(call.q0, call.q1)
         args = _call_args(kernel, call, q, k_blk, v_blk)
         g = ops.bwd(dout[:, rows].contiguous(), out[:, rows].contiguous(), lse[:, :, rows].contiguous(), *args)
@@ -450,14 +484,35 @@ class _ContextParallel(torch.autograd.Function):
 
 
 def _check_kwargs(method: str, kwargs: dict) -> dict:
-    """The spec fields passed through (the schedule's), after refusing what cannot be sharded."""
+    """The spec fields passed through (the schedule's), a mask_mod and its tensors, after refusing
+    what cannot be sharded."""
     for name, value in kwargs.items():
         if name in REFUSED and value is not None:
             raise InputError(name, "given", f"no {name} with context parallelism: {REFUSED[name]}")
-        if name not in SCHEDULE_FIELDS:
+        if name in ALLGATHER_ONLY and value is not None and method != "allgather":
+            raise InputError(name, "given", f"method='allgather' for {name} (a ring step's keys are two runs of the "
+                                            f"sequence, not one)")
+        if isinstance(value, torch.Tensor) and name not in FIELDS and kwargs.get("mask_mod") is not None:
+            continue  # a call-time tensor of the mask_mod, over global positions
+        if name not in SCHEDULE_FIELDS + ALLGATHER_ONLY:
             known = "a spec field set by the call itself or by the tensors" if name in FIELDS else "an unknown keyword"
             raise InputError(name, repr(value), f"a schedule field ({', '.join(SCHEDULE_FIELDS)}); {name} is {known}")
     return {n: x for n, x in kwargs.items() if x is not None}
+
+
+def _documents(cu_seqlens, length: int, device) -> torch.Tensor:
+    """The document id of each of the sequence's `length` positions (float32, as call-time tensors
+    are), from cu_seqlens [0, end_1, ..., length]."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        got = f"a {cu_seqlens.dtype} tensor of shape {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) \
+            else type(cu_seqlens).__name__
+        raise InputError("cu_seqlens", got, "a 1-d integer tensor [documents + 1] of the global sequence's offsets")
+    cu = cu_seqlens.detach().cpu().long()
+    if len(cu) < 2 or int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()):
+        raise InputError("cu_seqlens", cu.tolist(), f"non-decreasing offsets from 0 to {length}, the global sequence's "
+                                                    f"length (W x the local length)")
+    ids = torch.searchsorted(cu[1:], torch.arange(length), right=True)
+    return ids.to(device=device, dtype=torch.float32)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, method: str = "ring",
@@ -470,8 +525,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (-1 unbounded) are over global positions. Returns this rank's out [B, S/W, H, DV] (and with
     return_lse its float32 LSE [B, H, S/W]; a row that sees no key: out 0, LSE -inf).
     Differentiable in q, k and v (the LSE output has no gradient, as attngen.attention's).
-    kwargs: the kernel's schedule fields (SCHEDULE_FIELDS); score_mod, mask_mod, ALiBi, sinks,
-    block masks and varlen are refused with a one-line InputError (REFUSED says why).
+    kwargs: the kernel's schedule fields (SCHEDULE_FIELDS); with method="allgather" also
+    `mask_mod` (attngen's expression text over GLOBAL q_idx and kv_idx, docs/variants.md) with its
+    call-time tensors by name (over global positions), and `cu_seqlens` (int [documents + 1], the
+    packed documents of the global sequence, the same for every batch row): attention stays within a
+    document (bottom-right causal per document is the global causal within it, as lengths are equal).
+    score_mod, ALiBi, sinks and block masks are refused with a one-line InputError (REFUSED says why).
     """
     if method not in METHODS:
         raise InputError("method", repr(method), f"one of {', '.join(map(repr, METHODS))}")
@@ -491,6 +550,20 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     per_rank = len(chunk_ids(rank, world, load_balance))
     size = _check_length("q.shape[1]", int(q.shape[1]), per_rank,
                          f"{per_rank} chunks per rank with load_balance={load_balance!r}")
+    cu_seqlens, mask = kernel.pop("cu_seqlens", None), kernel.pop("mask_mod", None)
+    if mask is not None:  # checked before any collective: one line naming the column
+        if not isinstance(mask, str):
+            raise SpecError("mask_mod", mask, "an expression string over global q_idx and kv_idx (docs/variants.md)")
+        try:
+            expr.parse(mask, "mask_mod")
+        except expr.ExprError as e:
+            raise SpecError("mask_mod", mask, str(e)) from None
+    if cu_seqlens is not None:
+        kernel[DOCUMENT] = _documents(cu_seqlens, world * int(q.shape[1]), q.device)
+        same = f"{DOCUMENT}[q_idx] == {DOCUMENT}[kv_idx]"
+        mask = same if mask is None else f"({same}) and ({mask})"
+    if mask is not None:
+        kernel["global_mask_mod"] = mask
     kernel.update(softcap=softcap, softmax_scale=softmax_scale)
     cfg = _Config(group, world, rank, method, load_balance, bool(causal), (int(left), int(right)), kernel, size)
     out, lse = _ContextParallel.apply(q, k, v, cfg)

@@ -27,6 +27,14 @@ def inputs(case: dict):
     return q, k, v, dout
 
 
+def masks(case: dict) -> dict:
+    """A case's mask_mod (over global positions), its tensors, and cu_seqlens, as keywords."""
+    given = {n: case[n] for n in ("mask_mod", "cu_seqlens") if n in case}
+    if "cu_seqlens" in given:
+        given["cu_seqlens"] = torch.tensor(given["cu_seqlens"], dtype=torch.int32)
+    return given | {n: torch.tensor(t, dtype=torch.float32) for n, t in case.get("tensors", {}).items()}
+
+
 def run_layout(case: dict, group=None) -> dict:
     """Every rank's shard of positions 0..S-1, and the gradient unshard_sequence gives each part when
     every rank's loss is sum(full * (position + 1))."""
@@ -96,7 +104,7 @@ def run_case(case: dict, group=None) -> dict:
     out, lse = cp.context_parallel_attention(
         *parts, group=group, method=case.get("method", "ring"), load_balance=lb, causal=case.get("causal", False),
         window_size=tuple(case.get("window", (-1, -1))), softcap=case.get("softcap", 0.0),
-        softmax_scale=case.get("scale"), return_lse=True)
+        softmax_scale=case.get("scale"), return_lse=True, **masks(case))
     out.backward(cp.shard_sequence(dout, load_balance=lb, group=group))
     full = lambda t, dim=1: cp.unshard_sequence(t.detach(), dim=dim, load_balance=lb, group=group)
     result = {"out": full(out), "lse": full(lse, 2), "dq": full(parts[0].grad), "dk": full(parts[1].grad),

@@ -17,6 +17,7 @@ from attngen import distributed as cp
 from attngen import tiles
 from attngen.reference import InputError, check_close, check_lse
 from attngen.reference_bwd import check_grads
+from attngen.spec import SpecError
 
 import cp_worker
 
@@ -41,13 +42,25 @@ def failures(case: dict, result: dict) -> dict:
     if "error" in result:
         return {"error": result["error"]}
     q, k, v, dout = cp_worker.inputs(case)
-    variant = dict(window=tuple(case.get("window", (-1, -1))), softcap=case.get("softcap", 0.0))
+    variant = dict(window=tuple(case.get("window", (-1, -1))), softcap=case.get("softcap", 0.0)) | reference_mask(case)
     causal, dtype, scale = case.get("causal", False), case.get("dtype", "float16"), case.get("scale")
     checks = {"out": check_close(result["out"], q, k, v, causal, dtype=dtype, scale=scale, **variant),
               "lse": check_lse(result["lse"], q, k, v, causal, dtype=dtype, scale=scale, **variant)}
     grads = {n: result[n] for n in ("dq", "dk", "dv")}
     checks |= check_grads(grads, q, k, v, dout, causal, dtype=dtype, scale=scale, out=result["out"], **variant)
     return {n: str(c) for n, c in checks.items() if not c.ok}
+
+
+def reference_mask(case: dict) -> dict:
+    """The reference's mask_mod and tensors for a case: its global mask_mod, and for cu_seqlens each
+    position's document (written here with np.repeat, not from distributed.py) kept to its own."""
+    masks, tensors = [], {n: np.asarray(t, np.float64) for n, t in case.get("tensors", {}).items()}
+    if "cu_seqlens" in case:
+        tensors["document"] = np.repeat(np.arange(len(case["cu_seqlens"]) - 1), np.diff(case["cu_seqlens"])).astype(float)
+        masks.append("document[q_idx] == document[kv_idx]")
+    if "mask_mod" in case:
+        masks.append(case["mask_mod"])
+    return {"mask_mod": " and ".join(f"({m})" for m in masks), "tensors": tensors} if masks else {}
 
 
 def assert_all_pass(cases, results):
@@ -122,6 +135,9 @@ def test_a_pair_of_unequal_segments_sees_the_global_mask(m, n, q_start, k_start,
     want = globally_visible(np.arange(q_start, q_start + m)[:, None], np.arange(k_start, k_start + n)[None, :],
                             causal, window)
     assert np.array_equal(call_cover([call] if call else [], m, n), want.astype(int)), call
+    from_start = cp._pair_call(qs, ks, causal, window, keys_from_start=True)  # a mask_mod's call: keys from 0
+    assert np.array_equal(call_cover([from_start] if from_start else [], m, n), want.astype(int)), from_start
+    assert from_start is None or (from_start.k0 == 0 and from_start.q_pos == q_start + from_start.q0)
 
 
 def causal_work(rank: int, world: int, lb: str, size: int = 4) -> int:
@@ -211,6 +227,23 @@ def check_compiled(cases, results):
             assert res["breaks"] == 0, res
 
 
+def masked_cases(world: int, size: int) -> list[dict]:
+    """All-gather with a document mask over global positions (a tensor of document ids) and with
+    cu_seqlens (documents of lengths that cut the chunks anywhere, one empty), causal or not, a window."""
+    seq = 2 * world * size
+
+    def cu(n):  # documents that cut the chunks anywhere; one empty (a repeated offset)
+        return [0, 1, n // 3, n // 3, n // 2 + 1, n]
+
+    doc = [float(i // 4 % 3) for i in range(seq)]  # documents that come back (ids 0, 1, 2, 0, ...)
+    base = dict(method="allgather", load_balance="zigzag", seq=seq, heads=2, kv_heads=1)
+    return [base | dict(causal=True, mask_mod="doc[q_idx] == doc[kv_idx]", tensors={"doc": doc}, seed=50),
+            base | dict(causal=False, window=(3, 2), mask_mod="(q_idx // 4) % 2 == (kv_idx // 4) % 2", seed=51),
+            base | dict(causal=True, cu_seqlens=cu(seq), seed=52),
+            base | dict(causal=False, cu_seqlens=cu(world * size), mask_mod="kv_idx != 5", load_balance="contiguous",
+                        seq=world * size, seed=53)]
+
+
 def check_layouts(world, cases, results):
     """Rank r's shard holds chunks r and 2W-1-r (zigzag) or chunk r (contiguous), written out here;
     unshard gives the positions back, and each part's gradient is W x (position + 1)."""
@@ -226,15 +259,17 @@ def check_layouts(world, cases, results):
 
 @pytest.mark.expensive
 def test_three_ranks_and_the_mutants():
-    """W = 3 (odd: zigzag's 6 chunks), chunks of 5 rows, the grid with MQA; then each test-only
-    mutant fails the checks it should: the merge without the LSE rescale (out), zigzag chunks in the
-    wrong order (out, lse), a dK/dV missing the last ring step (dk, dv), the causal flag wrong (out)."""
-    cases = grid(3, 5, heads=(2, 1))
+    """W = 3 (odd: zigzag's 6 chunks), chunks of 5 rows, the grid with MQA, the all-gather's document
+    masks and cu_seqlens; then each test-only mutant fails the checks it should: the merge without the
+    LSE rescale (out), zigzag chunks in the wrong order (out, lse), a dK/dV missing the last ring step
+    (dk, dv), the causal flag wrong (out, lse), a global mask_mod read at local rows (out, lse)."""
+    cases = grid(3, 5, heads=(2, 1)) + masked_cases(3, 5)
     layouts = [dict(kind="layout", load_balance=lb, seq=cp.num_chunks(3, lb)) for lb in cp.LOAD_BALANCES]
     mutants = {"merge_no_rescale": {"out"}, "zigzag_order": {"out", "lse"}, "dkdv_skip_step": {"dk", "dv"},
-               "causal_flag": {"out", "lse"}}
+               "causal_flag": {"out", "lse"}, "mask_offset": {"out", "lse"}}
     mutant_cases = [dict(method="ring", load_balance="zigzag", causal=True, seq=12, heads=2, kv_heads=1, mutant=m, seed=7)
-                    for m in mutants]
+                    for m in mutants if m != "mask_offset"]
+    mutant_cases.append(masked_cases(3, 5)[0] | dict(mutant="mask_offset"))
     results = cp_worker.run(3, cases + layouts + mutant_cases)
     assert_all_pass(cases, results[:len(cases)])
     check_layouts(3, layouts, results[len(cases):len(cases) + len(layouts)])
@@ -296,15 +331,21 @@ def test_without_a_process_group_the_error_says_so():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(method="ulysses"), "method = 'ulysses': expected one of 'ring', 'allgather'"),
     (dict(load_balance="striped"), "load_balance = 'striped'"),
-    (dict(mask_mod="q_idx >= kv_idx"), "no mask_mod with context parallelism"),
-    (dict(cu_seqlens=torch.tensor([0, 4], dtype=torch.int32)), "no cu_seqlens with context parallelism"),
+    (dict(mask_mod="q_idx >= kv_idx"), "method='allgather' for mask_mod"),
+    (dict(cu_seqlens=torch.tensor([0, 4], dtype=torch.int32)), "method='allgather' for cu_seqlens"),
+    (dict(method="allgather", cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)), r"cu_seqlens = \[0, 5\]: expected "
+                                                                                    "non-decreasing offsets from 0 to 4"),
+    (dict(method="allgather", cu_seqlens=torch.tensor([0.0, 4.0])), "cu_seqlens = a torch.float32 tensor"),
+    (dict(method="allgather", mask_mod="doc[q_idx]", doc=torch.zeros(4)), "mask_mod"),
+    (dict(method="allgather", doc=torch.zeros(4)), "doc is an unknown keyword"),
+    (dict(score_mod="score * 2"), "no score_mod with context parallelism"),
     (dict(sinks=torch.zeros(2)), "no sinks with context parallelism"),
     (dict(lse=True), "lse is a spec field set by the call"),
     (dict(consumer=2), "consumer is an unknown keyword"),
     (dict(window_size=(-2, 0)), "window_size"),
 ])
 def test_refusals_are_one_line(one_rank, kwargs, match):
-    with pytest.raises(InputError, match=match) as e:
+    with pytest.raises((InputError, SpecError), match=match) as e:
         cp.context_parallel_attention(*qkv(), **kwargs)
     assert "\n" not in str(e.value)
 
