@@ -229,7 +229,8 @@ def check_compiled(cases, results):
 
 def masked_cases(world: int, size: int) -> list[dict]:
     """All-gather with a document mask over global positions (a tensor of document ids) and with
-    cu_seqlens (documents of lengths that cut the chunks anywhere, one empty), causal or not, a window."""
+    cu_seqlens (documents of lengths that cut the chunks anywhere, one empty), causal or not, a window;
+    and a mask that leaves two rows with no key."""
     seq = 2 * world * size
 
     def cu(n):  # documents that cut the chunks anywhere; one empty (a repeated offset)
@@ -240,6 +241,8 @@ def masked_cases(world: int, size: int) -> list[dict]:
     return [base | dict(causal=True, mask_mod="doc[q_idx] == doc[kv_idx]", tensors={"doc": doc}, seed=50),
             base | dict(causal=False, window=(3, 2), mask_mod="(q_idx // 4) % 2 == (kv_idx // 4) % 2", seed=51),
             base | dict(causal=True, cu_seqlens=cu(seq), seed=52),
+            # rows 7 and 8 see no key: out 0, LSE -inf, no NaN, gradient 0 (the reference's own rules)
+            base | dict(causal=True, mask_mod="q_idx != 7 and q_idx != 8", seed=54),
             base | dict(causal=False, cu_seqlens=cu(world * size), mask_mod="kv_idx != 5", load_balance="contiguous",
                         seq=world * size, seed=53)]
 
