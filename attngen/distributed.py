@@ -441,26 +441,22 @@ def _backward(cfg: _Config, q, k, v, out, lse, dout):
         return _step_grads(q_segments, k_segments, cfg.causal, cfg.window, cfg.kernel, q, k_blk, v_blk, out, lse, dout,
                            dq, skip)
 
+    blocks = _blocks(cfg, k, v)  # K and V rotate (or are gathered) as in the forward
     if cfg.method == "allgather":
-        (k_segments, k_full, v_full), = _blocks(cfg, k, v)
+        (k_segments, k_full, v_full), = blocks
         dk_full, dv_full = step_grads(k_segments, k_full, v_full, False)
         dk = _reduce_scatter(_to_rank_major(dk_full, 1, cfg.world, cfg.load_balance), cfg.group)
         dv = _reduce_scatter(_to_rank_major(dv_full, 1, cfg.world, cfg.load_balance), cfg.group)
         return dq, dk, dv
     dkv_pending = None
-    for step in range(cfg.world):
-        kv_pending = _rotate(cfg, [k, v]) if step < cfg.world - 1 else None
-        src = (cfg.rank - step) % cfg.world
+    for step, (k_segments, k_blk, v_blk) in enumerate(blocks):
         skip = _TEST_ONLY_MUTANT == "dkdv_skip_step" and step == cfg.world - 1
-        dk_blk, dv_blk = step_grads(segments(chunk_ids(src, cfg.world, cfg.load_balance), cfg.size), k, v, skip)
-        if dkv_pending is not None:  # block src's dK/dV so far, from the ranks that held it before
+        dk_blk, dv_blk = step_grads(k_segments, k_blk, v_blk, skip)
+        if dkv_pending is not None:  # this block's dK/dV so far, from the ranks that held it before
             _wait(dkv_pending[0])
             dk_blk, dv_blk = dk_blk + dkv_pending[1][0], dv_blk + dkv_pending[1][1]
-        # on to the next rank, which holds block src at the next step (after the last: its owner)
+        # on to the next rank, which holds this block at the next step (after the last: its owner)
         dkv_pending = _rotate(cfg, [dk_blk, dv_blk])
-        if kv_pending is not None:
-            _wait(kv_pending[0])
-            k, v = kv_pending[1]
     _wait(dkv_pending[0])
     dk, dv = dkv_pending[1]
     return dq, dk, dv
