@@ -339,6 +339,16 @@ def _call_args(kernel: dict, call: Call, q, k, v) -> tuple:
     return args
 
 
+def _check_call(kernel: dict, q, k, v, causal: bool, window: tuple) -> None:
+    """ops.check_attention of a call of the local q, k and v with the call's keywords (runs nothing)."""
+    fields = dict(kernel)
+    mask = fields.pop("global_mask_mod", None)
+    if mask is not None:
+        fields["mask_mod"] = at_rows(mask, 0)
+    ops.check_attention(q, k, v, causal=causal, window=None if window == (-1, -1) else window, return_lse=True,
+                        **fields)
+
+
 def at_rows(mask_mod: str, q_pos: int) -> str:
     """A mask_mod over global positions as a call's own: q_idx -> (q_idx + q_pos), and kv_idx ->
     (kv_idx + 0) (the call's keys start at position 0; an index that is not the bare variable leaves
@@ -561,6 +571,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if mask is not None:
         kernel["global_mask_mod"] = mask
     kernel.update(softcap=softcap, softmax_scale=softmax_scale)
+    # every check of the kernel calls (dtypes, heads, head dims, fields, the CPU time of one call) before
+    # any collective: a rank that raised mid-ring would leave the others waiting
+    _check_call(kernel, q, k, v, bool(causal), (int(left), int(right)))
     cfg = _Config(group, world, rank, method, load_balance, bool(causal), (int(left), int(right)), kernel, size)
     out, lse = _ContextParallel.apply(q, k, v, cfg)
     return (out, lse) if return_lse else out

@@ -353,6 +353,22 @@ def test_refusals_are_one_line(one_rank, kwargs, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_call_the_kernels_refuse_is_refused_before_any_collective(one_rank, monkeypatch):
+    """The op's own checks run on the local tensors first (a rank raising mid-ring would strand the
+    others): a float32 q, a negative softcap, a schedule field out of range, each before the steps start."""
+    def started(*args):
+        raise AssertionError("the steps started before the call was checked")
+
+    monkeypatch.setattr(cp, "_forward", started)
+    q, k, v = qkv()
+    with pytest.raises(InputError, match="q.dtype"):
+        cp.context_parallel_attention(q.float(), k.float(), v.float())
+    with pytest.raises(SpecError, match="softcap"):
+        cp.context_parallel_attention(q, k, v, softcap=-1.0)
+    with pytest.raises(SpecError, match="consumers"):
+        cp.context_parallel_attention(q, k, v, consumers=9)
+
+
 def test_lengths_that_do_not_divide_are_refused(one_rank):
     """zigzag needs an even local length (2 chunks per rank); shard_sequence needs 2W chunks."""
     with pytest.raises(InputError, match=r"q.shape\[1\] = 3: expected a positive multiple of 2"):
