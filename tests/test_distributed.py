@@ -292,18 +292,22 @@ def test_four_ranks():
 @settings(max_examples=max(2, settings.default.max_examples // 10))  # a process group per example: ci draws 2
 @given(st.data())
 def test_drawn_groups(data):
-    """Hypothesis draws W, the chunk length, heads (GQA), method, balance, causal and window; three cases
-    per process group."""
+    """Hypothesis draws W, the chunk length, heads (GQA), method, balance, causal, window, dtype and,
+    for the all-gather, documents (cu_seqlens); three cases per process group."""
     world = data.draw(st.sampled_from([2, 3]), label="world")
     cases = []
     for i in range(3):
         kv_heads = data.draw(st.sampled_from([1, 2]))
         lb = data.draw(st.sampled_from(cp.LOAD_BALANCES))
-        cases.append(dict(
+        case = dict(
             method=data.draw(st.sampled_from(cp.METHODS)), load_balance=lb, causal=data.draw(st.booleans()),
             window=data.draw(st.sampled_from([(-1, -1), (0, 0), (3, 1), (7, -1), (-1, 2)])),
             seq=cp.num_chunks(world, lb) * data.draw(st.integers(1, 6)), heads=kv_heads * data.draw(st.sampled_from([1, 2])),
-            kv_heads=kv_heads, dtype=data.draw(st.sampled_from(["float16", "bfloat16"])), seed=i))
+            kv_heads=kv_heads, dtype=data.draw(st.sampled_from(["float16", "bfloat16"])), seed=i)
+        if case["method"] == "allgather" and data.draw(st.booleans(), label="documents"):
+            cuts = data.draw(st.lists(st.integers(0, case["seq"]), max_size=4))
+            case["cu_seqlens"] = [0, *sorted(cuts), case["seq"]]
+        cases.append(case)
     assert_all_pass(cases, cp_worker.run(world, cases))
 
 
