@@ -326,13 +326,14 @@ class _Config(NamedTuple):
 
 def _call_args(kernel: dict, call: Call, q, k, v) -> tuple:
     """torch.ops.attngen.fwd's (and .bwd's) arguments for one call, LSE on. A mask_mod over global
-    positions (the kernel's "global_mask_mod") becomes the call's own (at_rows)."""
+    positions becomes the call's own: the kernel's "global_mask_mod" holds it rewritten (at_rows) for
+    each position a call's rows can start at, made before the steps (ast does not trace)."""
     causal = call.causal and _TEST_ONLY_MUTANT != "causal_flag"
     window = call.window if call.window != (-1, -1) else None
     fields = dict(kernel)
-    mask = fields.pop("global_mask_mod", None)
-    if mask is not None:
-        fields["mask_mod"] = at_rows(mask, call.q_pos)
+    masks = fields.pop("global_mask_mod", None)
+    if masks is not None:
+        fields["mask_mod"] = masks[call.q_pos]
     args, _ = ops.fwd_arguments(q[:, call.q0:call.q1].contiguous(), k[:, call.k0:call.k1].contiguous(),
                                 v[:, call.k0:call.k1].contiguous(), causal=causal, window=window, return_lse=True,
                                 **fields)
@@ -342,9 +343,9 @@ def _call_args(kernel: dict, call: Call, q, k, v) -> tuple:
 def _check_call(kernel: dict, q, k, v, causal: bool, window: tuple) -> None:
     """ops.check_attention of a call of the local q, k and v with the call's keywords (runs nothing)."""
     fields = dict(kernel)
-    mask = fields.pop("global_mask_mod", None)
-    if mask is not None:
-        fields["mask_mod"] = at_rows(mask, 0)
+    masks = fields.pop("global_mask_mod", None)
+    if masks is not None:
+        fields["mask_mod"] = masks[0]
     ops.check_attention(q, k, v, causal=causal, window=None if window == (-1, -1) else window, return_lse=True,
                         **fields)
 
@@ -568,8 +569,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kernel[DOCUMENT] = _documents(cu_seqlens, world * int(q.shape[1]), q.device)
         same = f"{DOCUMENT}[q_idx] == {DOCUMENT}[kv_idx]"
         mask = same if mask is None else f"({same}) and ({mask})"
-    if mask is not None:
-        kernel["global_mask_mod"] = mask
+    if mask is not None:  # the all-gather's calls start at their chunk's first row (q_pos; 0 for the check)
+        positions = {0} | {seg.start for seg in segments(_q_ids(rank, world, load_balance), size)}
+        kernel["global_mask_mod"] = {p: at_rows(mask, p) for p in sorted(positions)}
     kernel.update(softcap=softcap, softmax_scale=softmax_scale)
     # every check of the kernel calls (dtypes, heads, head dims, fields, the CPU time of one call) before
     # any collective: a rank that raised mid-ring would leave the others waiting
