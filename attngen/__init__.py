@@ -7,7 +7,8 @@ hw holds the target's facts beneath all of them; reference is the fp64 oracle.
 `attngen.attention` is attngen.ops.attention (torch.ops.attngen.fwd), imported on first use:
 `import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
 way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.flex) and the module
-`attngen.flash_attn_interface` (FlashAttention-3's names).
+`attngen.flash_attn_interface` (FlashAttention-3's names), and `attngen.distributed` (context
+parallelism over torch.distributed: ring and all-gather attention, docs/distributed.md).
 Errors: `attngen.SpecError` (a spec field that cannot become a kernel) and `attngen.InputError`
 (a call's argument the kernel cannot take), both ValueErrors with one line naming the field or
 argument, the value and what is valid.
@@ -29,6 +30,10 @@ def __getattr__(name):
 
         globals()["attention"] = attention
         return attention
+    if name == "distributed":  # context parallelism (docs/distributed.md): imports torch, so on first use
+        import importlib
+
+        return importlib.import_module("attngen.distributed")
     if name in ("flex_attention", "create_block_mask", "BlockMask"):
         from attngen import flex
 
@@ -39,5 +44,6 @@ def __getattr__(name):
 
 __all__ = [
     "Spec", "SpecError", "InputError", "load_spec", "Plan", "Shape", "make_plan", "render_source", "generate",
-    "emulate", "emulate_backward", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask", "__version__",
+    "emulate", "emulate_backward", "compile_kernel", "attention", "flex_attention", "create_block_mask", "BlockMask",
+    "distributed", "__version__",
 ]

@@ -1,7 +1,7 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
     version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache, inputs, render_bwd
-                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli | flex | flash_attn_interface
+                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli | flex | flash_attn_interface | distributed
 
 ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
 it (and the facade's attngen.attention, lazily) may import it.
@@ -28,6 +28,7 @@ LAYERS = {
     "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
     "cli_bwd": 6,  # the backward pass's commands and check verdicts, under cli
     "cli": 7, "flex": 7, "flash_attn_interface": 7,  # the front doors (docs/interfaces.md) over ops
+    "distributed": 7,  # context parallelism (docs/distributed.md): ring and all-gather over the ops
 }
 TOP = {"attngen", "attngen.__main__"}
 
