@@ -71,19 +71,23 @@ CASES = {  # name: (q_len, kv_len, heads, kv_heads, attention keywords)
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_backward_gives_the_reference_gradients(name):
-    sq, skv, heads, kv_heads, kw = CASES[name]
+def case_inputs(sq, skv, heads, kv_heads, kw):
+    """A case's q, k, v, its attention keywords (sinks drawn when it asks for them) and the leaves
+    that get gradients."""
     q, k, v = qkv(sq, skv, heads, kv_heads)
     kw = dict(kw)
-    sinks = None
     if kw.pop("sinks", False):
-        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
-        kw["sinks"] = sinks
+        kw["sinks"] = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    return q, k, v, kw, (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_gives_the_reference_gradients(name):
+    q, k, v, kw, leaves = case_inputs(*CASES[name])
+    sinks = kw.get("sinks")
     out = attngen.attention(q, k, v, **kw)
     dout = cotangent(out)
     out.backward(dout)
-    leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
     got = grads_of(*leaves)
     assert all(g is not None and g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got.values(), leaves))
     checks = check_grads(got, q.detach(), k.detach(), v.detach(), dout, kw.get("causal", False), dtype="float16",
@@ -151,19 +155,13 @@ def test_a_loss_that_reads_the_lse_gets_its_gradient(name, lse_alone):
     """The LSE output's gradient folds into the backward's row term (issue 27; before, a nonzero
     one was an InputError, and before that dropped): lse.sum() alone (dout None) or a loss mixing
     out and lse, the emitted kernels on the CPU model against the fp64 reference with that dLSE."""
-    sq, skv, heads, kv_heads, kw = LSE_CASES[name]
-    q, k, v = qkv(sq, skv, heads, kv_heads)
-    kw = dict(kw)
-    sinks = None
-    if kw.pop("sinks", False):
-        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
-        kw["sinks"] = sinks
+    q, k, v, kw, leaves = case_inputs(*LSE_CASES[name])
+    sinks = kw.get("sinks")
     out, lse = attngen.attention(q, k, v, return_lse=True, **kw)
     dout = torch.zeros_like(out) if lse_alone else cotangent(out)
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5))
     loss = (lse * dlse).sum() if lse_alone else (out.float() * dout.float()).sum() + (lse * dlse).sum()
     loss.backward()
-    leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
     got = grads_of(*leaves)
     checks = check_grads(got, q.detach(), k.detach(), v.detach(), dout, kw.get("causal", False), dtype="float16",
                          scale=kw.get("softmax_scale"), softcap=kw.get("softcap", 0.0), dlse=dlse,
@@ -699,6 +697,22 @@ def test_cuda_backward_matches_the_reference_and_the_cpu_model():
         t.grad = None
     compiled(q, k, v).backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@GPU_ONLY[0]
+@GPU_ONLY[1]
+def test_cuda_lse_gradient_matches_the_reference():
+    """The LSE's gradient through runtime's compiled backward (the preprocess's dLSE read on sm_90a)."""
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(300, 517, heads=4, kv_heads=2, head_dim=128))
+    sinks = torch.randn(4, device="cuda").requires_grad_()
+    out, lse = attngen.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    dout = cotangent(out.cpu()).cuda()
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).cuda()
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    got = {n: g.cpu() for n, g in grads_of(q, k, v, sinks).items()}
+    checks = check_grads(got, q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(), True,
+                         dtype="float16", sinks=sinks.detach().cpu(), dlse=dlse.cpu())
+    assert not failures(checks), failures(checks)
 
 
 CHILD = """
