@@ -186,7 +186,8 @@ def test_variants_pass_the_fp64_reference(name):
 
 
 LSE_GRAD = [dict(causal=True), dict(sinks=True, gqa_group=2), dict(softcap=2.0, causal=True),
-            dict(deterministic=True, sinks=True, causal=True), dict(alibi=True, window=(20, 5))]
+            dict(deterministic=True, sinks=True, causal=True), dict(alibi=True, window=(20, 5)),
+            dict(score_mod="score * 0.5 + tanh(score)", gqa_group=3)]
 LSE_FOLD = "dpsum[i] = dpsum[i] - dLSE["
 
 
