@@ -54,8 +54,8 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_
          "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, Tensor? block_table, Tensor? seqused_k, "
          "int num_splits")
 FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] when the spec has no lse
-# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks. dlse: the LSE output's gradient, None
-# when the loss did not read the LSE (refused when nonzero: _check_no_lse_gradient)
+# (dq, dk, dv, dsinks); dsinks is empty [0] without sinks. dlse: the LSE output's gradient (float32,
+# lse's shape), None when the loss did not read the LSE
 BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor)"
 # the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
 BACKWARD_WORK = 2.5
@@ -422,13 +422,14 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
     """(dq, dk, dv, dsinks) of the forward kernel the same arguments name, from the forward's out
     and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
-    tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks."""
+    tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks. dlse, the LSE
+    output's gradient, folds into the preprocess's row term (docs/backward.md); None: zeros."""
     plan, scale, named, keywords, call, extra, devices = _checked(
         q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, work=BACKWARD_WORK, what="backward")
-    _check_saved(plan, dout, out, lse)
-    _check_no_lse_gradient(dlse)
-    devices |= {"dout": dout, "out": out, "lse": lse}
+    _check_saved(plan, dout, out, lse, dlse)
+    devices |= {"dout": dout, "out": out, "lse": lse} | ({} if dlse is None else {"dlse": dlse})
+    dlse = None if dlse is None else dlse.contiguous()  # autograd's may be a stride-0 expand (lse.sum())
     if q.device.type == "cpu":
         _one_device(devices)
     elif q.device.type == "cuda":
@@ -440,18 +441,19 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
             (torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device),) if "sinks" in named else ())
     elif q.device.type == "cpu":
         serving_given = {n: x for n, x in keywords.items() if x is not None}  # varlen's; the backward refuses the others
-        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, softmax_scale=scale, **named, **serving_given)
+        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, dlse=dlse, softmax_scale=scale, **named,
+                                 **serving_given)
     else:
         grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
-                                                   softmax_scale=scale)
+                                                   softmax_scale=scale, dlse=dlse)
     dq, dk, dv, *rest = grads
     dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
     return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks)
 
 
-def _check_saved(plan: Plan, dout, out, lse) -> None:
+def _check_saved(plan: Plan, dout, out, lse, dlse=None) -> None:
     """dout is shaped and typed like out (what the forward returned) and laid out as the kernels
-    take it; lse is the forward's LSE."""
+    take it; lse is the forward's LSE, and dlse (when given) shaped and typed like it."""
     want = tuple(out.shape)
     if tuple(dout.shape) != want or dout.dtype != out.dtype:
         raise InputError("dout", f"{dout.dtype} {list(dout.shape)}", f"a {out.dtype} tensor of shape {list(want)}, "
@@ -461,19 +463,9 @@ def _check_saved(plan: Plan, dout, out, lse) -> None:
                                                             "forward with lse true, as autograd does)")
     for name, t in (("dout", dout), ("out", out)):  # the kernels' layout rules (TMA, packed), on CPU too
         runtime.check_layout(name, t)
-
-
-def _check_no_lse_gradient(dlse) -> None:
-    """The backward kernels have no dLSE term yet: a nonzero gradient reaching the LSE output (a
-    loss that reads it, as merging two attentions through their LSEs does) would be dropped, and
-    dq, dk wrong without a word. None (eager: the LSE unused, set_materialize_grads(False)) costs
-    nothing; a tensor (the LSE used, or under torch.compile a graph returning it, whose tangent
-    is zeros when unused) is read once, a device sync, and must be all zeros."""
-    if dlse is not None and dlse.numel() and bool((dlse != 0).any()):
-        raise InputError("the LSE output's gradient", "nonzero (the loss reads the returned LSE)",
-                         "none: attngen's backward does not differentiate the LSE yet, and dropping it would give "
-                         "wrong dq, dk and dv; use lse.detach() where the loss reads it, or an attention that "
-                         "differentiates its LSE (torch's flex_attention) for that term")
+    if dlse is not None and (tuple(dlse.shape) != tuple(lse.shape) or dlse.dtype != torch.float32):
+        raise InputError("dlse", f"{dlse.dtype} {list(dlse.shape)}", f"a torch.float32 tensor of shape "
+                                                                     f"{list(lse.shape)}, the LSE's")
 
 
 def emulate_backward(*args, **kwargs):
@@ -490,7 +482,7 @@ bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema
 def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
               tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
     _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
-                | {"dout": dout, "out": out, "lse": lse})
+                | {"dout": dout, "out": out, "lse": lse} | ({} if dlse is None else {"dlse": dlse}))
     dsinks = [q.shape[-2]] if "sinks" in _names(tensor_names) else [0]  # one per query head
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks, dtype=torch.float32)
 
@@ -519,12 +511,12 @@ def _backward(ctx, dout, dlse):
                          f"set requires_grad=False); q, k, v and sinks have gradients")
     q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
     fields, left, right, softcap, tensor_names, max_q, splits = ctx.args
-    if dout is None:  # the loss reads the LSE alone (the op refuses a nonzero dlse)
+    if dout is None:  # the loss reads the LSE alone
         dout = torch.zeros_like(out)
     # autograd may hand a strided view (flex_attention returns out.transpose(1, 2)); the kernels take packed
     dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
                              tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits, dlse)
-    # the sinks' gradient goes to its slot
+    # the sinks' gradient goes to its slot; dlse (None when the loss reads no LSE) folds into the row term
     grads = [dsinks if n == "sinks" else None for n in _names(tensor_names)]
     return dq, dk, dv, None, None, None, None, None, None, grads, None, None, None, None, None, None
 
@@ -617,8 +609,7 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     full_kv_indices passed by name.
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
     gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
-    asked of them is an InputError), and the LSE output has none yet (a loss that reads it is an
-    InputError at backward)."""
+    asked of them is an InputError); a loss that reads the returned LSE differentiates it too."""
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

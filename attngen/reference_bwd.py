@@ -6,14 +6,15 @@ score_mod, masks -> -inf):
 
     P = exp(z - lse),  lse = log(sum_j exp(z_j) + exp(sink_h)),  O = P V
     dV = P^T dO                       (summed over the query heads of a KV head: GQA/MQA)
-    dP = dO V^T,  D = rowsum(dO * O)  (dPsum; equal to rowsum(P * dP), the sink has no value)
+    dP = dO V^T,  D = rowsum(dO * O) - dLSE   (dPsum; rowsum(P * dP) - dLSE, the sink has no value)
     dZ = P * (dP - D),  dS = dZ * dz/ds   (dz/ds: softcap 1 - tanh^2, ALiBi 1, score_mod's derivative)
     dQ = scale * dS K,  dK = scale * dS^T Q
     dsink_h = -sum over rows of exp(sink_h - lse) * D
 
-A masked entry has dS = 0 (never 0 * NaN), so a row that sees no key gets dQ = 0 and adds nothing
-to dK and dV. Only `out` has a gradient here (the LSE output is treated as not differentiated, as
-FlashAttention's backward does); call-time tensors of score_mod/mask_mod are constants.
+dLSE is the LSE output's gradient (d lse_i / d z_ij = P_ij and d lse_i / d sink_h = exp(sink_h -
+lse_i), so it folds into D; zeros when the loss does not read the LSE). A masked entry has dS = 0
+(never 0 * NaN), so a row that sees no key gets dQ = 0 and adds nothing to dK and dV, whatever its
+dLSE (its lse is -inf whatever the scores). Call-time tensors of score_mod/mask_mod are constants.
 
 Tolerance (FlashAttention-3's backward tests): per gradient g,
 
@@ -67,13 +68,26 @@ def _inputs(q, k, v, dout, convert):
     return q, k, v, dout, group
 
 
+def _row_gradient(dlse, rows: tuple, convert) -> np.ndarray:
+    """The LSE output's gradient [B, H, Sq] (zeros when None), checked."""
+    if dlse is None:
+        return np.zeros(rows)
+    dlse = convert(to_numpy(dlse))
+    if dlse.shape != rows:
+        raise InputError("dlse", f"shape {dlse.shape}", f"the LSE's shape {rows} ([B, H, Sq])")
+    if not np.isfinite(dlse).all():
+        raise InputError("dlse", "a non-finite value", "finite values (the gradient reference has no NaN semantics)")
+    return dlse
+
+
 def attention_grad(q, k, v, dout, causal: bool = False, scale: float | None = None, *, batch_offset: int = 0,
-                   **variant) -> Grads:
-    """fp64 gradients of sum(out * dout), out = reference.attention(q, k, v, causal, scale, **variant)."""
-    return _attention_grad(q, k, v, dout, causal, scale, batch_offset, False, **variant)[0]
+                   dlse=None, **variant) -> Grads:
+    """fp64 gradients of sum(out * dout) + sum(lse * dlse), (out, lse) = reference.attention(q, k, v,
+    causal, scale, **variant); dlse [B, H, Sq] (None: the loss reads no LSE)."""
+    return _attention_grad(q, k, v, dout, causal, scale, batch_offset, False, dlse=dlse, **variant)[0]
 
 
-def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **variant):
+def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse=None, **variant):
     """(Grads, magnitudes or None). With `magnitudes`, also the size of what cancels in dS = P (dP - D):
     dq_mag = scale * (P (|dO| |V|^T + |dO| . |O|) |dz/ds|) |K| and dk_mag likewise with |Q| (each dot
     product's sum of absolute terms), the scale of the float32 rounding noise that dq and dk carry
@@ -81,6 +95,7 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
     q, k, v, dout, group = _inputs(q, k, v, dout, lambda t: t.astype(np.float64))
     b, sq, h, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
+    dlse = _row_gradient(dlse, (b, h, sq), lambda t: t.astype(np.float64))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsinks = np.zeros(h) if variant.get("sinks") is not None else None
@@ -101,7 +116,7 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
             p = np.where(visible, np.exp(z - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
             out = p @ v[bi, :, hk]
             dp = do @ v[bi, :, hk].T
-            dpsum = (do * out).sum(axis=-1, keepdims=True)
+            dpsum = (do * out).sum(axis=-1, keepdims=True) - dlse[bi, heads, :, None]
             ds = np.where(visible, p * (dp - dpsum) * np.where(visible, dzds, 0.0), 0.0)
             dq[bi, :, heads] = (ds @ k[bi, :, hk] * scale).transpose(1, 0, 2)
             dk[bi, :, hk] += np.einsum("gqk,gqd->kd", ds, qg) * scale
@@ -110,7 +125,8 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
                 p_sink = np.where(np.isfinite(lse), np.exp(sink - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
                 dsinks[heads] -= (p_sink * dpsum).sum(axis=(1, 2))
             if magnitudes:
-                terms = np.abs(do) @ np.abs(v[bi, :, hk]).T + (np.abs(do) * np.abs(out)).sum(axis=-1, keepdims=True)
+                terms = (np.abs(do) @ np.abs(v[bi, :, hk]).T + (np.abs(do) * np.abs(out)).sum(axis=-1, keepdims=True)
+                         + np.abs(dlse[bi, heads, :, None]))
                 m = np.where(visible, p * terms * np.abs(np.where(visible, dzds, 0.0)), 0.0)
                 dq_mag[bi, :, heads] = (m @ np.abs(k[bi, :, hk]) * scale).transpose(1, 0, 2)
                 dk_mag[bi, :, hk] += np.einsum("gqk,gqd->kd", m, np.abs(qg)) * scale
@@ -118,11 +134,11 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, **va
 
 
 def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "float16", scale: float | None = None, *,
-                           batch_offset: int = 0, out=None, **variant) -> Grads:
+                           batch_offset: int = 0, out=None, dlse=None, **variant) -> Grads:
     """The backward kernel's arithmetic on the CPU (FlashAttention-3's): inputs and dout rounded to
     `dtype`; O the low-precision forward's output (in `dtype`, as the kernel reads it); S = Q K^T
     in float32; P = exp2(z - LSE2) in float32 with LSE2 the float32 log2-sum-exp (0 where it is
-    -inf, as the preprocess writes); dP = dO V^T in float32; D = rowsum(dO * O) in float32;
+    -inf, as the preprocess writes); dP = dO V^T in float32; D = rowsum(dO * O) - dLSE in float32;
     dS = P (dP - D) dz/ds in float32; then P and dS rounded to `dtype` before dV = P^T dO,
     dK = dS^T Q and dQ = dS K (float32 accumulators, the scale applied to dQ and dK in float32);
     each gradient rounded to `dtype`. dsinks stays float32. Returns float64 arrays. `out`: the
@@ -131,6 +147,7 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
     q, k, v, dout, group = _inputs(q, k, v, dout, lambda t: round_to(t, dtype))
     b, sq, h, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
+    dlse = _row_gradient(dlse, (b, h, sq), lambda t: t.astype(np.float32))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if out is None:
         out = attention_lowprec(q, k, v, causal, dtype, scale, batch_offset=batch_offset, **variant)
@@ -168,6 +185,7 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
                 p = np.where(visible, np.exp2(z - lse2), f32(0)).astype(f32)
                 dp = do @ v[bi, :, hk].T
                 dpsum = (do * out[bi, :, heads].transpose(1, 0, 2).astype(f32)).sum(axis=-1, keepdims=True, dtype=f32)
+                dpsum = (dpsum - dlse[bi, heads, :, None]).astype(f32)
                 ds = np.where(visible, p * (dp - dpsum) * np.where(visible, dzds, f32(0)), f32(0)).astype(f32)
             p16, ds16 = round_to(p, dtype), round_to(ds, dtype)
             dq[bi, :, heads] = (ds16 @ k[bi, :, hk]).transpose(1, 0, 2) * f32(scale)
@@ -181,9 +199,10 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
 
 
 def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None,
-                          *, lowprec: str | None = None, **variant) -> Grads:
-    """Packed sequences (q [total_q, H, D], k and v [total_k, HKV, D]): each sequence's gradients on its
-    own lengths and bottom-right alignment (`lowprec`: the twin in that dtype instead of fp64)."""
+                          *, lowprec: str | None = None, dlse=None, **variant) -> Grads:
+    """Packed sequences (q [total_q, H, D], k and v [total_k, HKV, D], dlse [H, total_q]): each
+    sequence's gradients on its own lengths and bottom-right alignment (`lowprec`: the twin in that
+    dtype instead of fp64)."""
     q, k, v, dout = (to_numpy(t).astype(np.float64) for t in (q, k, v, dout))
     cq, ck = (np.asarray(to_numpy(c), np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
     if cq.shape != ck.shape or cq.ndim != 1 or len(cq) < 2:
@@ -193,10 +212,11 @@ def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: boo
     for b in range(len(cq) - 1):
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         args = (q[None, qs], k[None, ks], v[None, ks], dout[None, qs], causal)
+        rows = None if dlse is None else to_numpy(dlse)[None, :, qs]
         if lowprec:
-            g = attention_grad_lowprec(*args, lowprec, scale, batch_offset=b, **variant)
+            g = attention_grad_lowprec(*args, lowprec, scale, batch_offset=b, dlse=rows, **variant)
         else:
-            g = attention_grad(*args, scale, batch_offset=b, **variant)
+            g = attention_grad(*args, scale, batch_offset=b, dlse=rows, **variant)
         dq[qs], dk[ks], dv[ks] = g.dq[0], g.dk[0], g.dv[0]
         if dsinks is not None:
             dsinks += g.dsinks
@@ -204,17 +224,18 @@ def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: boo
 
 
 def check_grads(grads, q, k, v, dout, causal: bool, *, dtype: str, eps: float | None = None,
-                scale: float | None = None, out=None, **variant) -> dict:
+                scale: float | None = None, out=None, dlse=None, **variant) -> dict:
     """Each gradient of `grads` (a Grads, or a dict with dq, dk, dv and dsinks) against the fp64
     reference under the rule above: {name: reference.Check}. The reference is computed from the
     inputs rounded to `dtype` (what the kernel reads). A shape mismatch is a FAIL (err = inf).
     `out`: the forward output the backward kernel read, for the twin's D (attention_grad_lowprec);
-    check that output with reference.check_close, since this check then takes it as given."""
+    check that output with reference.check_close, since this check then takes it as given.
+    `dlse`: the LSE output's gradient [B, H, Sq] the backward was given (None: zeros)."""
     if dtype not in ("float16", "bfloat16"):
         raise InputError("dtype", repr(dtype), "'float16' or 'bfloat16'")
     q, k, v, dout = (round_to(to_numpy(t), dtype) for t in (q, k, v, dout))
-    ref, mag = _attention_grad(q, k, v, dout, causal, scale, 0, True, **variant)
-    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, **variant)
+    ref, mag = _attention_grad(q, k, v, dout, causal, scale, 0, True, dlse=dlse, **variant)
+    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, dlse=dlse, **variant)
     got = grads._asdict() if isinstance(grads, Grads) else dict(grads)
     out = {}
     for name in Grads._fields:

@@ -315,7 +315,8 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     kv_names = ("dK_accum", "dV_accum") if bp.kv_accum else ("dK", "dV")
     pre = [_tensor("O", q_shape(dv, vl), "DTYPE", "the forward's output"), _tensor("dO", q_shape(dv, vl), "DTYPE"),
            _tensor("LSE", rows_shape(vl), '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
-           _tensor("dPsum", rows_shape(vl), '"float32"', "output: rowsum(dO * O)"),
+           _tensor("dLSE", rows_shape(vl), '"float32"', "the LSE output's gradient (zeros when the loss reads no LSE)"),
+           _tensor("dPsum", rows_shape(vl), '"float32"', "output: rowsum(dO * O) - dLSE"),
            _tensor("LSE2", rows_shape(vl), '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
     if not bp.deterministic:
         pre.append(_tensor("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))

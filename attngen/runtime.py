@@ -586,9 +586,10 @@ class BackwardKernel:
     def name(self) -> str:
         return self.plan.name
 
-    def run(self, q, k, v, out, lse, dout, *, extra=(), softmax_scale: float, call=None) -> tuple:
-        """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) for the
-        forward (out, lse [B, H, Sq]) that the plan's forward kernel returned. `extra` are the
+    def run(self, q, k, v, out, lse, dout, *, extra=(), softmax_scale: float, call=None, dlse=None) -> tuple:
+        """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) + sum(lse * dlse)
+        for the forward (out, lse [B, H, Sq]) that the plan's forward kernel returned (dlse: float32,
+        packed, lse's shape; None: zeros, one memset of 4 bytes a row). `extra` are the
         forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
         the caller (attngen.ops: the forward's checks, dout and lse against out). The launches
         and their arguments follow emulate_backward's (docs/backward.md, "The kernels' parameters");
@@ -613,7 +614,8 @@ class BackwardKernel:
         # deterministic: the dq kernel computes dQ in order, no accumulator; else the preprocess zeroes it
         dq_accum = None if bp.deterministic else torch.empty(q.shape, **f32)
         accum = [] if dq_accum is None else [dq_accum]
-        pre = [out, dout, lse, dpsum, lse2] + accum
+        dlse = torch.zeros(rows, **f32) if dlse is None else dlse
+        pre = [out, dout, lse, dlse, dpsum, lse2] + accum
         dsinks = torch.zeros((h,), **f32) if bp.spec.sinks else None
         if bp.spec.sinks and not bp.deterministic:  # the preprocess subtracts each row's share (atomics)
             pre += [tensors["sinks"], dsinks]

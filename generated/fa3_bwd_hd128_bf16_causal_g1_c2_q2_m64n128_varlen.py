@@ -68,7 +68,7 @@ COMPILE_FLAGS = [
 
 
 def build_preprocess_kernel():
-    """dPsum = rowsum(dO * O), LSE2 = LSE * log2(e) (0 for -inf), dQ_accum zeroed."""
+    """dPsum = rowsum(dO * O) - dLSE, LSE2 = LSE * log2(e) (0 for -inf), dQ_accum zeroed."""
     batch = T.dynamic("batch")
     total_q = T.dynamic("total_q")
     total_k = T.dynamic("total_k")
@@ -80,7 +80,8 @@ def build_preprocess_kernel():
         O: T.Tensor([total_q, heads, HEAD_DIM], DTYPE),  # the forward's output
         dO: T.Tensor([total_q, heads, HEAD_DIM], DTYPE),
         LSE: T.Tensor([heads, total_q], "float32"),  # the forward's log-sum-exp, natural log (-inf: a row with no key)
-        dPsum: T.Tensor([heads, total_q], "float32"),  # output: rowsum(dO * O)
+        dLSE: T.Tensor([heads, total_q], "float32"),  # the LSE output's gradient (zeros when the loss reads no LSE)
+        dPsum: T.Tensor([heads, total_q], "float32"),  # output: rowsum(dO * O) - dLSE
         LSE2: T.Tensor([heads, total_q], "float32"),  # output: LSE * log2(e), 0 where LSE is -inf
         dQ_accum: T.Tensor([total_q, heads, HEAD_DIM], "float32"),  # output: zeroed (the main kernel reduce-adds into it)
         cu_seqlens_q: T.Tensor([batch + 1], "int32"),  # sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])
@@ -100,6 +101,8 @@ def build_preprocess_kernel():
             for i, j in T.Parallel(PRE_ROWS, HEAD_DIM):  # rows past q_len read row q_len - 1 and count 0
                 prod[i, j] = T.if_then_else(r0 + i < q_len, T.Cast(ACCUM, O[T.min(q_start + r0 + i, total_q - 1), head, j]) * T.Cast(ACCUM, dO[T.min(q_start + r0 + i, total_q - 1), head, j]), 0)
             T.reduce_sum(prod, dpsum, dim=1)
+            for i in T.Parallel(PRE_ROWS):  # the LSE output's gradient folds into the row term: dS = P (dP - (D - dLSE))
+                dpsum[i] = dpsum[i] - dLSE[head, T.min(q_start + r0 + i, total_q - 1)]
             for i in T.Parallel(PRE_ROWS):
                 if r0 + i < q_len:
                     dPsum[head, q_start + r0 + i] = dpsum[i]

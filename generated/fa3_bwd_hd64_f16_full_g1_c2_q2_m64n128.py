@@ -67,7 +67,7 @@ COMPILE_FLAGS = [
 
 
 def build_preprocess_kernel():
-    """dPsum = rowsum(dO * O), LSE2 = LSE * log2(e) (0 for -inf), dQ_accum zeroed."""
+    """dPsum = rowsum(dO * O) - dLSE, LSE2 = LSE * log2(e) (0 for -inf), dQ_accum zeroed."""
     batch = T.dynamic("batch")
     q_len = T.dynamic("q_len")
     kv_len = T.dynamic("kv_len")
@@ -79,7 +79,8 @@ def build_preprocess_kernel():
         O: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),  # the forward's output
         dO: T.Tensor([batch, q_len, heads, HEAD_DIM], DTYPE),
         LSE: T.Tensor([batch, heads, q_len], "float32"),  # the forward's log-sum-exp, natural log (-inf: a row with no key)
-        dPsum: T.Tensor([batch, heads, q_len], "float32"),  # output: rowsum(dO * O)
+        dLSE: T.Tensor([batch, heads, q_len], "float32"),  # the LSE output's gradient (zeros when the loss reads no LSE)
+        dPsum: T.Tensor([batch, heads, q_len], "float32"),  # output: rowsum(dO * O) - dLSE
         LSE2: T.Tensor([batch, heads, q_len], "float32"),  # output: LSE * log2(e), 0 where LSE is -inf
         dQ_accum: T.Tensor([batch, q_len, heads, HEAD_DIM], "float32"),  # output: zeroed (the main kernel reduce-adds into it)
     ):
@@ -90,6 +91,8 @@ def build_preprocess_kernel():
             for i, j in T.Parallel(PRE_ROWS, HEAD_DIM):  # rows past q_len read row q_len - 1 and count 0
                 prod[i, j] = T.if_then_else(r0 + i < q_len, T.Cast(ACCUM, O[batch_idx, T.min(r0 + i, q_len - 1), head, j]) * T.Cast(ACCUM, dO[batch_idx, T.min(r0 + i, q_len - 1), head, j]), 0)
             T.reduce_sum(prod, dpsum, dim=1)
+            for i in T.Parallel(PRE_ROWS):  # the LSE output's gradient folds into the row term: dS = P (dP - (D - dLSE))
+                dpsum[i] = dpsum[i] - dLSE[batch_idx, head, T.min(r0 + i, q_len - 1)]
             for i in T.Parallel(PRE_ROWS):
                 if r0 + i < q_len:
                     dPsum[batch_idx, head, r0 + i] = dpsum[i]

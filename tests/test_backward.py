@@ -25,16 +25,20 @@ from attngen.spec import Spec, SpecError
 NAMES = ("dq", "dk", "dv", "dsinks")
 
 
-def run_case(spec, sq, skv, heads=2, kv_heads=2, batch=1, seed=0, policy="random", source=None, scale=None):
-    """The emulated gradients and their checks: (grads dict, {name: Check})."""
+def run_case(spec, sq, skv, heads=2, kv_heads=2, batch=1, seed=0, policy="random", source=None, scale=None,
+             lse_grad=False):
+    """The emulated gradients and their checks: (grads dict, {name: Check}). lse_grad: the loss
+    reads the LSE too (a random dLSE [B, H, Sq])."""
     plan = make_plan(spec)
     q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, sq, skv, seed)
     dout = np.random.default_rng(seed + 7).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
-    grads = emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, source=source, softmax_scale=scale, **tensors)
+    dlse = np.random.default_rng(seed + 8).standard_normal((batch, heads, sq)).astype(np.float32) if lse_grad else None
+    grads = emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, source=source, softmax_scale=scale,
+                             dlse=dlse, **tensors)
     grads = dict(zip(NAMES, grads))
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
-    return grads, check_grads(grads, q, k, v, dout, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+    return grads, check_grads(grads, q, k, v, dout, spec.causal, dtype=spec.dtype, scale=scale, dlse=dlse, **variant)
 
 
 def assert_pass(checks):
@@ -181,6 +185,29 @@ def test_variants_pass_the_fp64_reference(name):
     assert ("dsinks" in checks) == bool(VARIANTS[name].get("sinks"))
 
 
+LSE_GRAD = [dict(causal=True), dict(sinks=True, gqa_group=2), dict(softcap=2.0, causal=True),
+            dict(deterministic=True, sinks=True, causal=True), dict(alibi=True, window=(20, 5)),
+            dict(score_mod="score * 0.5 + tanh(score)", gqa_group=3)]
+LSE_FOLD = "dpsum[i] = dpsum[i] - dLSE["
+
+
+@pytest.mark.parametrize("fields", LSE_GRAD, ids=[",".join(f"{k}={v}" for k, v in d.items()) for d in LSE_GRAD])
+def test_the_lse_gradient_folds_into_the_row_term(fields):
+    """A loss that reads the LSE: the emitted preprocess subtracts dLSE from dPsum, and the main,
+    dq and dsinks kernels read that (q_len 90 > kv_len 70: rows that see no key). A kernel that
+    drops dLSE or adds it fails on dq and dk (and dsinks), in both directions of the sign."""
+    spec = Spec(head_dim=64, **fields)
+    heads = 2 * spec.gqa_group
+    _, checks = run_case(spec, 90, 70, heads, 2, lse_grad=True)
+    assert_pass(checks)
+    text = render_backward_source(spec)
+    assert text.count(LSE_FOLD) == 1
+    for wrong in ("dpsum[i] = dpsum[i] + 0 * dLSE[", "dpsum[i] = dpsum[i] + dLSE["):
+        _, checks = run_case(spec, 90, 70, heads, 2, lse_grad=True, source=text.replace(LSE_FOLD, wrong))
+        failed = {n for n, c in checks.items() if not c.ok}
+        assert {"dq", "dk"} | ({"dsinks"} if spec.sinks else set()) <= failed, (wrong, checks)
+
+
 def test_the_softcap_derivative_is_needed():
     spec = Spec(head_dim=64, softcap=2.0)
     text = render_backward_source(spec)
@@ -297,7 +324,8 @@ def test_deterministic_bits_do_not_depend_on_the_schedule(fields):
     heads = 2 * spec.gqa_group
     q, k, v, tensors = variant_inputs(plan, 1, heads, 2, 150, 170, 0)
     dout = np.random.default_rng(9).standard_normal(q.shape[:3] + (v.shape[3],)).astype(np.float32)
-    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, block_order=o, **tensors)
+    dlse = np.random.default_rng(10).standard_normal((1, heads, 150)).astype(np.float32)  # the LSE's gradient too
+    runs = [emulate_backward(spec, q, k, v, dout, seed=s, policy=p, block_order=o, dlse=dlse, **tensors)
             for s, p, o in [(0, "random", "grid"), (5, "random", "shuffled"), (1, "producer-first", "shuffled"),
                             (2, "consumers-first", "shuffled")]]
     for other in runs[1:]:
@@ -398,6 +426,8 @@ def test_given_out_and_lse_skip_the_forward_with_the_same_result():
         emulate_backward(spec, q, k, v, dout, out=out)
     with pytest.raises(InputError, match="dout"):
         emulate_backward(spec, q, k, v, dout[:, :-1], out=out, lse=lse)
+    with pytest.raises(InputError, match=r"^dlse = shape \(1, 90, 2\): expected the LSE's shape \(1, 2, 90\)"):
+        emulate_backward(spec, q, k, v, dout, out=out, lse=lse, dlse=lse.transpose(0, 2, 1))
 
 
 def test_a_score_mod_tensor_that_requires_grad_is_refused():

@@ -104,7 +104,7 @@ def cases(draw):
     return spec, (batch, kv_heads, q_len, kv_len), schedule, draw(softmax_scales())
 
 
-def run(spec, shape, schedule, scale, input_seed=None):
+def run(spec, shape, schedule, scale, input_seed=None, lse_grad=None):
     b, hkv, sq, skv = shape
     policy, seed, order = schedule
     input_seed = seed if input_seed is None else input_seed
@@ -116,9 +116,12 @@ def run(spec, shape, schedule, scale, input_seed=None):
     out, lse = emulate(plan_backward(spec).forward, q, k, v, seed=seed, policy=policy, softmax_scale=scale, **tensors)
     fwd = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
     assert fwd.ok, f"forward: {fwd}"
+    # a loss that reads the LSE too (its gradient folded into the row term): by default every odd input seed
+    lse_grad = input_seed % 2 == 1 if lse_grad is None else lse_grad
+    dlse = np.random.default_rng(input_seed + 1).standard_normal(lse.shape).astype(np.float32) if lse_grad else None
     grads = dict(zip(NAMES, emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, block_order=order, out=out,
-                                             lse=lse, softmax_scale=scale, **tensors)))
-    return grads, (q, k, v, dout), dict(variant, out=out)
+                                             lse=lse, dlse=dlse, softmax_scale=scale, **tensors)))
+    return grads, (q, k, v, dout), dict(variant, out=out, dlse=dlse)
 
 
 def one_key_rows_only(spec, sq, skv) -> bool:
@@ -194,7 +197,7 @@ def test_random_backward_cases_match_the_fp64_gradients(case):
     b, sq, h, _ = q.shape
     dq = np.asarray(grads["dq"])
     for bi in range(b):
-        masks = {n: x for n, x in variant.items() if n != "out"}
+        masks = {n: x for n, x in variant.items() if n not in ("out", "dlse")}
         visible = _variant_scores(np.zeros((h, sq, k.shape[1])), bi, range(h), sq, k.shape[1], spec.causal, **masks)[1]
         empty = ~visible.any(axis=-1)  # [h, sq]
         assert (dq[bi].transpose(1, 0, 2)[empty] == 0).all()
@@ -222,11 +225,11 @@ def test_gradients_that_cancel_to_zero_pass_and_a_small_error_still_fails(spec, 
     from attngen.reference import round_to, tolerance
     from attngen.reference_bwd import _attention_grad
 
-    grads, args, variant = run(spec, shape, schedule, None)
+    grads, args, variant = run(spec, shape, schedule, None, lse_grad=False)  # (a dLSE makes dS nonzero there)
     checks = check_grads(grads, *args, spec.causal, dtype=spec.dtype, **variant)
     assert all(c.ok for c in checks.values()), {n: str(c) for n, c in checks.items()}
     rounded = [round_to(np.asarray(x), spec.dtype) for x in args]  # what check_grads compares against
-    masks = {n: x for n, x in variant.items() if n != "out"}
+    masks = {n: x for n, x in variant.items() if n not in ("out", "dlse")}
     exact, size = _attention_grad(*rounded, spec.causal, None, 0, True, **masks)  # size: what cancels
     for name in ("dq", "dk"):
         zero = getattr(exact, name)

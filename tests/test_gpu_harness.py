@@ -224,8 +224,8 @@ def fake_backward(broken: str = ""):
 
     bp = plan_backward(Spec(head_dim=64, causal=True))
 
-    def preprocess(out, dout, lse, dpsum, lse2, dq_accum):
-        dpsum.copy_((out.float() * dout.float()).sum(-1).transpose(1, 2))
+    def preprocess(out, dout, lse, dlse, dpsum, lse2, dq_accum):
+        dpsum.copy_((out.float() * dout.float()).sum(-1).transpose(1, 2) - dlse)
         lse2.copy_(lse)
         if broken != "preprocess":  # the preprocess zeroes the dQ accumulator the main kernel adds into
             dq_accum.zero_()

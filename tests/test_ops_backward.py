@@ -72,19 +72,23 @@ CASES = {  # name: (q_len, kv_len, heads, kv_heads, attention keywords)
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_backward_gives_the_reference_gradients(name):
-    sq, skv, heads, kv_heads, kw = CASES[name]
+def case_inputs(sq, skv, heads, kv_heads, kw):
+    """A case's q, k, v, its attention keywords (sinks drawn when it asks for them) and the leaves
+    that get gradients."""
     q, k, v = qkv(sq, skv, heads, kv_heads)
     kw = dict(kw)
-    sinks = None
     if kw.pop("sinks", False):
-        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
-        kw["sinks"] = sinks
+        kw["sinks"] = torch.randn(heads, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    return q, k, v, kw, (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_gives_the_reference_gradients(name):
+    q, k, v, kw, leaves = case_inputs(*CASES[name])
+    sinks = kw.get("sinks")
     out = attngen.attention(q, k, v, **kw)
     dout = cotangent(out)
     out.backward(dout)
-    leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
     got = grads_of(*leaves)
     assert all(g is not None and g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got.values(), leaves))
     checks = check_grads(got, q.detach(), k.detach(), v.detach(), dout, kw.get("causal", False), dtype="float16",
@@ -136,32 +140,130 @@ def test_only_inputs_that_require_grad_get_one_and_an_unused_lse_output_costs_no
     assert '"lse": true' in ops.fwd_arguments(q.detach(), k, v.detach(), sinks=sinks)[0][3]
 
 
-LSE_REFUSED = (r"^the LSE output's gradient = nonzero \(the loss reads the returned LSE\): expected none: attngen's "
-               r"backward does not differentiate the LSE yet")
+LSE_CASES = {  # name: (q_len, kv_len, heads, kv_heads, attention keywords)
+    "plain": (33, 40, 2, 2, {}),
+    "causal, q_len > kv_len": (40, 20, 2, 2, {"causal": True}),  # rows 0..19 see no key: their dLSE reaches nothing
+    "GQA": (30, 36, 4, 2, {"causal": True}),
+    "sinks": (24, 40, 2, 2, {"sinks": True, "softmax_scale": 0.2}),
+    "softcap": (30, 30, 2, 2, {"softcap": 3.0}),
+    "deterministic GQA sinks": (30, 35, 4, 2, {"sinks": True, "deterministic": True, "causal": True}),
+}
 
 
-def test_a_loss_that_reads_the_lse_is_refused_at_backward_not_dropped():
-    """The LSE's cotangent was dropped without a word (issue 25): dq 0 where torch's is not, and
-    torch's test_lse_masked_output pattern (two attentions merged through their LSEs) wrong in dq,
-    dk and dv. Until the backward folds dLSE in, a nonzero one is an InputError, through
-    attention, the Flex door and FA3's; a zero one (the LSE read times 0) is no error."""
-    q, k, v = qkv(20)
-    out, lse = attngen.attention(q, k, v, return_lse=True)
-    with pytest.raises(InputError, match=LSE_REFUSED):
-        lse.sum().backward()
-    out, lse = attngen.attention(q, k, v, return_lse=True)
-    (out.float().sum() + (lse * 0).sum()).backward()
-    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
-    halves = [attngen.flex_attention(qh, kh[:, :, s], vh[:, :, s], return_lse=True) for s in (slice(0, 10), slice(10, 20))]
-    (o1, l1), (o2, l2) = halves
-    w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # the merged attention over all 20 keys
-    with pytest.raises(InputError, match=LSE_REFUSED):
-        (w * o1.float() + (1 - w) * o2.float()).sum().backward()
+@pytest.mark.parametrize("lse_alone", [False, True], ids=["out and lse", "lse alone"])
+@pytest.mark.parametrize("name", list(LSE_CASES))
+def test_a_loss_that_reads_the_lse_gets_its_gradient(name, lse_alone):
+    """The LSE output's gradient folds into the backward's row term (issue 27; before, a nonzero
+    one was an InputError, and before that dropped): lse.sum() alone (dout None) or a loss mixing
+    out and lse, the emitted kernels on the CPU model against the fp64 reference with that dLSE."""
+    q, k, v, kw, leaves = case_inputs(*LSE_CASES[name])
+    sinks = kw.get("sinks")
+    out, lse = attngen.attention(q, k, v, return_lse=True, **kw)
+    dout = torch.zeros_like(out) if lse_alone else cotangent(out)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5))
+    loss = (lse * dlse).sum() if lse_alone else (out.float() * dout.float()).sum() + (lse * dlse).sum()
+    loss.backward()
+    got = grads_of(*leaves)
+    checks = check_grads(got, q.detach(), k.detach(), v.detach(), dout, kw.get("causal", False), dtype="float16",
+                         scale=kw.get("softmax_scale"), softcap=kw.get("softcap", 0.0), dlse=dlse,
+                         sinks=None if sinks is None else sinks.detach())
+    assert not failures(checks), failures(checks)
+    assert got["dq"].abs().max() > 0.05  # the LSE term is no small correction here
+    if name.startswith("causal"):  # rows that see no key: dq exactly 0, never NaN
+        assert torch.equal(q.grad[:, :20], torch.zeros_like(q.grad[:, :20]))
+
+
+def test_a_compiled_loss_that_reads_the_lse_matches_eager():
+    """torch.compile (fullgraph, AOT autograd) of a loss through out and lse: the LSE's tangent
+    reaches attngen::bwd as dlse in the traced backward, and the gradients are eager's, bit for bit."""
+    q, k, v = qkv(30, 45, heads=4, kv_heads=2)
+    w = torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(4))
+
+    def loss(q, k, v):
+        out, lse = attngen.attention(q, k, v, causal=True, return_lse=True)
+        return out.float().square().sum() + (lse * w).sum()
+
+    loss(q, k, v).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v).backward()
+    assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), eager))
+
+
+def torch_attention_lse(q, k, v):
+    """float64 attention over [B, H, S, D] and its natural-log LSE, by torch's own logsumexp."""
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def test_two_attentions_merged_through_their_lses_give_the_whole_attentions_gradients():
+    """torch's test_lse_masked_output pattern through the Flex door: attention over keys [0, 10)
+    and over [10, 24), merged by their LSEs, is attention over all 24; its gradients, which flow
+    through both LSEs, against torch float64 autograd of the same merge (and of the whole)."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous() for t in qkv(20, 24))  # [B, H, S, D]
+    halves = (slice(0, 10), slice(10, 24))
+    dout = cotangent(torch.empty(1, 2, 20, 64), seed=11).double()
+
+    def merged(attend, q, k, v):
+        (o1, l1), (o2, l2) = (attend(q, k[:, :, s], v[:, :, s]) for s in halves)
+        w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # exp(l1) / (exp(l1) + exp(l2))
+        return w * o1.double() + (1 - w) * o2.double()
+
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    (merged(lambda *t: attngen.flex_attention(*t, return_lse=True), *ours) * dout).sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    (merged(torch_attention_lse, *ref) * dout).sum().backward()
+    whole = [t.double().requires_grad_() for t in (q, k, v)]
+    (torch_attention_lse(*whole)[0] * dout).sum().backward()
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    got = {n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), ours)}
+    checks = check_grads(got, *bshd, dout.transpose(1, 2), False, dtype="float16")  # the whole attention's rule
+    assert not failures(checks), failures(checks)
+    for name, a, b, c in zip(("dq", "dk", "dv"), ours, ref, whole):
+        torch.testing.assert_close(b.grad, c.grad)  # the merge is the whole attention, in float64
+        err = (a.grad.double() - b.grad).abs().max()
+        assert err <= checks[name].bound, (name, float(err), checks[name].bound)
+
+
+def test_fa3s_returned_lse_is_differentiable():
+    """flash_attn_func(return_attn_probs=True) returns (out, softmax_lse); a loss through both."""
     from attngen.flash_attn_interface import flash_attn_func
 
-    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
-    with pytest.raises(InputError, match=LSE_REFUSED):
-        (out.float().sum() + lse.sum()).backward()
+    q, k, v = qkv(30, 40, heads=4, kv_heads=2)
+    out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=0.15, return_attn_probs=True)
+    dout, dlse = cotangent(out), torch.randn(lse.shape, generator=torch.Generator().manual_seed(2))
+    (out.float() * dout.float()).sum().add((lse * dlse).sum()).backward()
+    checks = check_grads(grads_of(q, k, v), q.detach(), k.detach(), v.detach(), dout, True, dtype="float16",
+                         scale=0.15, dlse=dlse)
+    assert not failures(checks), failures(checks)
+
+
+def test_a_varlen_lse_gets_its_gradient():
+    """Packed sequences: lse [H, total_q] and its gradient, each sequence against its own reference."""
+    from attngen.reference_bwd import attention_grad_varlen
+
+    lq, lk = [10, 0, 23], [20, 7, 30]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lq), 4, 64, generator=g).half().requires_grad_()
+    k, v = (torch.randn(sum(lk), 2, 64, generator=g).half().requires_grad_() for _ in range(2))
+    cq, ck = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (lq, lk))
+    out, lse = attngen.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), causal=True,
+                                 return_lse=True)
+    dlse = torch.randn(lse.shape, generator=g)
+    (lse * dlse).sum().backward()
+    dout = torch.zeros(out.shape)
+    for b in range(len(lq)):
+        qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if lq[b] == 0:
+            continue
+        got = {"dq": q.grad[None, qs], "dk": k.grad[None, ks], "dv": v.grad[None, ks]}
+        checks = check_grads(got, q.detach()[None, qs], k.detach()[None, ks], v.detach()[None, ks], dout[None, qs],
+                             True, dtype="float16", dlse=dlse[None, :, qs])
+        assert not failures(checks), (b, failures(checks))
+    ref = attention_grad_varlen(q.detach(), k.detach(), v.detach(), dout, cq, ck, True, dlse=dlse)
+    assert np.abs(ref.dq).max() > 0.05 and torch.equal(v.grad, torch.zeros_like(v.grad))  # dV = P^T dO: dO is 0
 
 
 @pytest.mark.parametrize("kw, name", [
@@ -393,17 +495,14 @@ def test_opcheck_backward_op():
 
 
 def test_opcheck_forward_with_autograd():
-    """opcheck's checks on inputs that need a gradient. The AOT dispatch one runs forward and
-    backward through the op's autograd formula with a random tangent for every output, the LSE's
-    too, which the backward refuses (it has no dLSE term yet): that refusal is what it must meet."""
+    """All four of opcheck's checks on inputs that need a gradient, the AOT dispatch one running
+    forward and backward through the op's autograd formula with a random tangent for every output,
+    the LSE's too (failed with the LSE refusal before its gradient was folded in)."""
     q, k, v = qkv(16, 20)
     sinks = torch.zeros(2, requires_grad=True)
     args = ops.fwd_arguments(q, k, v, causal=True, sinks=sinks)[0]
-    result = torch.library.opcheck(ops.fwd, args, test_utils=("test_schema", "test_autograd_registration",
-                                                              "test_faketensor"))
+    result = torch.library.opcheck(ops.fwd, args)
     assert set(result.values()) == {"SUCCESS"}, result
-    with pytest.raises(Exception, match=r"test_aot_dispatch_dynamic failed with the LSE output's gradient = nonzero"):
-        torch.library.opcheck(ops.fwd, args, test_utils="test_aot_dispatch_dynamic")
 
 
 # -- the backward op's fake against the real gradients -----------------------------------------------
@@ -500,6 +599,9 @@ def test_the_backward_op_checks_dout():
         ops.bwd(strided, out, lse, *args)
     with pytest.raises(InputError, match=r"^lse = shape \[0\]: expected the forward's LSE"):
         ops.bwd(dout, out, torch.empty(0), *args[:3], args[3].replace('"lse": true', '"lse": false'), *args[4:])
+    with pytest.raises(InputError, match=r"^dlse = torch.float32 \[1, 16, 2\]: expected a torch.float32 tensor of "
+                                         r"shape \[1, 2, 16\], the LSE's"):
+        ops.bwd(dout, out, lse, *args, lse.transpose(1, 2))
 
 
 def test_a_wrong_backward_fake_is_caught():
@@ -614,6 +716,22 @@ def test_cuda_backward_matches_the_reference_and_the_cpu_model():
         t.grad = None
     compiled(q, k, v).backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@GPU_ONLY[0]
+@GPU_ONLY[1]
+def test_cuda_lse_gradient_matches_the_reference():
+    """The LSE's gradient through runtime's compiled backward (the preprocess's dLSE read on sm_90a)."""
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(300, 517, heads=4, kv_heads=2, head_dim=128))
+    sinks = torch.randn(4, device="cuda").requires_grad_()
+    out, lse = attngen.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    dout = cotangent(out.cpu()).cuda()
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).cuda()
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    got = {n: g.cpu() for n, g in grads_of(q, k, v, sinks).items()}
+    checks = check_grads(got, q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(), True,
+                         dtype="float16", sinks=sinks.detach().cpu(), dlse=dlse.cpu())
+    assert not failures(checks), failures(checks)
 
 
 CHILD = """

@@ -69,8 +69,8 @@ def _torch_eval(text, env, tensors):
 
 
 def torch_attention(q, k, v, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, score_mod="",
-                    mask_mod="", tensors=None):
-    """out [B, Sq, H, DV] in float64 torch, differentiable in q, k, v and sinks."""
+                    mask_mod="", tensors=None, with_lse=False):
+    """out [B, Sq, H, DV] in float64 torch, differentiable in q, k, v and sinks (with_lse: (out, lse [B, H, Sq]))."""
     b, sq, h, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     kk, vv = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
@@ -100,10 +100,12 @@ def torch_attention(q, k, v, causal, window=(-1, -1), softcap=0.0, alibi_slopes=
     logits = filled if sinks is None else torch.cat([filled, sinks[None, :, None, None].expand(b, h, sq, 1)], dim=-1)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     p = torch.where(vis, torch.exp(filled - lse), torch.zeros_like(s))
-    return torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return (out, lse[..., 0]) if with_lse else out
 
 
-def _torch_grads(q, k, v, dout, causal, variant):
+def _torch_grads(q, k, v, dout, causal, variant, dlse=None):
+    """fp64 autograd of sum(out * dout) (+ sum(lse * dlse)): (out, Grads)."""
     t = {n: torch.tensor(x, dtype=torch.float64, requires_grad=n in "qkv") for n, x in (("q", q), ("k", k), ("v", v))}
     kw = dict(variant)
     kw["tensors"] = {n: torch.tensor(x, dtype=torch.float64) for n, x in (variant.get("tensors") or {}).items()}
@@ -111,8 +113,11 @@ def _torch_grads(q, k, v, dout, causal, variant):
         kw["alibi_slopes"] = torch.tensor(variant["alibi_slopes"], dtype=torch.float64)
     if variant.get("sinks") is not None:
         kw["sinks"] = torch.tensor(variant["sinks"], dtype=torch.float64, requires_grad=True)
-    out = torch_attention(t["q"], t["k"], t["v"], causal, **kw)
-    (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+    out, lse = torch_attention(t["q"], t["k"], t["v"], causal, **kw, with_lse=True)
+    loss = (out * torch.tensor(dout, dtype=torch.float64)).sum()
+    if dlse is not None:  # a row that sees no key has lse -1e300 + log(n) here: masked, no gradient reaches s
+        loss = loss + (lse * torch.tensor(dlse, dtype=torch.float64)).sum()
+    loss.backward()
     ds = kw["sinks"].grad.numpy() if variant.get("sinks") is not None else None
     return out.detach().numpy(), Grads(t["q"].grad.numpy(), t["k"].grad.numpy(), t["v"].grad.numpy(), ds)
 
@@ -161,18 +166,58 @@ def test_gradients_match_torch_float64_autograd(case):
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 2 ** 31), st.booleans())
+def test_the_lse_gradient_matches_torch_float64_autograd(case, seed, lse_alone):
+    """A loss that reads the LSE (sum(out * dout) + sum(lse * dlse), or sum(lse * dlse) alone): the
+    dLSE folded into D against torch's autograd through its own logsumexp, every variant."""
+    q, k, v, dout, causal, variant = case
+    dlse = np.random.default_rng(seed).standard_normal((q.shape[0], q.shape[2], q.shape[1]))
+    dout = np.zeros_like(dout) if lse_alone else dout
+    _, want = _torch_grads(q, k, v, dout, causal, variant, dlse)
+    got = attention_grad(q, k, v, dout, causal, dlse=dlse, **variant)
+    for name in ("dq", "dk", "dv", "dsinks"):
+        g, w = getattr(got, name), getattr(want, name)
+        if w is not None:
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+LSE_VARIANTS = {"plain": (False, {}), "causal": (True, {}), "sinks": (True, {"sinks": np.array([0.4, -0.7, 1.0, 0.0])}),
+                "softcap": (False, {"softcap": 2.0}), "alibi": (True, {"alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])}),
+                "score_mod": (False, {"score_mod": "tanh(score / 2) * 2", "tensors": {}})}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", LSE_VARIANTS)
+def test_the_tolerance_rule_catches_a_dropped_or_negated_lse_gradient(name, dtype):
+    """The twin given dLSE passes; a backward that drops dLSE (the behaviour before issue 27) or
+    adds it with the wrong sign fails on dq, dk and (with sinks) dsinks. GQA 2 x 2, q_len > kv_len."""
+    causal, variant = LSE_VARIANTS[name]
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal(s) for s in [(2, 30, 4, 16), (2, 24, 2, 16), (2, 24, 2, 16), (2, 30, 4, 16)])
+    dlse = rng.standard_normal((2, 4, 30))
+    honest = attention_grad_lowprec(q, k, v, dout, causal, dtype, dlse=dlse, **variant)
+    assert all(c.ok for c in check_grads(honest, q, k, v, dout, causal, dtype=dtype, dlse=dlse, **variant).values())
+    for wrong in (None, -dlse):
+        broken = attention_grad_lowprec(q, k, v, dout, causal, dtype, dlse=wrong, **variant)
+        checks = check_grads(broken, q, k, v, dout, causal, dtype=dtype, dlse=dlse, **variant)
+        failed = {n for n, c in checks.items() if not c.ok}
+        assert {"dq", "dk"} | ({"dsinks"} if "sinks" in variant else set()) <= failed, checks
+
+
 def test_rows_that_see_no_key_get_zero_gradient_not_nan():
     rng = np.random.default_rng(3)
     q, k, v, dout = (rng.standard_normal(s) for s in [(1, 50, 2, 16), (1, 20, 1, 16), (1, 20, 1, 16), (1, 50, 2, 16)])
     keep = {"keep": (np.arange(50) % 4 != 0).astype(float)}  # a mask_mod that hides every key from rows 0, 4, 8, ...
     for variant in ({}, {"sinks": np.array([0.5, -1.0])},
                     {"mask_mod": "keep[q_idx] > 0.5", "score_mod": "log(1 + exp(score))", "tensors": keep}):
-        g = attention_grad(q, k, v, dout, True, **variant)  # q_len 50 > kv_len 20: rows 0..29 see no key
+        dlse = rng.standard_normal((1, 2, 50))  # the LSE's gradient too: -inf is constant in the scores
+        g = attention_grad(q, k, v, dout, True, dlse=dlse, **variant)  # q_len 50 > kv_len 20: rows 0..29 see no key
         assert all(np.isfinite(x).all() for x in g if x is not None)
         assert np.all(g.dq[0, :30] == 0)
         if "mask_mod" in variant:
             assert np.all(g.dq[0, 32::4] == 0) and np.abs(g.dq[0, 33::4]).max() > 0
-        _, want = _torch_grads(q, k, v, dout, True, {"tensors": {}, **variant})
+        _, want = _torch_grads(q, k, v, dout, True, {"tensors": {}, **variant}, dlse)
         np.testing.assert_allclose(g.dq, want.dq, rtol=1e-9, atol=1e-12)
 
 

@@ -16,15 +16,16 @@ from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
 
 
 def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "random", source: str | None = None,
-                     out=None, lse=None, alibi_slopes=None, sinks=None, softmax_scale=None, scale=None,
+                     out=None, lse=None, dlse=None, alibi_slopes=None, sinks=None, softmax_scale=None, scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, block_order: str = "grid", **tensors):
-    """Gradients of sum(attention(q, k, v) * dout) from the emitted backward kernels on the CPU model.
+    """Gradients of sum(attention(q, k, v) * dout + lse * dlse) from the emitted backward kernels on the CPU model.
 
     q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV], dout [B, Sq, H, DV] (torch or numpy,
     rounded to the spec's dtype as the kernels read them). The forward kernel (the spec with
     lse = true) runs first on the CPU model unless `out` and `lse` ([B, H, Sq] float32, natural log)
-    are given. Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
+    are given. `dlse` (shaped like lse): the LSE output's gradient, none (zeros) by default.
+    Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
     tensors for torch input, else float32 numpy arrays holding values of the dtype. `seed` and
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
     `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
@@ -70,6 +71,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     lse_want = (h, lead[0]) if varlen else (lead[0], h, lead[1])
     if la.shape != lse_want:
         raise InputError("lse", f"shape {tuple(la.shape)}", f"{lse_want} ({'[H, total_q]' if varlen else '[B, H, Sq]'})")
+    dl = np.zeros(la.shape, np.float32) if dlse is None else _host_array(dlse)
+    if dl.shape != la.shape:
+        raise InputError("dlse", f"shape {tuple(dl.shape)}", f"the LSE's shape {lse_want}")
 
     text = render_backward_source(bp) if source is None else source
     if varlen:
@@ -90,7 +94,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, block_order=block_order)
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
-        pre = [oa, do, la, None, None] + ([] if bp.deterministic else [None])
+        pre = [oa, do, la, dl, None, None] + ([] if bp.deterministic else [None])
         if spec.sinks and not bp.deterministic:
             pre += [_host_array(named["sinks"]), np.zeros(h, np.float32)]
         rt.run(pre + ints, entry="build_preprocess_kernel", **run)
