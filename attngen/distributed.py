@@ -19,7 +19,8 @@ empty (skipped), wholly visible (the kernel with no mask), or masked; a masked p
 the rows and keys that see something and runs the causal kernel where the visible set is the
 causal triangle of the trimmed rectangle, else the window kernel with the window shifted to the
 pair's offset. Partial results merge in float32 with the stable form of _merge; the backward runs
-attngen's backward op per step with the merged (global) out and LSE, so the LSE needs no gradient.
+attngen's backward op per step with the merged (global) out and LSE (and the LSE's gradient, which
+each call folds into its rows).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ DOCUMENT = "cp_document"  # the call-time tensor of document ids that cu_seqlens
 # None in any real use. "merge_no_rescale": partial outputs summed without the LSE weights;
 # "zigzag_order": the attention takes a zigzag rank's two chunks in the wrong order;
 # "dkdv_skip_step": the backward drops the last ring step's dK/dV; "causal_flag": a causal
-# (diagonal) call runs the full kernel; "mask_offset": a global mask_mod reads the call's local rows.
+# (diagonal) call runs the full kernel; "mask_offset": a global mask_mod reads the call's local rows;
+# "dlse_dropped": the backward ignores the LSE output's gradient.
 _TEST_ONLY_MUTANT: str | None = None
-MUTANTS = ("merge_no_rescale", "zigzag_order", "dkdv_skip_step", "causal_flag", "mask_offset")
+MUTANTS = ("merge_no_rescale", "zigzag_order", "dkdv_skip_step", "causal_flag", "mask_offset", "dlse_dropped")
 
 
 # -- the layout: which chunks of the sequence each rank holds ---------------------------------------
@@ -425,7 +427,8 @@ def _attend(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out
         _merge(out, lse, slice(call.q0, call.q1), part_out, part_lse)
 
 
-def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out, lse, dout, dq, skip: bool):
+def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk, out, lse, dout, dlse, dq,
+                skip: bool):
     """One step's backward calls: dq accumulated in place (float32), the block's (dk, dv) in float32
     returned (zero with the test-only `skip`)."""
     dk_blk = torch.zeros(k_blk.shape, dtype=torch.float32, device=k_blk.device)
@@ -433,7 +436,8 @@ def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk,
     for call in step_calls(q_segments, k_segments, causal, window, "global_mask_mod" in kernel):
         rows = slice(call.q0, call.q1)
         args = _call_args(kernel, call, q, k_blk, v_blk)
-        g = ops.bwd(dout[:, rows].contiguous(), out[:, rows].contiguous(), lse[:, :, rows].contiguous(), *args)
+        g = ops.bwd(dout[:, rows].contiguous(), out[:, rows].contiguous(), lse[:, :, rows].contiguous(), *args,
+                    dlse=None if dlse is None else dlse[:, :, rows].contiguous())
         dq[:, rows] += g[0].float()
         if not skip:
             dk_blk[:, call.k0:call.k1] += g[1].float()
@@ -441,16 +445,18 @@ def _step_grads(q_segments, k_segments, causal, window, kernel, q, k_blk, v_blk,
     return dk_blk, dv_blk
 
 
-def _backward(cfg: _Config, q, k, v, out, lse, dout):
+def _backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
     """(dq, dk, dv) of this rank's parts: per step attngen's backward op with the merged out and LSE
-    (P = exp(s - lse) is then the step's share of the global softmax); dq summed here in float32,
-    dK/dV in float32 travelling with their block (ring) or reduce-scattered (all-gather)."""
+    (P = exp(s - lse) is then the step's share of the global softmax, and d lse / d s its P, so each
+    call folds the merged LSE's gradient dlse, or None, into its rows as a whole attention would); dq
+    summed here in float32, dK/dV in float32 travelling with their block (ring) or reduce-scattered
+    (all-gather)."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     q_segments = segments(_q_ids(cfg.rank, cfg.world, cfg.load_balance), cfg.size)
 
     def step_grads(k_segments, k_blk, v_blk, skip: bool):
         return _step_grads(q_segments, k_segments, cfg.causal, cfg.window, cfg.kernel, q, k_blk, v_blk, out, lse, dout,
-                           dq, skip)
+                           dlse, dq, skip)
 
     blocks = _blocks(cfg, k, v)  # K and V rotate (or are gathered) as in the forward
     if cfg.method == "allgather":
@@ -480,13 +486,16 @@ class _ContextParallel(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(lse)  # as attngen's op: the LSE output has no gradient
+        ctx.set_materialize_grads(False)  # an output the loss does not read has gradient None: no work for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.cfg, q, k, v, out, lse, dout.contiguous().to(out.dtype))
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous().to(out.dtype)
+        if _TEST_ONLY_MUTANT == "dlse_dropped":
+            dlse = None
+        dq, dk, dv = _backward(ctx.cfg, q, k, v, out, lse, dout, None if dlse is None else dlse.float())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -531,7 +540,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     with the same load_balance), HKV dividing H (GQA, MQA). causal and window_size=(left, right)
     (-1 unbounded) are over global positions. Returns this rank's out [B, S/W, H, DV] (and with
     return_lse its float32 LSE [B, H, S/W]; a row that sees no key: out 0, LSE -inf).
-    Differentiable in q, k and v (the LSE output has no gradient, as attngen.attention's).
+    Differentiable in q, k and v, through out and the LSE alike (as attngen.attention's).
     kwargs: the kernel's schedule fields (SCHEDULE_FIELDS); with method="allgather" also
     `mask_mod` (attngen's expression text over GLOBAL q_idx and kv_idx, docs/variants.md) with its
     call-time tensors by name (over global positions), and `cu_seqlens` (int [documents + 1], the

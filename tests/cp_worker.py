@@ -27,6 +27,12 @@ def inputs(case: dict):
     return q, k, v, dout
 
 
+def lse_cotangent(case: dict) -> torch.Tensor:
+    """The full float32 [B, H, S] gradient of a case's loss at the LSE (lse_grad cases)."""
+    g = torch.Generator().manual_seed(1000 + case.get("seed", 0))
+    return torch.randn(case.get("batch", 1), case["heads"], case["seq"], generator=g)
+
+
 def masks(case: dict) -> dict:
     """A case's mask_mod (over global positions), its tensors, and cu_seqlens, as keywords."""
     given = {n: case[n] for n in ("mask_mod", "cu_seqlens") if n in case}
@@ -105,7 +111,11 @@ def run_case(case: dict, group=None) -> dict:
         *parts, group=group, method=case.get("method", "ring"), load_balance=lb, causal=case.get("causal", False),
         window_size=tuple(case.get("window", (-1, -1))), softcap=case.get("softcap", 0.0),
         softmax_scale=case.get("scale"), return_lse=True, **masks(case))
-    out.backward(cp.shard_sequence(dout, load_balance=lb, group=group))
+    outputs, cotangents = [out], [cp.shard_sequence(dout, load_balance=lb, group=group)]
+    if case.get("lse_grad"):  # a loss that reads the LSE too (every rank draws the same full dLSE)
+        outputs.append(lse)
+        cotangents.append(cp.shard_sequence(lse_cotangent(case), dim=2, load_balance=lb, group=group))
+    torch.autograd.backward(outputs, cotangents)
     full = lambda t, dim=1: cp.unshard_sequence(t.detach(), dim=dim, load_balance=lb, group=group)
     result = {"out": full(out), "lse": full(lse, 2), "dq": full(parts[0].grad), "dk": full(parts[1].grad),
               "dv": full(parts[2].grad)}

@@ -47,7 +47,9 @@ def failures(case: dict, result: dict) -> dict:
     checks = {"out": check_close(result["out"], q, k, v, causal, dtype=dtype, scale=scale, **variant),
               "lse": check_lse(result["lse"], q, k, v, causal, dtype=dtype, scale=scale, **variant)}
     grads = {n: result[n] for n in ("dq", "dk", "dv")}
-    checks |= check_grads(grads, q, k, v, dout, causal, dtype=dtype, scale=scale, out=result["out"], **variant)
+    dlse = cp_worker.lse_cotangent(case).numpy().astype(np.float64) if case.get("lse_grad") else None
+    checks |= check_grads(grads, q, k, v, dout, causal, dtype=dtype, scale=scale, out=result["out"], dlse=dlse,
+                          **variant)
     return {n: str(c) for n, c in checks.items() if not c.ok}
 
 
@@ -203,13 +205,18 @@ def test_two_ranks():
     cases += [dict(method="ring", load_balance="zigzag", causal=True, seq=12, heads=2, kv_heads=2, batch=2, seed=90),
               dict(method="allgather", load_balance="zigzag", causal=True, window=(3, -1), seq=20, heads=1, kv_heads=1,
                    softcap=5.0, scale=0.2, dtype="bfloat16", seed=91)]
+    # a loss through the LSE too: each call folds the merged LSE's gradient into its rows
+    cases += [dict(method=m, load_balance="zigzag", causal=True, seq=12, heads=2, kv_heads=1, lse_grad=True, seed=92)
+              for m in cp.METHODS]
     layouts = [dict(kind="layout", load_balance=lb, seq=cp.num_chunks(2, lb) * 2) for lb in cp.LOAD_BALANCES]
     compiled = [dict(kind="compile", method=m, causal=True, seq=8, heads=2, kv_heads=1, grad=g)
                 for m, g in (("ring", False), ("allgather", True))]
-    results = cp_worker.run(2, cases + layouts + compiled)
+    dropped = [cases[-1] | dict(mutant="dlse_dropped")]  # the LSE's gradient ignored: dq and dk are wrong
+    results = cp_worker.run(2, cases + layouts + compiled + dropped)
     assert_all_pass(cases, results[:len(cases)])
     check_layouts(2, layouts, results[len(cases):len(cases) + len(layouts)])
-    check_compiled(compiled, results[len(cases) + len(layouts):])
+    check_compiled(compiled, results[len(cases) + len(layouts):-1])
+    assert {"dq", "dk"} <= set(failures(dropped[0], results[-1])), failures(dropped[0], results[-1])
 
 
 def check_compiled(cases, results):
