@@ -18,6 +18,7 @@ Serving calls' shapes and int32 values are checked by serving.check_serving, bef
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -215,16 +216,45 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     return ordered
 
 
+# Block-mask lists already checked and unchanged since (a model reuses one BlockMask in every layer):
+# key: the check's arguments and each tensor's id and version counter; value: weak references, so
+# that a new tensor that reuses a dead one's id is never taken for it.
+_CHECKED_LISTS: dict = {}
+_CHECKED_LISTS_MAX = 64
+
+
 def check_block_mask_lists(lists: dict, n_cols: int, last_runs_past: bool) -> None:
+    """check_lists_values, skipped for torch tensors checked before and not written to since (their
+    version counters unchanged): the host copy and the check then cost nothing on a reused mask."""
+    if any(is_torch(x) and x.device.type == "meta" for x in lists.values()):
+        return
+    key = checked_lists_key(lists, n_cols, last_runs_past)
+    if key is not None:
+        refs = _CHECKED_LISTS.get(key)
+        if refs is not None and all(r() is x for r, (_, x) in zip(refs, sorted(lists.items()))):
+            return
+    check_lists_values(lists, n_cols, last_runs_past)
+    if key is not None:
+        if len(_CHECKED_LISTS) >= _CHECKED_LISTS_MAX:
+            _CHECKED_LISTS.clear()
+        _CHECKED_LISTS[key] = [weakref.ref(x) for _, x in sorted(lists.items())]
+
+
+def checked_lists_key(lists: dict, n_cols: int, last_runs_past: bool):
+    """_CHECKED_LISTS' key for the lists: None where a list has no version counter (numpy, inference tensors)."""
+    if not all(is_torch(x) and not x.is_inference() for x in lists.values()):
+        return None
+    return n_cols, last_runs_past, tuple((n, id(x), x._version) for n, x in sorted(lists.items()))
+
+
+def check_lists_values(lists: dict, n_cols: int, last_runs_past: bool) -> None:
     """The values of a block mask's lists (shapes and dtypes are check_extra's): per row, a count in
     [0, n_cols], its first `count` indices in [0, n_cols) (the kernels read only those; the padding
     after them may be anything, as create_block_mask's is), no tile listed twice, none both partial
     and full, and (`last_runs_past`: kv_len is no multiple of block_n) the last tile never full, as
     its keys past kv_len must be masked. The kernels would read out of bounds, visit a tile twice or
     skip a mask: a wrong answer without a word. One host copy of the lists per call (docs/variants.md
-    measures it); a meta tensor has no values and is left alone."""
-    if any(is_torch(x) and x.device.type == "meta" for x in lists.values()):
-        return
+    measures it)."""
 
     def at(where) -> str:  # the first True of a boolean array, as "[i, j, ...]"
         return "[" + ", ".join(str(int(i)) for i in np.argwhere(where)[0]) + "]"

@@ -11,6 +11,8 @@ the mask, kv_indices read one row off, and the zero-visit guard dropped, inverte
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -396,3 +398,30 @@ def test_hand_written_block_mask_lists_are_checked_on_the_host_and_padding_is_fr
                     full_kv_indices=torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32))
     with pytest.raises(InputError, match=r"^full_kv_indices\[0, 0, 0\] = KV tile 1, the last: expected the last KV tile partial"):
         attngen.attention(q[:, :100], k[:, :100], v[:, :100], **dict(kw, mask_mod=short.mask_text), **all_full)
+
+
+def test_a_reused_block_mask_is_checked_once_and_an_edit_to_it_again(monkeypatch):
+    """One BlockMask in every layer: its lists are checked once, not per call (the host copy costs
+    up to 50 ms a call, docs/variants.md). A list written in place since (its version counter
+    moved) and new tensors, even ones that reuse a dead tensor's id, are checked again."""
+    from attngen import inputs
+
+    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
+    lists = {n: getattr(bm, n).clone() for n in BM_NAMES}
+    calls = []
+    real = inputs.check_lists_values
+    monkeypatch.setattr(inputs, "check_lists_values", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(inputs, "_CHECKED_LISTS", {})
+    for _ in range(3):
+        inputs.check_block_mask_lists(lists, 2, False)
+    assert len(calls) == 1
+    lists["kv_indices"][0, 0, 1, 0] = 99  # in place: the version counter moves
+    with pytest.raises(InputError, match=r"^kv_indices\[0, 0, 1, 0\] = 99"):
+        inputs.check_block_mask_lists(lists, 2, False)
+    # a new tensor at a dead checked one's id and version: the weak references tell them apart
+    bad = {n: t.clone() for n, t in lists.items()}
+    ghosts = {n: t.clone() for n, t in bad.items()}
+    inputs._CHECKED_LISTS[inputs.checked_lists_key(bad, 2, False)] = [weakref.ref(ghosts[n]) for n in sorted(ghosts)]
+    del ghosts
+    with pytest.raises(InputError, match=r"^kv_indices\[0, 0, 1, 0\] = 99"):
+        inputs.check_block_mask_lists(bad, 2, False)
