@@ -857,6 +857,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 
 _TRACED: dict = {}  # _traced_mods' results, by key
+# Bounded: a program that traces many mods (one per layer, say) must not hold every translation and its
+# tensors forever. A graph whose entry was dropped fails its guard on _TRACED and is traced again.
+_TRACED_MAX = 64
 
 
 @torch._dynamo.assume_constant_result
@@ -866,6 +869,8 @@ def _traced_mods(score_mod, block_mask, meta) -> str:
     of the graph; the graph reads the captured tensors and block-mask lists from there (guarded
     graph inputs). So a compiled graph keeps the translation it was traced with, as torch's does."""
     key = f"{id(score_mod)}:{id(block_mask)}:{meta}"
+    if key not in _TRACED and len(_TRACED) >= _TRACED_MAX:
+        _TRACED.clear()
     _TRACED[key] = _mods(score_mod, block_mask, meta)
     return key
 

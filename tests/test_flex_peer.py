@@ -547,3 +547,22 @@ def test_fullgraph_compile_has_no_graph_break_and_equals_eager_forward_and_backw
         grads.append([out.detach()] + [x.grad for x in leaves])
     for a, b in zip(*grads):
         assert torch.equal(a, b)  # one kernel, the same inputs
+
+
+def test_compiled_translations_are_bounded_and_a_dropped_one_is_traced_again(monkeypatch):
+    """flex._TRACED holds at most _TRACED_MAX translations; a graph whose entry was dropped is traced
+    again (its guard on _TRACED fails), so alternating two mods past the bound stays right."""
+    from attngen import flex
+
+    monkeypatch.setattr(flex, "_TRACED", {})
+    monkeypatch.setattr(flex, "_TRACED_MAX", 1)
+    torch._dynamo.reset()
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return _doc_bias(score, b, h, q_idx, kv_idx) + 0.5
+
+    q, k, v, _ = _inputs(1, 2, S, S, seed=8)
+    compiled = torch.compile(lambda mod, *x: attngen.flex_attention(*x, score_mod=mod), fullgraph=True)
+    for mod in (_doc_bias, shifted, _doc_bias):
+        assert torch.equal(compiled(mod, q, k, v), attngen.flex_attention(q, k, v, score_mod=mod))
+        assert len(flex._TRACED) == 1

@@ -668,12 +668,17 @@ PADDING_ROWS = 5  # packed rows past the last sequence: a kernel must leave them
 CHECK_SPLITS = 3
 
 
+def dense_kv(layout: str, paged: bool) -> bool:
+    """Whether a kernel's sequences share one key length (a dense bshd KV: a plain call's shape)."""
+    return layout == "bshd" and not paged
+
+
 def serving_lengths(layout: str, q_len: int, kv_len: int, *, paged: bool, batch: int = 1) -> tuple:
     """The batch `check` runs a serving kernel on: where lengths may differ (varlen, or a paged
     cache) a ragged one: the requested lengths, a 1-row query, more queries than keys (causal
     rows that see nothing), and (varlen) an empty sequence. A dense bshd KV (split-KV alone) has
     one key length: `batch` sequences of the requested lengths, the shape a plain call takes."""
-    if layout == "bshd" and not paged:
+    if dense_kv(layout, paged):
         return [q_len] * batch, [kv_len] * batch
     kv = [kv_len, kv_len // 3 + 1, 5, 9]
     if layout == "bshd":  # one query length for the batch
@@ -685,7 +690,7 @@ def run_shape_text(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     """The shape a CPU run takes, in the user's terms: B, H, HKV, Sq, Skv, or for a kernel whose
     sequences may differ in length, the ragged batch serving_lengths builds from Sq and Skv."""
     spec = plan.spec
-    if spec.layout == "bshd" and not spec.paged_kv:
+    if dense_kv(spec.layout, spec.paged_kv):
         return f"B={batch} H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}"
     n = len(serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv)[0])
     return f"H={heads} HKV={kv_heads}, a ragged batch of {n} from Sq={q_len} Skv={kv_len}" + ("" if batch == 1 else f" (--batch {batch} does not apply)")
