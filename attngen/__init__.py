@@ -4,10 +4,10 @@ Flow (each step a module; data flows one way, each entry point plans once):
     spec -> plan -> render (templates/) -> emitted TileLang source
          -> build (lower + nvcc) | emulate (CPU model) | runtime (GPU) -> ops (torch custom ops)
 hw holds the target's facts beneath all of them; reference is the fp64 oracle.
-`attngen.attention` is attngen.ops.attention (torch.ops.attngen.fwd), imported on first use:
+`attngen.attention` is attngen.interfaces.ops.attention (torch.ops.attngen.fwd), imported on first use:
 `import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
-way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.flex) and the module
-`attngen.flash_attn_interface` (FlashAttention-3's names), and `attngen.distributed` (context
+way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.interfaces.flex) and the module
+`attngen.interfaces.flash_attn_interface` (FlashAttention-3's names), and `attngen.interfaces.distributed` (context
 parallelism over torch.distributed: ring and all-gather attention, docs/distributed.md).
 Errors: `attngen.SpecError` (a spec field that cannot become a kernel) and `attngen.InputError`
 (a call's argument the kernel cannot take), both ValueErrors with one line naming the field or
@@ -17,16 +17,17 @@ argument, the value and what is valid.
 from attngen.version import __version__  # noqa: E402
 
 from attngen.spec import Spec, SpecError, load as load_spec  # noqa: E402
-from attngen.reference import InputError  # noqa: E402
-from attngen.plan import Plan, Shape, make_plan  # noqa: E402
-from attngen.render import render_source, generate  # noqa: E402
+from attngen.reference.forward import InputError  # noqa: E402
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import Plan, make_plan  # noqa: E402
+from attngen.kernels.fwd.render import generate, render_source  # noqa: E402
 from attngen.emulator import emulate, emulate_backward  # noqa: E402
-from attngen.runtime import compile_kernel  # noqa: E402
+from attngen.run.runtime import compile_kernel  # noqa: E402
 
 
 def __getattr__(name):
     if name == "attention":  # registers the torch ops; kept in the module's dict after the first use
-        from attngen.ops import attention
+        from attngen.interfaces.ops import attention
 
         globals()["attention"] = attention
         return attention
@@ -35,7 +36,7 @@ def __getattr__(name):
 
         return importlib.import_module("attngen.distributed")
     if name in ("flex_attention", "create_block_mask", "BlockMask"):
-        from attngen import flex
+        from attngen.interfaces import flex
 
         globals()[name] = getattr(flex, name)
         return globals()[name]

@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 from attngen.emulator import Stats, emulate_backward, emulate_stats  # noqa: E402
 from attngen.emulator.driver import Runtime  # noqa: E402
-from attngen.plan import plan_backward  # noqa: E402
-from attngen.reference import random_inputs  # noqa: E402
-from attngen.reference_bwd import check_grads  # noqa: E402
-from attngen.render_bwd import entries, render_backward_source  # noqa: E402
+from attngen.kernels.bwd.plan import plan_backward  # noqa: E402
+from attngen.reference.forward import random_inputs  # noqa: E402
+from attngen.reference.backward import check_grads  # noqa: E402
+from attngen.kernels.bwd.render import entries, render_backward_source  # noqa: E402
 
 # (label, spec fields, (batch, heads, kv heads, q_len, kv_len)); the first is issue 17's target
 CASES = [

@@ -20,7 +20,7 @@ import numpy as np
 
 import attngen
 from attngen.emulator import emulate_stats
-from attngen.reference import check_close, random_inputs
+from attngen.reference.forward import check_close, random_inputs
 
 # (label, spec fields, (batch, heads, q_len, kv_len), policy)
 CASES = [
@@ -61,7 +61,7 @@ def calibrate(repeat):
     """Fit seconds = RUN + CTA x blocks + WGMMA x wgmma (least squares) and show each case's
     estimate (attngen.emulator.driver.estimate_seconds, whose counts are checked against Stats)."""
     from attngen.emulator import driver
-    from attngen.plan import make_plan
+    from attngen.kernels.fwd.plan import make_plan
 
     rows = []
     for fields, shape in CALIBRATION:

@@ -11,7 +11,7 @@ preset's gqa_group), plus the seed-parity kernel at its static shape B=1, H=8, H
 Sq=Skv=1024 with the seed's two copies of the steady loop (steady_loop = "split", as
 examples/seed_parity.toml), beside the hand-written seed kernel and beside the same spec with
 the default one loop (steady_loop = "one": which form is faster at run time, docs/build.md). FLOPs are
-4*B*H*Sq*Skv*D, halved for causal (attngen.plan.tflops).
+4*B*H*Sq*Skv*D, halved for causal (attngen.kernels.common.plan.tflops).
 
 Backward rows (after the forward's, in the same run): fp16 hd64/128/256, causal or not, at the
 same shapes, beside SDPA's flash and cuDNN backward; 16k first, then 8k .. 1k, so the goal rows
@@ -46,8 +46,10 @@ try:  # an installed attngen (pip install -e ., or gpu_check.sh's --target insta
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
-from attngen.gputime import n_sets, time_launches  # noqa: E402
-from attngen.plan import SEED_SHAPE, Shape, autograd_spec, make_plan, plan_backward, tflops  # noqa: E402
+from attngen.run.gputime import n_sets, time_launches  # noqa: E402
+from attngen.kernels.bwd.plan import autograd_spec, plan_backward
+from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops
+from attngen.kernels.fwd.plan import make_plan  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -162,7 +164,7 @@ def plan_backward_rows(seqlens, tokens) -> list[Config]:
 
 def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
     """The compiled kernel of a kernel_key: the emitted text, or a variant of it."""
-    from attngen.runtime import compile_backward, compile_kernel
+    from attngen.run.runtime import compile_backward, compile_kernel
 
     if variant == BACKWARD:
         return compile_backward(spec)
@@ -244,7 +246,7 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
         worker = built.get(key)
         rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
-    from attngen.cache import cache_root
+    from attngen.build.cache import cache_root
 
     print(f"  {len(keys)} kernels ready in {time.time() - t0:.1f} s (kernel cache: {cache_root(None)})", flush=True)
     return rows
@@ -256,7 +258,7 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
 def make_sets(cfg: Config, n: int, seed: int = 0):
     import torch
 
-    from attngen.runtime import torch_dtype
+    from attngen.run.runtime import torch_dtype
 
     s, d = cfg.shape, cfg.spec.head_dim
     dtype = torch_dtype(cfg.spec.dtype)
@@ -316,7 +318,7 @@ def seed_launcher(cfg: Config):
 
     from tvm.target import Target
 
-    from attngen.lower import TARGET
+    from attngen.build.lower import TARGET
 
     spec = importlib.util.spec_from_file_location("attngen_seed_kernel", cfg.seed)
     module = importlib.util.module_from_spec(spec)
@@ -338,7 +340,7 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from attngen.runtime import check_written
+    from attngen.run.runtime import check_written
 
     row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
            "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
@@ -387,8 +389,8 @@ def run_backward(cfg: Config, args, l2: int) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from attngen.reference import default_scale
-    from attngen.runtime import check_written
+    from attngen.reference.forward import default_scale
+    from attngen.run.runtime import check_written
 
     row = {"label": cfg.label, "pass": BACKWARD, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
            "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
@@ -551,7 +553,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from attngen.runtime import check_layout, check_tensors, torch_dtype
+    from attngen.run.runtime import check_layout, check_tensors, torch_dtype
 
     rows = []
     out = Path(args.out)

@@ -5,7 +5,7 @@
 At a tiny shape (1x16x2x64, causal), best-of-N medians of:
 - `attngen.attention` (the op, the CPU model included) beside a direct `attngen.emulate` of the
   same plan: the CPU model's milliseconds dwarf the op's microseconds, so a second pair
-- with the CPU model replaced by a stub that returns the precomputed result (in attngen.ops and
+- with the CPU model replaced by a stub that returns the precomputed result (in attngen.interfaces.ops and
   for the direct call alike): what is left is the op's own Python work (argument encoding, the
   custom-op dispatch, the memoized spec resolution, the input checks, the CPU-time estimate);
 - a forward and backward through autograd on the CPU model at the tiny shape, and with
@@ -23,7 +23,7 @@ import time
 import torch
 
 import attngen
-from attngen import ops
+from attngen.interfaces import ops
 
 
 def timed(fn, repeat: int, inner: int) -> float:

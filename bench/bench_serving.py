@@ -15,7 +15,7 @@ Prefill (examples/varlen_hd128_bf16_causal.toml): 16k tokens as equal sequences 
 packed, against the same spec with layout "bshd" on [B, S] tensors of the same tokens; the
 ratio of the two times, measured in one run (goal: varlen within 5% of dense).
 
-Method as bench/bench_gpu.py (attngen.gputime): CUDA events, warm-up, median; input sets
+Method as bench/bench_gpu.py (attngen.run.gputime): CUDA events, warm-up, median; input sets
 rotate so that together they exceed the L2 three times.
 """
 
@@ -36,8 +36,8 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 from attngen import hw  # noqa: E402
-from attngen.gputime import n_sets, time_launches  # noqa: E402
-from attngen.plan import make_plan  # noqa: E402
+from attngen.run.gputime import n_sets, time_launches  # noqa: E402
+from attngen.kernels.fwd.plan import make_plan  # noqa: E402
 from attngen.spec import load  # noqa: E402
 
 DECODE_PRESET = ROOT / "examples" / "paged_decode_hd128_bf16_gqa8_splits.toml"
@@ -129,7 +129,7 @@ def each_row(rows, args, measure) -> list[dict]:
 def run_decode(rows, args, l2) -> list[dict]:
     import torch
 
-    from attngen.runtime import compile_kernel
+    from attngen.run.runtime import compile_kernel
 
     plan = make_plan(load(DECODE_PRESET))
     kernel = compile_kernel(plan)
@@ -160,7 +160,7 @@ def run_prefill(rows, args, l2) -> list[dict]:
 
     import torch
 
-    from attngen.runtime import compile_kernel
+    from attngen.run.runtime import compile_kernel
 
     varlen = make_plan(load(PREFILL_PRESET))
     dense = make_plan(dataclasses.replace(load(PREFILL_PRESET), layout="bshd"))
@@ -188,8 +188,8 @@ def run_prefill(rows, args, l2) -> list[dict]:
 
 def dry_run(decode, prefill) -> None:
     """Every decode row's call passes the serving checks (meta caches: no memory); every kernel builds."""
-    from attngen.build import build
-    from attngen.serving import check_serving
+    from attngen.build.nvcc import build
+    from attngen.run.serving import check_serving
 
     plan = make_plan(load(DECODE_PRESET))
     for row in decode:

@@ -1,5 +1,5 @@
 """What FA3's door pays for a strided q, k, v (`q, k, v = qkv.unbind(2)`): one packed copy each
-(attngen.flash_attn_interface._packed; docs/interfaces.md, "Strided inputs"). Figures only.
+(attngen.interfaces.flash_attn_interface._packed; docs/interfaces.md, "Strided inputs"). Figures only.
 
     python bench/bench_strided_copy.py [--repeat N] [--device cpu|cuda]
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from attngen.flash_attn_interface import flash_attn_func
+from attngen.interfaces.flash_attn_interface import flash_attn_func
 
 SHAPES = [(1, 128, 2, 64), (1, 2048, 16, 128), (2, 4096, 32, 128)]  # (batch, seqlen, nheads, headdim)
 

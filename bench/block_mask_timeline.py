@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from attngen import flex
-from attngen.plan import make_plan
+from attngen.interfaces import flex
+from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import Spec
 from attngen.timeline.html import estimate_kernel
 from attngen.timeline.latency import Latency, SourceInfo

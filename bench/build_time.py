@@ -238,7 +238,7 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
 
 
 # Extra nvcc flags to measure on the default kernel's CUDA (--nvcc-variants): name -> flags added
-# to the build's own command (attngen.build.nvcc_command). The SASS must stay identical.
+# to the build's own command (attngen.build.nvcc.nvcc_command). The SASS must stay identical.
 NVCC_VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     "split-compile": ["--split-compile=0"],
@@ -249,8 +249,8 @@ def nvcc_variants(cu: Path, flags: list, rounds: int) -> None:
     """nvcc CPU seconds (children's rusage) per variant, interleaved; SASS compared with the baseline's."""
     import resource
 
-    from attngen import toolchain
-    from attngen.build import nvcc_command
+    from attngen.build import toolchain
+    from attngen.build.nvcc import nvcc_command
 
     tc = toolchain.current()
     sass, cpu = {}, {name: [] for name in NVCC_VARIANTS}
@@ -315,8 +315,8 @@ def render_variant(spec, shape, variant: str) -> tuple[str, int]:
     """The variant's source for `spec` at `shape` (None: dynamic), and how many of its edits applied:
     a spec-field edit applies where it changes the planned kernel (make_plan folds a split of a loop
     that has no masked tile back into one loop)."""
-    from attngen.plan import make_plan
-    from attngen.render import render_source
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.kernels.fwd.render import render_source
 
     edited = variant_spec(spec, variant)
     applied = int(make_plan(edited).spec != make_plan(spec).spec)
@@ -335,14 +335,14 @@ def default_spec():
 
 
 def rendered(kind: str, variant: str) -> tuple[str, int]:
-    from attngen.plan import Shape
+    from attngen.kernels.common.plan import Shape
 
     return render_variant(default_spec(), Shape(*SEED_SHAPE) if kind == "static" else None, variant)
 
 
 def worker(kind: str, variant: str, notes: Path, profile: bool, cu_out: str | None) -> dict:
     """One cold lowering in this (fresh) process; prints nothing, returns the figures."""
-    from attngen.lower import import_tilelang, load_module, lower_prim_func, TARGET
+    from attngen.build.lower import import_tilelang, load_module, lower_prim_func, TARGET
 
     t_import = import_tilelang()
     from tvm.target import Target
@@ -380,8 +380,8 @@ def run_worker(kind, variant, args, cu_out=None) -> dict:
 
 
 def time_nvcc(cu: Path, flags: list) -> float:
-    from attngen.build import nvcc_command
-    from attngen import toolchain
+    from attngen.build.nvcc import nvcc_command
+    from attngen.build import toolchain
 
     t0 = time.perf_counter()
     proc = subprocess.run(nvcc_command(cu, cu.with_suffix(".cubin"), flags), capture_output=True, text=True, env=toolchain.current().subprocess_env())
@@ -398,10 +398,10 @@ def verify(variant: str, cache_dir: Path) -> bool:
     the CPU model still matches the fp64 reference: build it (dynamic) beside the text it edits
     (the emitted one, or the two-loop text for a variant that starts from it) and compare the
     reports, then emulate it at odd shapes (causal offsets both ways)."""
-    from attngen.build import build_source
+    from attngen.build.nvcc import build_source
     from attngen.emulator import emulate
-    from attngen.plan import make_plan
-    from attngen.reference import check_close, random_inputs
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.reference.forward import check_close, random_inputs
     from attngen.spec import load
 
     spec = load(ROOT / "examples" / "default.toml")
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    from attngen import toolchain
+    from attngen.build import toolchain
 
     tmp = Path(tempfile.mkdtemp(prefix="build_time-"))
     results: list[dict] = []

@@ -1,9 +1,9 @@
-"""A cost model of context-parallel attention (attngen.distributed, docs/distributed.md): a MODEL, not a
+"""A cost model of context-parallel attention (attngen.interfaces.distributed, docs/distributed.md): a MODEL, not a
 measurement. For W ranks and a sequence of S tokens it prints, per ring step and per rank, the
 attention's compute time at an assumed throughput, the bytes each method moves, whether a ring step's
 compute hides its transfer at NVLink and InfiniBand rates, and the causal balance of zigzag and
 contiguous sharding (the most work on one rank over the least, counted exactly from the step calls
-attngen.distributed makes, at chunks of --balance-chunk rows).
+attngen.interfaces.distributed makes, at chunks of --balance-chunk rows).
 
     python bench/context_parallel_model.py                         # Llama-3-70B-like: 64 heads, 8 KV heads, hd128, bf16
     python bench/context_parallel_model.py --tflops 400 --nvlink 300 --ib 25
@@ -26,7 +26,7 @@ import argparse
 import numpy as np
 
 from attngen import tiles
-from attngen.distributed import LOAD_BALANCES, chunk_ids, segments, step_calls
+from attngen.interfaces.distributed import LOAD_BALANCES, chunk_ids, segments, step_calls
 
 BYTES = {"bf16": 2, "fp32": 4}
 

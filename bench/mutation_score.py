@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 from attngen.emulator import EmulationError, emulate  # noqa: E402
 from attngen.emulator.mutants import REASONS, equivalent, generate  # noqa: E402
-from attngen.reference import check_close, random_inputs, variant_of  # noqa: E402
+from attngen.reference.forward import check_close, random_inputs, variant_of  # noqa: E402
 
 PRESETS = ["examples/default.toml", "examples/hd64_bf16_gqa4_c3.toml", "examples/hd64_f16_full_nopp.toml"]
 # Runs, in order, until one catches the mutant: ((kv heads, q_len, kv_len), inputs, policy, seed).
@@ -115,7 +115,7 @@ class BackwardRunner(Runner):
 
     def __init__(self, spec, runs=BACKWARD_RUNS):
         from attngen.emulator.driver import variant_inputs
-        from attngen.plan import make_plan
+        from attngen.kernels.fwd.plan import make_plan
 
         self.spec, self.runs = spec, runs
         self.inputs = {}
@@ -132,7 +132,7 @@ class BackwardRunner(Runner):
 
     def run_once(self, source, run):
         from attngen.emulator import emulate_backward
-        from attngen.reference_bwd import check_grads
+        from attngen.reference.backward import check_grads
 
         shape, kind, policy, seed = run
         args, tensors, variant = self.inputs[shape, kind]
@@ -160,7 +160,7 @@ def score(path, runs=None, only=None, verbose=False, jobs=1, backward=False):
     global _RUNNER
     spec = load(path)
     if backward:
-        from attngen.render_bwd import render_backward_source
+        from attngen.kernels.bwd.render import render_backward_source
 
         source = render_backward_source(spec)
         runner = _RUNNER = BackwardRunner(spec, runs or BACKWARD_RUNS)
@@ -221,7 +221,7 @@ def main():
     for run in BACKWARD_RUNS if args.backward else RUNS:
         print(f"#   {run}")
     if args.list:
-        from attngen.render_bwd import render_backward_source
+        from attngen.kernels.bwd.render import render_backward_source
 
         for path in args.specs:
             for m in generate((render_backward_source if args.backward else render)(load(path))):

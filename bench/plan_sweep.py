@@ -30,8 +30,9 @@ import sys
 import time
 
 import attngen
-from attngen import hw, toolchain
-from attngen.plan import BLOCK_N_CANDIDATES, smem_layout
+from attngen import hw
+from attngen.build import toolchain
+from attngen.kernels.fwd.plan import BLOCK_N_CANDIDATES, smem_layout
 from attngen.spec import HEAD_DIMS, SpecError
 
 # The issue-21 reproducer: accepted by the plan at 192x128, spilled 24 bytes (LDL/STL 6/6).
@@ -177,7 +178,7 @@ def build_one(fields: dict, defaulted: bool, cache_dir, neighbours: bool = True)
     """Worker: plan and build one spec (and its register-bound neighbour), return its row (never
     raises). The spec's fields travel, not the plan: a parsed score_mod keys its node types by
     id(), which a pickled copy does not keep."""
-    from attngen.build import build, one_line
+    from attngen.build.nvcc import build, one_line
 
     plan = attngen.make_plan(attngen.Spec(**fields))
     row = Row(plan.name, plan.spec.canonical_dict(), plan.consumer_regs_needed, plan.consumer_regs, plan.producer_regs,
@@ -310,7 +311,7 @@ def draw_backward(rng: random.Random) -> dict:
 def draw_backward_specs(n: int, seed: int) -> list:
     """`n` distinct specs whose backward the plan accepts, as (fields, BackwardPlan); each head dim's
     plain spec first (the register edges of the tile table), then the seeded draw."""
-    from attngen.plan import plan_backward
+    from attngen.kernels.bwd.plan import plan_backward
 
     rng = random.Random(seed)
     out, seen, tries = [], set(), 0
@@ -366,7 +367,7 @@ def backward_rows(bp, results: dict, probe: str = "") -> list:
 def backward_neighbours(fields: dict, bp) -> list:
     """The tiles the estimate refused next to the plan's: 64 more Q rows, and for a column split the
     key split; each (label, BackwardPlan) planned with the estimate off (shared memory still binds)."""
-    from attngen.plan import plan_backward
+    from attngen.kernels.bwd.plan import plan_backward
 
     near = []
     for label, kw in ((f"m{bp.block_m + hw.WGMMA_M}", dict(block_m=bp.block_m + hw.WGMMA_M, columns=bp.columns)),
@@ -383,8 +384,8 @@ def backward_neighbours(fields: dict, bp) -> list:
 def build_one_backward(fields: dict, cache_dir, neighbours: bool = False) -> list:
     """Worker: plan and build one spec's backward module (and its refused neighbours); its kernels'
     rows as dicts (never raises)."""
-    from attngen.build import build_backward, one_line
-    from attngen.plan import plan_backward
+    from attngen.build.nvcc import build_backward, one_line
+    from attngen.kernels.bwd.plan import plan_backward
 
     bp = plan_backward(attngen.Spec(**fields))
     plans = [("", bp)] + (backward_neighbours(fields, bp) if neighbours else [])

@@ -14,7 +14,7 @@ on 2 cores). bench/plan_sweep.py checks the same estimate on a seeded draw of wh
 import argparse
 
 import attngen
-from attngen.build import build
+from attngen.build.nvcc import build
 
 from plan_sweep import sass_max_register, spills_of
 

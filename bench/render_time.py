@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import attngen
-from attngen.render import environment
+from attngen.kernels.common.emit import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = {

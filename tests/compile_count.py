@@ -59,8 +59,8 @@ def count_compiles() -> list:
     import tilelang.engine.lower  # (the package's `lower` attribute is the function: sys.modules below)
     from tilelang.jit import JITKernel
 
-    import attngen.lower
-    from attngen import runtime
+    import attngen.build.lower
+    from attngen.run import runtime
 
     def count(owner, name):
         real = getattr(owner, name)
@@ -74,8 +74,8 @@ def count_compiles() -> list:
 
     for owner, name in [(sys.modules["tilelang.engine.lower"], "lower_with_context"), (tilelang, "lower"),
                         (tilelang, "compile"), (tilelang.contrib.nvcc, "compile_cuda"),
-                        (JITKernel, "_compile_and_create_adapter"), (attngen.lower, "load_module"),
-                        (attngen.lower, "lower_source")]:
+                        (JITKernel, "_compile_and_create_adapter"), (attngen.build.lower, "load_module"),
+                        (attngen.build.lower, "lower_source")]:
         count(owner, name)
-    runtime.load_module = attngen.lower.load_module  # the runtime's own reference, counted too
+    runtime.load_module = attngen.build.lower.load_module  # the runtime's own reference, counted too
     return calls

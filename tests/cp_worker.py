@@ -44,7 +44,7 @@ def masks(case: dict) -> dict:
 def run_layout(case: dict, group=None) -> dict:
     """Every rank's shard of positions 0..S-1, and the gradient unshard_sequence gives each part when
     every rank's loss is sum(full * (position + 1))."""
-    from attngen import distributed as cp
+    from attngen.interfaces import distributed as cp
 
     lb = case.get("load_balance", "zigzag")
     positions = torch.arange(case["seq"], dtype=torch.float32).view(1, -1, 1, 1)
@@ -62,7 +62,7 @@ def run_compiled(case: dict, group=None) -> dict:
     """The case under torch.compile (a recording backend: dynamo's graphs, run as traced) against eager:
     torch._dynamo.explain's graph and break counts and reasons, the attngen ops in each graph, and
     whether out and the gradients equal eager's."""
-    from attngen import distributed as cp
+    from attngen.interfaces import distributed as cp
 
     lb, method = case.get("load_balance", "zigzag"), case.get("method", "ring")
     q, k, v, dout = (cp.shard_sequence(t, load_balance=lb, group=group) for t in inputs(case))
@@ -97,7 +97,7 @@ def run_compiled(case: dict, group=None) -> dict:
 
 
 def run_case(case: dict, group=None) -> dict:
-    from attngen import distributed as cp
+    from attngen.interfaces import distributed as cp
 
     if case.get("kind") == "layout":
         return run_layout(case, group)

@@ -20,7 +20,7 @@ GPU_ONLY = [
 
 
 def has_toolkit() -> bool:
-    from attngen import toolchain
+    from attngen.build import toolchain
 
     try:
         toolchain.current()

@@ -1,14 +1,22 @@
 """The flow runs one way: no import cycles, no module importing a step above its own.
 
-    version, hw, expr, tiles, toolchain  ->  spec, reference  ->  plan, reference_bwd  ->  render, tuning_table, serving  ->  lower, cache, inputs, render_bwd
-                 ->  build | emulator | runtime | gputime  ->  tune | timeline | ops  ->  cli | flex | flash_attn_interface | distributed
+A module's step is its folder's (the longest key of LAYERS that prefixes its name under attngen):
 
-ops (the torch custom ops) sits on runtime and the emulator, its two backends; only layers above
-it (and the facade's attngen.attention, lazily) may import it.
+    version, hw, expr, tiles  ->  spec  ->  reference  ->  kernels.common  ->  kernels.combine
+      ->  kernels.fwd, kernels.append  ->  kernels.bwd  ->  build  ->  run  ->  emulator
+      ->  timeline, interfaces  ->  cli
+
+Within a folder modules may import one another (cycles are still refused). A kernel family
+(kernels/<family>/) imports the shared pieces (kernels/common/) and the families below it: the
+forward includes the combine kernel; the backward derives its plan from the forward's.
+interfaces/ (the torch ops, the Flex and FlashAttention-3 doors, context parallelism) sits on
+run/ (CUDA) and the emulator (CPU), its two backends.
 
 Every `attngen` import in the package is read with `ast`, function-level imports included
-(a lazy import is still a dependency). The package facade (attngen/__init__.py) and the
-`python -m attngen` entry sit on top and are left out.
+(a lazy import is still a dependency). The package facade (attngen/__init__.py), the
+`python -m attngen` entry and the public addresses of the doors (attngen.ops,
+attngen.flash_attn_interface, attngen.distributed: each the same module object as its
+interfaces/ module) sit on top and are left out.
 """
 
 import ast
@@ -19,18 +27,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 
 LAYERS = {
-    "version": 0, "hw": 0, "expr": 0, "tiles": 0, "toolchain": 0,  # tiles: the mask and tile-range algebra (render, reference, backward)
-    "spec": 1, "reference": 1,
-    "plan": 2, "reference_bwd": 2,  # reference_bwd reads reference's forward and tolerance rule
-    "render": 3, "tuning_table": 3, "serving": 3,
-    "lower": 4, "cache": 4, "inputs": 4, "render_bwd": 4,  # render_bwd: the backward module, on render's pieces
-    "build": 5, "emulator": 5, "runtime": 5, "gputime": 5,
-    "tune": 6, "timeline": 6, "ops": 6,  # ops: the torch ops over runtime (CUDA) and the emulator (CPU)
-    "cli_bwd": 6,  # the backward pass's commands and check verdicts, under cli
-    "cli": 7, "flex": 7, "flash_attn_interface": 7,  # the front doors (docs/interfaces.md) over ops
-    "distributed": 7,  # context parallelism (docs/distributed.md): ring and all-gather over the ops
+    "version": 0, "hw": 0, "expr": 0, "tiles": 0,  # tiles: the mask and tile-range algebra (kernels, reference)
+    "spec": 1,
+    "reference": 2,  # the fp64 oracle and the tolerance rule, both passes
+    "kernels.common": 3,  # what every kernel family shares: plan records, layouts, emit
+    "kernels.combine": 4,
+    "kernels.fwd": 5, "kernels.append": 5,
+    "kernels.bwd": 6,  # the backward's plan derives from the forward's
+    "build": 7,  # toolchain, lowering, the content-keyed cache, nvcc
+    "run": 8,  # the GPU runtime, call checks, serving ABI, tuning
+    "emulator": 9,  # the CPU model (reads run's call checks)
+    "timeline": 10, "interfaces": 10,
+    "cli": 11,
 }
-TOP = {"attngen", "attngen.__main__"}
+TOP = {"attngen", "attngen.__main__", "attngen.ops", "attngen.flash_attn_interface", "attngen.distributed"}
 
 
 def module_name(path: Path) -> str:
@@ -55,9 +65,16 @@ def package_imports() -> dict[str, set[str]]:
     return graph
 
 
+def folder(module: str) -> str | None:
+    """The longest LAYERS key that prefixes the module's name under attngen."""
+    rest = module.split(".", 1)[1] if "." in module else ""
+    keys = [k for k in LAYERS if rest == k or rest.startswith(k + ".")]
+    return max(keys, key=len) if keys else None
+
+
 def layer(module: str) -> int | None:
-    parts = module.split(".")
-    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+    key = folder(module)
+    return None if key is None else LAYERS[key]
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
@@ -73,7 +90,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 found.append(f"{mod} -> {dep}: a module with no layer (add it to LAYERS)")
             elif layer(dep) > layer(mod):
                 found.append(f"{mod} (layer {layer(mod)}) imports {dep} (layer {layer(dep)}): upward")
-            elif layer(dep) == layer(mod) and dep.split(".")[1] != mod.split(".")[1]:
+            elif layer(dep) == layer(mod) and folder(dep) != folder(mod):
                 found.append(f"{mod} imports {dep}: sideways, within layer {layer(mod)}")
     found += [f"cycle: {' -> '.join(c)}" for c in cycles({m: d for m, d in graph.items() if m not in TOP})]
     return found
@@ -104,7 +121,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_package_imports_one_way():
     graph = package_imports()
     assert "attngen.hw" in graph and "attngen.emulator.driver" in graph  # the scan sees the package
-    assert "attngen.plan" in graph["attngen.emulator.driver"]  # ... and function-level imports
+    assert "attngen.kernels.fwd.plan" in graph["attngen.emulator.driver"]  # ... and function-level imports
     assert violations(graph) == []
 
 
@@ -115,14 +132,15 @@ def test_hw_imports_nothing_from_attngen():
 def test_the_tile_algebra_has_one_home_below_render_and_reference():
     graph = package_imports()
     assert graph["attngen.tiles"] == set()
-    assert {"attngen.render", "attngen.reference", "attngen.plan"} <= {m for m, deps in graph.items() if "attngen.tiles" in deps}
+    assert {"attngen.kernels.fwd.render", "attngen.reference.forward", "attngen.kernels.fwd.plan"} <= {m for m, deps in graph.items() if "attngen.tiles" in deps}
 
 
 @pytest.mark.parametrize("graph, expect", [
-    ({"attngen.plan": {"attngen.render"}, "attngen.render": {"attngen.plan"}}, ["upward", "cycle: "]),
-    ({"attngen.spec": {"attngen.plan"}}, ["upward"]),
-    ({"attngen.spec": {"attngen.reference"}}, ["sideways"]),
-    ({"attngen.build": {"attngen"}}, ["facade"]),
+    ({"attngen.kernels.common.plan": {"attngen.kernels.fwd.render"}, "attngen.kernels.fwd.render": {"attngen.kernels.common.plan"}}, ["upward", "cycle: "]),
+    ({"attngen.kernels.fwd.plan": {"attngen.kernels.fwd.render"}, "attngen.kernels.fwd.render": {"attngen.kernels.fwd.plan"}}, ["cycle: "]),
+    ({"attngen.spec": {"attngen.kernels.fwd.plan"}}, ["upward"]),
+    ({"attngen.kernels.fwd.render": {"attngen.kernels.append.render"}}, ["sideways"]),
+    ({"attngen.build.nvcc": {"attngen"}}, ["facade"]),
     ({"attngen.newstep": {"attngen.hw"}}, ["no layer"]),
     ({"attngen.emulator.a": {"attngen.emulator.b"}, "attngen.emulator.b": {"attngen.emulator.a"}}, ["cycle: "]),
 ])

@@ -15,11 +15,12 @@ import attngen
 from attngen import tiles
 from attngen.emulator import HazardError, emulate_backward
 from attngen.emulator.driver import variant_inputs
-from attngen.plan import make_plan, plan_backward
-from attngen.reference import InputError, variant_of
-from attngen.reference_bwd import check_grads
-from attngen.render import render_source
-from attngen.render_bwd import q_range, render_backward_source
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError, variant_of
+from attngen.reference.backward import check_grads
+from attngen.kernels.fwd.render import render_source
+from attngen.kernels.bwd.render import q_range, render_backward_source
 from attngen.spec import Spec, SpecError
 
 NAMES = ("dq", "dk", "dv", "dsinks")
@@ -356,8 +357,8 @@ def test_deterministic_leaves_the_forward_kernel_and_hash_alone():
 # -- varlen (packed training) ------------------------------------------------------------------
 def run_varlen(spec, lq, lk, heads, kv_heads, seed=0, policy="random", source=None):
     """Packed sequences through the emitted kernels, each sequence against its own fp64 reference."""
-    from attngen.reference import nonfinite_agree, round_to, tolerance
-    from attngen.reference_bwd import attention_grad_varlen
+    from attngen.reference.forward import nonfinite_agree, round_to, tolerance
+    from attngen.reference.backward import attention_grad_varlen
 
     rng = np.random.default_rng(seed)
     cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))

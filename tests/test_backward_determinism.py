@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from attngen.emulator import POLICIES, emulate_backward
-from attngen.plan import plan_backward
-from attngen.render_bwd import render_backward_source
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.bwd.render import render_backward_source
 from test_backward_mutants import NAMES, case, check_grads
 
 ORDERS = ("grid", "shuffled")

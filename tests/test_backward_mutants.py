@@ -19,10 +19,10 @@ import pytest
 
 from attngen.emulator import POLICIES, HazardError, emulate_backward
 from attngen.emulator.driver import variant_inputs
-from attngen.plan import make_plan
-from attngen.reference import variant_of
-from attngen.reference_bwd import check_grads
-from attngen.render_bwd import render_backward_source
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import variant_of
+from attngen.reference.backward import check_grads
+from attngen.kernels.bwd.render import render_backward_source
 from attngen.spec import Spec
 
 NAMES = ("dq", "dk", "dv", "dsinks")

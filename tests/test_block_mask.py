@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import flex, tiles
+from attngen import tiles
+from attngen.interfaces import flex
 from attngen.emulator.driver import emulate_stats
 from attngen.emulator.errors import DeadlockError, EmulationError
-from attngen.plan import make_plan
-from attngen.reference import InputError, check_close, random_inputs
-from attngen.render import render_source
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError, check_close, random_inputs
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import Spec, SpecError
 from gpu_marks import NEEDS_TOOLKIT
 
@@ -212,7 +213,7 @@ def rand(*shape, seed=0):
 
 
 def test_flex_attention_runs_the_block_mask_kernel_and_retiles_flex_block_sizes(monkeypatch):
-    from attngen import ops
+    from attngen.interfaces import ops
     seen = []
     real = ops.emulate
     monkeypatch.setattr(ops, "emulate", lambda plan, *a, **kw: seen.append((plan, kw)) or real(plan, *a, **kw))
@@ -310,7 +311,7 @@ def test_the_cli_emulates_a_block_mask_spec_with_the_lists_of_its_own_mask(tmp_p
                                     dict(head_dim=64, dtype="bfloat16", consumers=3, mask_mod="q_idx >= kv_idx")],
                          ids=["hd128-document", "hd64-bf16-c3"])
 def test_the_block_mask_kernel_builds_for_sm90a_without_spills(fields, build_cache):
-    from attngen.build import build
+    from attngen.build.nvcc import build
     spec = Spec(**fields, block_mask=True)
     r = build(spec, cache_dir=build_cache).report
     assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["stack_frame_bytes"] == 0, r
@@ -339,8 +340,9 @@ def test_a_block_mask_call_is_differentiable_and_its_gradients_are_the_dense_mas
     derived from the forward's 128 x 128 ones for its 64 x 128 tiles: the gradients through
     attention(block_mask=) equal those of causal=True bit for bit, and the backward's kernels take
     the transposed q_* lists, not the forward's kv_* ones."""
-    from attngen.plan import BLOCK_MASK_TENSORS, plan_backward
-    from attngen.render_bwd import call_tensors, render_backward_source
+    from attngen.kernels.bwd.plan import plan_backward
+    from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
+    from attngen.kernels.bwd.render import call_tensors, render_backward_source
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 100, 1, 64, generator=g).half().requires_grad_() for _ in range(3))
     bm = attngen.create_block_mask(_document_causal, 1, 1, 100, 100, BLOCK_SIZE=(128, 128))
@@ -404,7 +406,7 @@ def test_a_reused_block_mask_is_checked_once_and_an_edit_to_it_again(monkeypatch
     """One BlockMask in every layer: its lists are checked once, not per call (the host copy costs
     up to 50 ms a call, docs/variants.md). A list written in place since (its version counter
     moved) and new tensors, even ones that reuse a dead tensor's id, are checked again."""
-    from attngen import inputs
+    from attngen.run import inputs
 
     bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
     lists = {n: getattr(bm, n).clone() for n in BM_NAMES}

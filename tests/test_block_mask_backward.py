@@ -22,13 +22,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attngen import flex, tiles
+from attngen import tiles
+from attngen.interfaces import flex
 from attngen.emulator import emulate_backward
 from attngen.emulator.driver import Stats
-from attngen.plan import plan_backward
-from attngen.reference import variant_of
-from attngen.reference_bwd import check_grads
-from attngen.render_bwd import render_backward_source
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.reference.forward import variant_of
+from attngen.reference.backward import check_grads
+from attngen.kernels.bwd.render import render_backward_source
 from attngen.spec import Spec, SpecError
 from test_block_mask import BM_NAMES, mask_of, same_bits
 
@@ -174,7 +175,7 @@ def test_retiling_at_any_sizes_is_exact_and_the_lists_invert(q_len, kv_len, bq, 
 
 
 def test_the_backward_without_the_forwards_lists_is_an_input_error():
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
     sparse, _ = specs("q_idx >= kv_idx", False)
     q, k, v, do = inputs(1, 70, 70, 0)
     with pytest.raises(InputError, match="kv_num_blocks"):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen import build as build_mod
+from attngen.build import nvcc as build_mod
 from attngen import cli
-from attngen.build import Outcome, Progress, build, build_many, parse_ptxas
-from attngen.lower import LowerError
+from attngen.build.nvcc import Outcome, Progress, build, build_many, parse_ptxas
+from attngen.build.lower import LowerError
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "examples").glob("*.toml"))

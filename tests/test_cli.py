@@ -194,8 +194,8 @@ def run_main(capsys, *argv):
     (["build", "{spec}", "--cuda", "{missing_dir}"], ["--cuda", "no/dir/x", "does not exist"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_path, capsys, monkeypatch):
-    import attngen.build
-    import attngen.reference
+    import attngen.build.nvcc
+    import attngen.reference.forward
 
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes("# caf\xe9\nhead_dim = 128\n".encode("latin-1"))
@@ -207,11 +207,11 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     def no_work(*a, **k):
         raise AssertionError("did work before rejecting the input")
 
-    monkeypatch.setattr(attngen.build, "build", no_work)  # nothing built ...
-    monkeypatch.setattr(attngen.reference, "random_inputs", no_work)  # ... and no input drawn
+    monkeypatch.setattr(attngen.build.nvcc, "build", no_work)  # nothing built ...
+    monkeypatch.setattr(attngen.reference.forward, "random_inputs", no_work)  # ... and no input drawn
     monkeypatch.setattr("attngen.emulator.driver.random_inputs", no_work)
     monkeypatch.setattr("attngen.cli.generate", no_work)  # ... and nothing generated
-    monkeypatch.setattr("attngen.tune.build_all", no_work)  # ... no tuning candidate built
+    monkeypatch.setattr("attngen.run.tune.build_all", no_work)  # ... no tuning candidate built
     monkeypatch.setattr("attngen.timeline.command.model_charts", no_work)  # ... and no timeline emulated
     rc, out, err = run_main(capsys, *[paths.get(a, a) for a in argv])
     one_line_error(err, rc, *fragments)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen import cli_bwd
+from attngen.cli import backward as cli_bwd
 from attngen.cli import BACKWARD_PRESETS, main
-from attngen.render_bwd import render_backward_source
+from attngen.kernels.bwd.render import render_backward_source
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "examples" / "default.toml"
@@ -89,9 +89,9 @@ def test_bad_input_is_one_line_and_no_work(argv, fragments, capsys, monkeypatch,
         raise AssertionError("did work before rejecting the input")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("attngen.build.build_backward", no_work)
+    monkeypatch.setattr("attngen.build.nvcc.build_backward", no_work)
     monkeypatch.setattr("attngen.emulator.driver.random_inputs", no_work)
-    monkeypatch.setattr("attngen.render_bwd.write_if_different", no_work)
+    monkeypatch.setattr("attngen.kernels.bwd.render.write_if_different", no_work)
     rc, out, err = run_main(capsys, *argv)
     one_line_error(err, rc, *fragments)
     assert out == ""
@@ -143,7 +143,7 @@ def test_varlen_checks_fail_a_wrong_sequence():
     """The per-sequence checker itself: the twin passes, one sequence's dv shifted fails."""
     bp = cli_bwd.plan_backward(attngen.load_spec(VARLEN))
     q, k, v, dout, tensors, packing = cli_bwd.draw_inputs(bp, 1, 2, 2, 40, 50, seed=1)
-    from attngen.reference_bwd import attention_grad_varlen
+    from attngen.reference.backward import attention_grad_varlen
 
     cq, ck = packing["cu_seqlens_q"], packing["cu_seqlens_k"]
     low = attention_grad_varlen(q, k, v, dout, cq, ck, True, lowprec="bfloat16")._asdict()
@@ -262,9 +262,10 @@ def test_precompile_backward_builds_what_training_loads_and_notes_a_refused_spec
     """`attngen precompile --backward`: the spec's kernel, then the forward with its LSE (what autograd
     runs) and the backward module; a spec the backward refuses keeps its forward and says so in one
     line (exit 0); without the flag nothing of the backward is built."""
-    from attngen import runtime
-    from attngen.plan import Plan, plan_backward
-    from attngen.runtime import Precompiled
+    from attngen.run import runtime
+    from attngen.kernels.bwd.plan import plan_backward
+    from attngen.kernels.fwd.plan import Plan
+    from attngen.run.runtime import Precompiled
     from attngen.spec import load
 
     calls = []

@@ -159,15 +159,15 @@ def assert_clean(argv, rc, out, err):
 @pytest.fixture
 def no_nvcc(monkeypatch):
     """`build` checks its options and the spec, then would lower and run nvcc: stop there."""
-    import attngen.build
+    import attngen.build.nvcc
 
     def stub(plan, cache_dir=None, **kw):
-        raise attngen.build.BuildError("nvcc not run in the fuzz test (stubbed)")
+        raise attngen.build.nvcc.BuildError("nvcc not run in the fuzz test (stubbed)")
 
-    monkeypatch.setattr(attngen.build, "build", stub)
-    monkeypatch.setattr(attngen.build, "build_backward", stub)  # build --backward's kernels
-    monkeypatch.setattr("attngen.tune.build", stub)  # tune's candidates too
-    monkeypatch.setattr("attngen.runtime.precompile", stub)  # and precompile's TileLang build
+    monkeypatch.setattr(attngen.build.nvcc, "build", stub)
+    monkeypatch.setattr(attngen.build.nvcc, "build_backward", stub)  # build --backward's kernels
+    monkeypatch.setattr("attngen.run.tune.build", stub)  # tune's candidates too
+    monkeypatch.setattr("attngen.run.runtime.precompile", stub)  # and precompile's TileLang build
 
 
 # 8x the profile's examples: 160 with the ci profile, 2400 with dev

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from attngen import distributed as cp
+from attngen.interfaces import distributed as cp
 from attngen import tiles
-from attngen.reference import InputError, check_close, check_lse
-from attngen.reference_bwd import check_grads
+from attngen.reference.forward import InputError, check_close, check_lse
+from attngen.reference.backward import check_grads
 from attngen.spec import SpecError
 
 import cp_worker

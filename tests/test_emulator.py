@@ -1,6 +1,6 @@
 """The CPU emulator: correct kernels pass under every schedule policy; the model's rules hold.
 
-Every end-to-end check compares with the fp64 reference through attngen.reference.check_close.
+Every end-to-end check compares with the fp64 reference through attngen.reference.forward.check_close.
 """
 
 import argparse
@@ -17,7 +17,7 @@ from attngen.emulator import (
 )
 from attngen.emulator.agents import MBarrier, NamedBarrier
 from attngen.emulator.memory import Buffer, Region
-from attngen.reference import InputError, check_close, random_inputs, round_to
+from attngen.reference.forward import InputError, check_close, random_inputs, round_to
 
 
 def inputs(spec, b, hkv, sq, skv, seed=0):

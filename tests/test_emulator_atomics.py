@@ -501,7 +501,7 @@ def test_a_shuffled_block_order_exposes_float_atomics_that_depend_on_it_and_neve
 def test_a_forward_kernel_gives_the_same_output_in_any_block_order():
     import attngen
     from attngen.emulator import emulate_stats
-    from attngen.reference import random_inputs
+    from attngen.reference.forward import random_inputs
 
     spec = attngen.Spec(causal=True, head_dim=64)
     q, k, v = random_inputs(spec.dtype, 64, 1, 2, 2, 300, 200, 0)

@@ -14,7 +14,7 @@ import pytest
 
 from attngen.emulator import HazardError, KernelError, UnsupportedConstruct
 from attngen.emulator.driver import Runtime, ServingLayout, Stats, combine_ownership, ownership
-from attngen.reference import round_to
+from attngen.reference.forward import round_to
 
 HEADER = '''\
 import tilelang

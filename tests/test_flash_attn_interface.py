@@ -1,5 +1,5 @@
-"""attngen.flash_attn_interface (FA3's names) on the CPU backend: the emitted kernel on the CPU model,
-against the fp64 reference (attngen.reference), for hypothesis-drawn small shapes (odd lengths,
+"""attngen.interfaces.flash_attn_interface (FA3's names) on the CPU backend: the emitted kernel on the CPU model,
+against the fp64 reference (attngen.reference.forward), for hypothesis-drawn small shapes (odd lengths,
 GQA); varlen and the KV cache (dense and paged, random cache_seqlens, the cache left unchanged);
 every FA3 argument attngen cannot serve refused by name; the wrong layout refused; a repeated call
 plans once. Shapes stay tiny (B <= 2, H <= 4, lengths <= ~130, head_dim 64).
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import attngen
-from attngen import ops
-from attngen import flash_attn_interface as fa
-from attngen.reference import InputError, check_close, check_lse
+from attngen.interfaces import ops
+from attngen.interfaces import flash_attn_interface as fa
+from attngen.reference.forward import InputError, check_close, check_lse
 from attngen.spec import SpecError
 
 D = 64

@@ -1,11 +1,11 @@
-"""attngen.flex (docs/interfaces.md): Python score_mod/mask_mod functions translated into the
+"""attngen.interfaces.flex (docs/interfaces.md): Python score_mod/mask_mod functions translated into the
 expression language, create_block_mask's tile classification, and flex_attention in [B, H, S, D]
 on the CPU model against the fp64 reference; the integer % and // the language grew for them.
 
 The translation is checked against the Python function itself, run by torch in float64 over
 broadcast index tensors as FlexAttention runs it (so a wrong translation cannot agree with
 itself); the block mask against a dense evaluation of the Python function; the kernel against
-attngen.reference. Shapes stay tiny (B <= 2, H <= 4, lengths <= ~130, head_dim 64).
+attngen.reference.forward. Shapes stay tiny (B <= 2, H <= 4, lengths <= ~130, head_dim 64).
 """
 
 import inspect
@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import attngen
-from attngen import expr, flex, tiles
-from attngen.reference import InputError, check_close, check_lse
+from attngen import expr, tiles
+from attngen.interfaces import flex
+from attngen.reference.forward import InputError, check_close, check_lse
 
 D = 64
 
@@ -121,7 +122,7 @@ def test_captures_helpers_and_locals_become_expression_parts():
 
 
 def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monkeypatch):
-    from attngen import ops
+    from attngen.interfaces import ops
     global doc_ids
     saved = doc_ids
     q = rand(1, 2, 100, D, seed=30)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import attngen
-from attngen import flex
-from attngen.reference import InputError
+from attngen.interfaces import flex
+from attngen.reference.forward import InputError
 
 F = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -552,7 +552,7 @@ def test_fullgraph_compile_has_no_graph_break_and_equals_eager_forward_and_backw
 def test_compiled_translations_are_bounded_and_a_dropped_one_is_traced_again(monkeypatch):
     """flex._TRACED holds at most _TRACED_MAX translations; a graph whose entry was dropped is traced
     again (its guard on _TRACED fails), so alternating two mods past the bound stays right."""
-    from attngen import flex
+    from attngen.interfaces import flex
 
     monkeypatch.setattr(flex, "_TRACED", {})
     monkeypatch.setattr(flex, "_TRACED_MAX", 1)

@@ -19,9 +19,10 @@ from hypothesis import assume, example, given, note, settings, strategies as st
 from attngen import tiles
 from attngen.emulator import POLICIES, emulate, emulate_backward
 from attngen.emulator.driver import BLOCK_ORDERS, variant_inputs
-from attngen.plan import make_plan, plan_backward
-from attngen.reference import _variant_scores, check_close, variant_of
-from attngen.reference_bwd import check_grads
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import _variant_scores, check_close, variant_of
+from attngen.reference.backward import check_grads
 from attngen.spec import Spec, SpecError
 from strategies import softmax_scales
 
@@ -136,8 +137,8 @@ def one_key_rows_only(spec, sq, skv) -> bool:
 def run_varlen(spec, shape, schedule, scale):
     """A varlen batch: sequence 0 of the drawn lengths, the others shorter (0 included), packed; the
     reference per sequence (attention_grad_varlen and its twin)."""
-    from attngen.reference import nonfinite_agree, round_to, tolerance
-    from attngen.reference_bwd import attention_grad_varlen
+    from attngen.reference.forward import nonfinite_agree, round_to, tolerance
+    from attngen.reference.backward import attention_grad_varlen
 
     b, hkv, sq, skv = shape
     policy, seed, order = schedule
@@ -222,8 +223,8 @@ def test_gradients_that_cancel_to_zero_pass_and_a_small_error_still_fails(spec, 
     some BLAS and releases) is no fact to assert. The kernel's gradients pass; noise of 2 x 2^-24 x
     what cancels (the most measured: 1.42 x) passes, where the plain eps (one float16 subnormal for
     an exact 0) fails it; dq + 1e-4 (a fraction of a float16 ulp at 1) fails."""
-    from attngen.reference import round_to, tolerance
-    from attngen.reference_bwd import _attention_grad
+    from attngen.reference.forward import round_to, tolerance
+    from attngen.reference.backward import _attention_grad
 
     grads, args, variant = run(spec, shape, schedule, None, lse_grad=False)  # (a dLSE makes dS nonzero there)
     checks = check_grads(grads, *args, spec.causal, dtype=spec.dtype, **variant)

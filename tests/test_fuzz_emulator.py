@@ -2,7 +2,7 @@
 
 Profiles (tests/conftest.py): ATTNGEN_HYPOTHESIS_PROFILE=ci (default, derandomized, few
 examples) or dev (many). Every example must finish without a hazard or a deadlock and be
-within the tolerance rule of attngen.reference.
+within the tolerance rule of attngen.reference.forward.
 """
 
 import pytest
@@ -10,7 +10,7 @@ from hypothesis import assume, example, given, note, settings, strategies as st
 
 import attngen
 from attngen.emulator import POLICIES, emulate_stats
-from attngen.reference import check_close, random_inputs
+from attngen.reference.forward import check_close, random_inputs
 from strategies import softmax_scales
 
 # Keep one example's emulation well under a second on the CI machine: a cap on B*H*Sq*Skv.

@@ -8,8 +8,9 @@ import pytest
 
 import attngen
 from attngen.cli import BACKWARD_PRESETS
-from attngen.render import generate, write_if_different
-from attngen.render_bwd import as_backward_plan, generate_backward
+from attngen.kernels.common.emit import write_if_different
+from attngen.kernels.fwd.render import generate
+from attngen.kernels.bwd.render import as_backward_plan, generate_backward
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "examples").glob("*.toml"))
@@ -80,7 +81,7 @@ def test_write_if_different_keeps_mtime(tmp_path):
 
 
 def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
-    render_mod = importlib.import_module("attngen.render")
+    render_mod = importlib.import_module("attngen.kernels.fwd.render")
 
     broken = "line one\n{{ kernel_name }}\n{{ no_such_parameter }}\nline four\n"
     monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
@@ -96,7 +97,7 @@ def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
 
 
 def test_template_found_in_a_source_checkout_without_install(monkeypatch):
-    render_mod = importlib.import_module("attngen.render")
+    render_mod = importlib.import_module("attngen.kernels.fwd.render")
 
     def not_installed(package):
         raise ModuleNotFoundError(package)

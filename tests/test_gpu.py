@@ -1,7 +1,7 @@
 """Generated kernels on a Hopper GPU, against the fp64 reference. Skipped without a CUDA 9.0 device.
 
 Every run writes into an output buffer poisoned with NaN, so an element the kernel
-never wrote fails; the tolerance is FlashAttention's rule (attngen.reference.check_close):
+never wrote fails; the tolerance is FlashAttention's rule (attngen.reference.forward.check_close):
 max|out - ref| <= 2 * max|lowprec - ref| + eps. Kernels are the presets in
 examples/*.toml (globbed here) and the seed-parity static shape, so that
 `python3 bench/bench_gpu.py --prebuild-only` builds every kernel these tests use.
@@ -18,11 +18,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from attngen import runtime
-from attngen.plan import SEED_SHAPE, Shape, make_plan
+from attngen.run import runtime
+from attngen.kernels.common.plan import SEED_SHAPE, Shape
+from attngen.kernels.fwd.plan import make_plan
 from attngen.emulator.driver import variant_inputs
-from attngen.reference import check_close, check_lse, variant_of
-from attngen.runtime import InputError, check_written, torch_dtype
+from attngen.reference.forward import check_close, check_lse, variant_of
+from attngen.run.runtime import InputError, check_written, torch_dtype
 from attngen.spec import load
 from gpu_marks import GPU_ONLY
 

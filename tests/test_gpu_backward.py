@@ -20,12 +20,14 @@ import pytest
 import torch
 
 import attngen
-from attngen import ops, runtime
+from attngen.interfaces import ops
+from attngen.run import runtime
 from attngen.cli import BACKWARD_PRESETS
-from attngen.cli_bwd import draw_inputs, varlen_checks
-from attngen.plan import make_plan, plan_backward
-from attngen.reference import default_scale, variant_of
-from attngen.reference_bwd import check_grads
+from attngen.cli.backward import draw_inputs, varlen_checks
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import default_scale, variant_of
+from attngen.reference.backward import check_grads
 from attngen.spec import load
 from gpu_marks import GPU_ONLY
 
@@ -42,7 +44,7 @@ DEVICE = "cuda"  # tests/test_gpu_harness.py runs the op path's checks with "cpu
 
 
 class PoisonedTorch:
-    """torch for attngen.runtime, with every floating torch.empty / empty_like filled with NaN: a
+    """torch for attngen.run.runtime, with every floating torch.empty / empty_like filled with NaN: a
     kernel must overwrite each element it owns (zeros, which atomics add into, stay zeros)."""
 
     def __init__(self, real):

@@ -47,7 +47,7 @@ def test_the_benchmark_times_the_seed_configuration_in_both_loop_forms():
     """bench_gpu's A/B row: the same spec and shape, the seed's two copies of the steady loop
     (the preset's steady_loop = "split") and the default one loop, each emitted by the generator."""
     import attngen
-    from attngen.render import render_source
+    from attngen.kernels.fwd.render import render_source
 
     gpu = bench_module("bench_gpu")
     rows = gpu.plan([], [1024], 16384)
@@ -65,8 +65,9 @@ def test_a_text_variant_of_the_benchmark_renders_with_its_spec_fields():
     """build_time.py's variants that start from the two-loop text render it with steady_loop = "split"."""
     sys.path.insert(0, str(ROOT / "bench"))
     from build_time import render_variant, required_edits, variant_spec
-    from attngen.plan import SEED_SHAPE, make_plan
-    from attngen.render import render_source
+    from attngen.kernels.common.plan import SEED_SHAPE
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.kernels.fwd.render import render_source
 
     spec = bench_module("bench_gpu").SEED_SPEC
     one = dataclasses.replace(spec, steady_loop="one")
@@ -137,8 +138,8 @@ def test_serving_benchmark_rows_fit_the_card_and_int32_and_pass_the_serving_chec
     import torch
 
     from attngen import hw
-    from attngen.plan import make_plan
-    from attngen.serving import check_serving
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.run.serving import check_serving
     from attngen.spec import load
 
     serve = bench_module("bench_serving")
@@ -175,7 +176,7 @@ def test_the_prebuild_covers_every_backward_preset_and_benchmark_row():
     each backward row's pair, are prebuild keys: the GPU tests and the benchmark only load them."""
     import attngen
     from attngen.cli import BACKWARD_PRESETS
-    from attngen.plan import plan_backward
+    from attngen.kernels.bwd.plan import plan_backward
 
     gpu = bench_module("bench_gpu")
     presets = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
@@ -218,8 +219,8 @@ class _NoCuda:
 def fake_backward(broken: str = ""):
     """A BackwardKernel of an MHA spec whose 'kernels' are torch functions writing what the real
     ones own (run's argument order), one of them `broken`: it leaves an element unwritten."""
-    from attngen.plan import plan_backward
-    from attngen.runtime import BackwardKernel
+    from attngen.kernels.bwd.plan import plan_backward
+    from attngen.run.runtime import BackwardKernel
     from attngen.spec import Spec
 
     bp = plan_backward(Spec(head_dim=64, causal=True))
@@ -249,7 +250,7 @@ def test_poisoned_backward_buffers_show_an_unwritten_element(monkeypatch, broken
     here, and the dQ accumulator) with NaN: an element no kernel writes shows up in a gradient."""
     import torch
 
-    from attngen import runtime
+    from attngen.run import runtime
 
     module = gpu_backward(monkeypatch)
 

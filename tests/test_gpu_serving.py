@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen import runtime
-from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.run import runtime
+from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
 from gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY

@@ -24,9 +24,9 @@ DRIVER = textwrap.dedent(
     """
     import os, subprocess, sys
 
-    import attngen.build
-    import attngen.runtime
-    import attngen.tune
+    import attngen.build.nvcc
+    import attngen.run.runtime
+    import attngen.run.tune
 
 
     def slow_build(*args, **kwargs):
@@ -37,9 +37,9 @@ DRIVER = textwrap.dedent(
         raise RuntimeError("the slow build ran to its end: it was not interrupted")
 
 
-    attngen.build.build = slow_build
-    attngen.tune._build_report = slow_build
-    attngen.runtime.precompile = slow_build
+    attngen.build.nvcc.build = slow_build
+    attngen.run.tune._build_report = slow_build
+    attngen.run.runtime.precompile = slow_build
 
     if __name__ == "__main__":
         from attngen.cli import main

@@ -18,13 +18,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from attngen import flash_attn_interface as fa
-from attngen import ops
+from attngen.interfaces import flash_attn_interface as fa
+from attngen.interfaces import ops
 from attngen.emulator import KernelError
 from attngen.emulator import driver
-from attngen.plan import append_plan
-from attngen.reference import InputError, check_close
-from attngen.render import render_append_source, render_source
+from attngen.kernels.append.plan import append_plan
+from attngen.reference.forward import InputError, check_close
+from attngen.kernels.append.render import render_append_source
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import SpecError
 from gpu_marks import GPU_ONLY, NEEDS_TOOLKIT
 
@@ -403,7 +404,7 @@ def test_no_forward_kernel_carries_the_append():
 @NEEDS_TOOLKIT
 @pytest.mark.parametrize("args", [("bfloat16", 128, 128, 128), ("float16", 64, 64, 16), ("float16", 192, 128, 64)])
 def test_the_append_kernel_builds_for_sm90a_without_spills(args):
-    from attngen.build import build_append
+    from attngen.build.nvcc import build_append
 
     report = build_append(append_plan(*args)).report
     assert report["kernel"] == append_plan(*args).name
@@ -413,7 +414,7 @@ def test_the_append_kernel_builds_for_sm90a_without_spills(args):
 
 @NEEDS_TOOLKIT
 def test_the_runtime_builds_the_append_kernel_entry():
-    from attngen import runtime
+    from attngen.run import runtime
 
     kernel = runtime.compile_append(append_plan("bfloat16", 128, 128, 128))
     assert kernel.jit is not None and kernel.cache_path and "fa3_kvappend_hd128_bf16_page128" in kernel.cache_path

@@ -5,8 +5,8 @@ import os
 from hypothesis import HealthCheck, given, settings
 
 import attngen
-from attngen.lower import LowerError, lower_source
-from attngen.plan import Shape
+from attngen.build.lower import LowerError, lower_source
+from attngen.kernels.common.plan import Shape
 from strategies import valid_specs
 
 import pytest

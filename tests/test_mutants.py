@@ -16,7 +16,7 @@ import pytest
 
 import attngen
 from attngen.emulator import POLICIES, DeadlockError, HazardError, emulate
-from attngen.reference import check_close, random_inputs
+from attngen.reference.forward import check_close, random_inputs
 
 WAIT_PV = "            T.wait_wgmma(0)  # PV(k-1) done: p_reg and V stage may be reused\n"
 WAIT_QK = "            T.wait_wgmma(1)  # QK(k) done; PV(k-1) may still run under the softmax below\n"

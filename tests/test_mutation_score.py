@@ -38,7 +38,7 @@ def default():
 
 
 def backward_preset(path):
-    from attngen.render_bwd import render_backward_source
+    from attngen.kernels.bwd.render import render_backward_source
 
     spec = attngen.load_spec(ROOT / path)
     return spec, render_backward_source(spec)

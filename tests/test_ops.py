@@ -20,11 +20,12 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen import ops, serving
+from attngen.interfaces import ops
+from attngen.run import serving
 from attngen.emulator import driver
 from attngen.emulator.driver import variant_inputs
-from attngen.plan import make_plan
-from attngen.reference import InputError, check_close, check_lse
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError, check_close, check_lse
 from attngen.spec import SpecError, load
 
 from gpu_marks import GPU_ONLY
@@ -90,7 +91,7 @@ def test_a_broken_kernel_shows_through_the_op(monkeypatch):
     real = driver.emulate_stats
 
     def mutated(plan, *a, **kw):  # drop the softmax's row max subtraction... any edit the tolerance sees
-        from attngen.render import render_source
+        from attngen.kernels.fwd.render import render_source
 
         text = render_source(plan).replace("T.exp2(", "T.exp2(0.5 * ", 1)
         return real(plan, *a, **dict(kw, source=text))
@@ -194,7 +195,7 @@ def test_bad_calls_name_the_argument():
 
 def test_import_attngen_does_not_import_torch():
     """The CLI's commands start without torch: attngen.attention imports the ops on first use."""
-    code = "import sys, attngen; assert 'torch' not in sys.modules and 'attngen.ops' not in sys.modules"
+    code = "import sys, attngen; assert 'torch' not in sys.modules and 'attngen.interfaces.ops' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -581,7 +582,7 @@ def test_a_long_cpu_run_is_refused_with_its_estimate(monkeypatch):
 @GPU_ONLY[0]
 @GPU_ONLY[1]
 def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
-    from attngen import runtime
+    from attngen.run import runtime
 
     q, k, v = (t.cuda() for t in qkv(300, 517, heads=4, kv_heads=4, head_dim=128))  # the default preset's kernel
     out = attngen.attention(q, k, v, causal=True)
@@ -598,7 +599,7 @@ def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
 @GPU_ONLY[0]
 @GPU_ONLY[1]
 def test_cuda_op_runs_a_varlen_call_like_the_runtime():
-    from attngen import runtime
+    from attngen.run import runtime
 
     x = serving.random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
     q, k, v = (as_torch(a, torch.bfloat16).cuda() for a in (x.q, x.k, x.v))

@@ -18,12 +18,13 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen import ops
+from attngen.interfaces import ops
 from attngen.emulator.driver import variant_inputs
-from attngen.plan import make_plan, plan_backward
-from attngen.reference import InputError, variant_of
-from attngen.reference_bwd import check_grads
-from attngen.render_bwd import render_backward_source
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError, variant_of
+from attngen.reference.backward import check_grads
+from attngen.kernels.bwd.render import render_backward_source
 from attngen.spec import Spec, SpecError, load
 
 from compile_count import child_env
@@ -229,7 +230,7 @@ def test_two_attentions_merged_through_their_lses_give_the_whole_attentions_grad
 
 def test_fa3s_returned_lse_is_differentiable():
     """flash_attn_func(return_attn_probs=True) returns (out, softmax_lse); a loss through both."""
-    from attngen.flash_attn_interface import flash_attn_func
+    from attngen.interfaces.flash_attn_interface import flash_attn_func
 
     q, k, v = qkv(30, 40, heads=4, kv_heads=2)
     out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=0.15, return_attn_probs=True)
@@ -242,7 +243,7 @@ def test_fa3s_returned_lse_is_differentiable():
 
 def test_a_varlen_lse_gets_its_gradient():
     """Packed sequences: lse [H, total_q] and its gradient, each sequence against its own reference."""
-    from attngen.reference_bwd import attention_grad_varlen
+    from attngen.reference.backward import attention_grad_varlen
 
     lq, lk = [10, 0, 23], [20, 7, 30]
     g = torch.Generator().manual_seed(0)
@@ -335,7 +336,7 @@ def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypa
     """A paged cache, and deterministic varlen GQA with ALiBi (plan_backward's refusals), were run
     forward and refused only at backward() (issue 25): a call that needs a gradient is refused
     first, with the same one-line SpecError; without one (no_grad, or nothing requires grad) it runs."""
-    from attngen import serving
+    from attngen.run import serving
 
     x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
     q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
@@ -457,7 +458,7 @@ def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_and_scales
 def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_one_compilation():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from attngen import serving
+    from attngen.run import serving
 
     def loss(q, k, v, cu_q, cu_k, max_q):
         return attngen.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -532,7 +533,7 @@ def backward_presets():
 
 @pytest.mark.parametrize("path", list(backward_presets()), ids=lambda p: p.stem)
 def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path):
-    from attngen import serving
+    from attngen.run import serving
 
     spec = load(path)
     plan = make_plan(spec)
@@ -618,7 +619,7 @@ def test_a_wrong_backward_fake_is_caught():
 
 
 def test_flash_attn_func_is_differentiable():
-    from attngen.flash_attn_interface import flash_attn_func
+    from attngen.interfaces.flash_attn_interface import flash_attn_func
 
     q, k, v = qkv(30, 40, heads=4, kv_heads=2)
     out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.15)
@@ -632,7 +633,7 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
     """deterministic=True (FA3's flag) is the spec field: the op's gradients are bit-identical to
     the deterministic backward's under another schedule policy and seed (the atomic one's are not
     promised to be), and still pass the reference."""
-    from attngen.flash_attn_interface import flash_attn_func
+    from attngen.interfaces.flash_attn_interface import flash_attn_func
 
     q, k, v = qkv(40, 50, heads=4, kv_heads=2)
     out = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (with sinks: CASES' deterministic case)
@@ -649,7 +650,7 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
 def test_flash_attn_varlen_func_is_differentiable():
     """Packed sequences (one of them empty): each sequence's gradients against its own fp64
     reference (a sequence's k and v are read by its own queries only)."""
-    from attngen.flash_attn_interface import flash_attn_varlen_func
+    from attngen.interfaces.flash_attn_interface import flash_attn_varlen_func
 
     lq, lk = [10, 0, 23], [20, 7, 30]
     g = torch.Generator().manual_seed(0)
@@ -740,7 +741,8 @@ import json, sys
 from compile_count import count_compiles
 
 calls = count_compiles()
-from attngen import Spec, runtime
+from attngen import Spec
+from attngen.run import runtime
 
 spec = Spec(head_dim=64, causal=True, gqa_group=2)
 if sys.argv[1] == "precompile":

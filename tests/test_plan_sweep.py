@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen.build import build
+from attngen.build.nvcc import build
 from attngen.spec import SpecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

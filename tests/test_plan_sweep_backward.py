@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen.build import build_backward
-from attngen.plan import BWD_VARLEN_VARIANT_REGS, plan_backward
+from attngen.build.nvcc import build_backward
+from attngen.kernels.bwd.plan import BWD_VARLEN_VARIANT_REGS, plan_backward
 from attngen.spec import SpecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

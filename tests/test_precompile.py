@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from attngen import runtime
-from attngen.cache import RUNTIME
+from attngen.run import runtime
+from attngen.build.cache import RUNTIME
 from attngen.cli import main
 from attngen.spec import Spec
 from compile_count import child_env
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
 
     calls = count_compiles()
     import torch
-    from attngen import runtime
+    from attngen.run import runtime
 
     q = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
     k = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
@@ -82,7 +82,7 @@ def test_a_copied_precompiled_cache_is_hit_with_no_lowering_and_no_nvcc(tmp_path
 
 def test_the_runtime_key_needs_no_toolkit_and_starts_no_process(monkeypatch):
     """A deployment that ships a precompiled cache may have no nvcc at all: finding the entry must not ask for one."""
-    from attngen import toolchain
+    from attngen.build import toolchain
 
     def no_toolkit():
         raise toolchain.ToolchainError("no CUDA toolkit here")

@@ -1,4 +1,4 @@
-"""The fp64 reference, its low-precision twin and the tolerance rule (attngen.reference)."""
+"""The fp64 reference, its low-precision twin and the tolerance rule (attngen.reference.forward)."""
 
 import math
 
@@ -8,9 +8,10 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import attngen
-from attngen import serving
-from attngen.plan import Shape, make_plan
-from attngen.reference import (EPS, TINY, attention, attention_lowprec, causal_visible, check_close, check_lse,
+from attngen.run import serving
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import (EPS, TINY, attention, attention_lowprec, causal_visible, check_close, check_lse,
                                random_inputs, round_to, tolerance, variant_of)
 
 
@@ -278,7 +279,7 @@ def test_a_twin_that_does_not_round_p_is_caught():
     """The mutant of issue 21 (P kept in float32 for PV): the bound hides it (eps floors it), this does not."""
     import inspect
 
-    from attngen import reference
+    from attngen.reference import forward as reference
 
     text = inspect.getsource(attention_lowprec)
     assert "acc = round_to(p, dtype) @ v" in text

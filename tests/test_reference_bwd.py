@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from attngen import expr
-from attngen.reference import InputError, attention, round_to
-from attngen.reference_bwd import (Grads, attention_grad, attention_grad_lowprec, attention_grad_varlen,
+from attngen.reference.forward import InputError, attention, round_to
+from attngen.reference.backward import (Grads, attention_grad, attention_grad_lowprec, attention_grad_varlen,
                                    check_grads)
 
 SCORE_MODS = ["", "score * 0.5 + bias[h]", "tanh(score / 2) * 2", "score + rel[h, q_idx - kv_idx + 64] * 0.5",
@@ -370,7 +370,7 @@ def test_the_twin_takes_the_forward_output_the_kernel_read():
     """check_grads(out=): the twin's D = rowsum(dO * O) uses that O (the kernel's forward output), so
     its rounding of O is the kernel's; with the twin's own O the result is unchanged, and another O
     changes the twin's dsinks."""
-    from attngen.reference import attention_lowprec
+    from attngen.reference.forward import attention_lowprec
 
     rng = np.random.default_rng(3)
     q, k, v, dout = (rng.standard_normal(s) for s in [(2, 9, 2, 16), (2, 30, 1, 16), (2, 30, 1, 16), (2, 9, 2, 16)])

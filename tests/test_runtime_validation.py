@@ -1,4 +1,4 @@
-"""Input validation of attngen.runtime, on the CPU: every check a call makes before a launch.
+"""Input validation of attngen.run.runtime, on the CPU: every check a call makes before a launch.
 
 Layout, dtype and shape checks run on CPU (or meta) tensors; the device check is
 exercised through its injectable device type and capability. One test builds a
@@ -20,9 +20,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import attngen
-from attngen import runtime
-from attngen.plan import Shape, make_plan
-from attngen.runtime import InputError, check_device, check_tensors, check_written, spec_for
+from attngen.run import runtime
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import make_plan
+from attngen.run.runtime import InputError, check_device, check_tensors, check_written, spec_for
 from attngen.spec import Spec
 from gpu_marks import NEEDS_TOOLKIT
 
@@ -334,7 +335,7 @@ CHILD = textwrap.dedent(
     import json, sys, time
     t0 = time.time()
     import torch
-    from attngen.runtime import compile_kernel, InputError
+    from attngen.run.runtime import compile_kernel, InputError
     from attngen.spec import Spec
     kernel = compile_kernel(Spec(head_dim=64, causal=True))
     again = compile_kernel(Spec(head_dim=64, causal=True))
@@ -442,7 +443,7 @@ def test_zero_kv_heads_says_at_least_one():
 
 
 def test_runtime_input_error_is_the_emulators():
-    from attngen import reference
+    from attngen.reference import forward as reference
 
     assert runtime.InputError is reference.InputError and issubclass(InputError, ValueError)
 
@@ -558,7 +559,7 @@ BAD_SCALES = [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-in
 
 @pytest.mark.parametrize("value, shown", BAD_SCALES)
 def test_a_bad_scale_is_one_named_error_everywhere_before_any_launch(monkeypatch, value, shown):
-    from attngen import reference
+    from attngen.reference import forward as reference
 
     monkeypatch.setattr(runtime, "compile_kernel", lambda *a, **k: pytest.fail("compiled before checking the scale"))
     launched = []

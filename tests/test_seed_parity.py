@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 
 import attngen
-from attngen.build import build
-from attngen.lower import import_tilelang, load_module, lower_prim_func, lower_source, TARGET
+from attngen.build.nvcc import build
+from attngen.build.lower import import_tilelang, load_module, lower_prim_func, lower_source, TARGET
 from attngen.hw import LOG2E
-from attngen.plan import SEED_SHAPE, Shape, make_plan
-from attngen.reference import default_scale
-from attngen.render import render_source
+from attngen.kernels.common.plan import SEED_SHAPE, Shape
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import default_scale
+from attngen.kernels.fwd.render import render_source
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = {

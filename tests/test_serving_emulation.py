@@ -13,10 +13,10 @@ import pytest
 
 import attngen
 from attngen.emulator.driver import check_emulated, emulate_stats, serving_lengths
-from attngen.plan import make_plan
-from attngen.reference import InputError
-from attngen.render import render_source
-from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError
+from attngen.kernels.fwd.render import render_source
+from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 VARLEN = make_plan(attngen.load_spec(ROOT / "examples" / "varlen_hd128_bf16_causal.toml"))
@@ -136,7 +136,7 @@ def test_check_runs_a_dense_split_kv_kernel_at_the_given_shape():
 
 def test_windows_softcap_and_lse_align_per_sequence():
     """A sliding window and softcap on a varlen batch: bottom-right per sequence, LSE included."""
-    from attngen.reference import variant_of
+    from attngen.reference.forward import variant_of
 
     plan = make_plan(attngen.Spec(head_dim=64, causal=True, layout="varlen", window=(70, 0), softcap=20.0, lse=True))
     out, lse, inputs, call, _ = run(plan, [150, 1, 40, 0], [300, 90, 20, 6])

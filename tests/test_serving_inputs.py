@@ -15,9 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from attngen import hw, runtime, serving
-from attngen.reference import InputError, attention, attention_lowprec
-from attngen.serving import (
+from attngen import hw
+from attngen.run import runtime
+from attngen.run import serving
+from attngen.reference.forward import InputError, attention, attention_lowprec
+from attngen.run.serving import (
     check_serving, check_serving_close, choose_splits, random_serving_inputs, serving_fields, serving_reference,
 )
 from attngen.spec import Spec
@@ -743,7 +745,7 @@ def test_kernel_call_checks_a_serving_call_before_launching():
 
 
 def test_a_dense_kernel_rejects_serving_keywords_before_launching():
-    from attngen.plan import make_plan
+    from attngen.kernels.fwd.plan import make_plan
 
     launched = []
     kernel = kernel_for(make_plan(Spec()), launched)

@@ -24,7 +24,7 @@ import pytest
 import attngen
 from attngen.emulator import KernelError
 from attngen.emulator.driver import emulate_stats
-from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
 
 FILL = 1e4
 

@@ -4,8 +4,9 @@ import pytest
 
 import attngen
 from attngen import hw
-from attngen.plan import DEFAULT_PAGE_SIZE, Shape, make_plan
-from attngen.render import render_source
+from attngen.kernels.common.plan import DEFAULT_PAGE_SIZE, Shape
+from attngen.kernels.fwd.plan import make_plan
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import Spec, SpecError
 
 

@@ -17,7 +17,7 @@ import pytest
 import attngen
 from attngen.emulator import KernelError
 from attngen.emulator.driver import Runtime, Stats, _prepare, check_emulated
-from attngen.render import render_source
+from attngen.kernels.fwd.render import render_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PRESETS = {  # the variant each one stands for
@@ -71,7 +71,7 @@ def test_a_kernel_that_ignores_the_scale_fails_every_other_scale(name):
 
 def test_the_default_is_one_over_sqrt_head_dim_exactly():
     plan = plan_of("softcap, window, lse")
-    q, k, v = attngen.reference.random_inputs("float16", 128, 1, 2, 2, 70, 90, seed=2)
+    q, k, v = attngen.reference.forward.random_inputs("float16", 128, 1, 2, 2, 70, 90, seed=2)
     out, lse = attngen.emulate(plan, q, k, v)
     for given in ({"softmax_scale": 128 ** -0.5}, {"scale": 128 ** -0.5}):
         o2, l2 = attngen.emulate(plan, q, k, v, **given)
@@ -88,7 +88,7 @@ def test_the_scale_is_the_last_parameter_a_float32_scalar():
     assert params[-1].strip().startswith("softmax_scale: T.float32,")
     for baked in (repr(128 ** -0.5), repr(128 ** -0.5 * 1.4426950408889634), "SCALE_LOG2"):  # no compile-time scale
         assert baked not in source
-    q, k, v = attngen.reference.random_inputs("float16", 128, 1, 1, 1, 64, 64)
+    q, k, v = attngen.reference.forward.random_inputs("float16", 128, 1, 1, 1, 64, 64)
     inputs, dims, _ = _prepare(plan, q, k, v, softmax_scale=0.5)
     assert inputs[-1] == 0.5
     rt = Runtime(source, "<scale>", dims)
@@ -143,12 +143,12 @@ def _no_nan_zero_rows(out, lse, empty_rows, lse_rows):
 def test_causal_rows_that_see_no_key_give_zero_at_large_scales(scale):
     """causal, q_len > kv_len: the first q_len - kv_len rows see no key (bottom-right alignment)."""
     spec = attngen.Spec(causal=True, lse=True, head_dim=64)
-    q, k, v = attngen.reference.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
+    q, k, v = attngen.reference.forward.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
     out, lse = attngen.emulate(spec, q, k, v, softmax_scale=scale)
     _no_nan_zero_rows(out, lse, (0, slice(0, 90)), (0, 0, slice(0, 90)))
     assert np.all(np.isfinite(lse[0, 0, 90:]))
-    assert attngen.reference.check_close(out, q, k, v, True, dtype="float16", scale=scale).ok
-    assert attngen.reference.check_lse(lse, q, k, v, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.forward.check_close(out, q, k, v, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.forward.check_lse(lse, q, k, v, True, dtype="float16", scale=scale).ok
 
 
 @pytest.mark.parametrize("scale", LARGE_SCALES)
@@ -166,19 +166,19 @@ def test_an_empty_varlen_sequence_gives_zero_at_large_scales(scale):
                                softmax_scale=scale)
     _no_nan_zero_rows(out, lse, slice(0, lq[0]), (slice(None), slice(0, lq[0])))
     q1, k1, v1 = (x[None, lo:] for x, lo in ((q, lq[0]), (k, lk[0]), (v, lk[0])))
-    assert attngen.reference.check_close(out[None, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
-    assert attngen.reference.check_lse(lse[None, :, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.forward.check_close(out[None, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
+    assert attngen.reference.forward.check_lse(lse[None, :, lq[0]:], q1, k1, v1, True, dtype="float16", scale=scale).ok
 
 
 def test_the_lowest_float_as_floor_is_nan_above_ln2():
     """The floor before it was scaled-safe (T.min_value alone, right only while scale_log2 <= 1):
     the emulated kernel gives NaN rows at softmax_scale 1.0 where the real one gives 0."""
     spec = attngen.Spec(causal=True, lse=True, head_dim=64)
-    floor = attngen.render.max_floor(attngen.make_plan(spec))
+    floor = attngen.kernels.fwd.render.max_floor(attngen.make_plan(spec))
     source = render_source(spec)
     assert source.count(f"T.fill(m_cur, {floor})") == 1 and floor != "T.min_value(ACCUM)"
     mutant = source.replace(f"T.fill(m_cur, {floor})", "T.fill(m_cur, T.min_value(ACCUM))")
-    q, k, v = attngen.reference.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
+    q, k, v = attngen.reference.forward.random_inputs("float16", 64, 1, 1, 1, 130, 40, seed=3)
     out, lse = attngen.emulate(spec, q, k, v, softmax_scale=0.5, source=mutant)
     assert not np.isnan(out).any()  # below ln 2 the lowest float was enough
     out, lse = attngen.emulate(spec, q, k, v, softmax_scale=1.0, source=mutant)

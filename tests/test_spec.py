@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attngen
 from attngen.hw import SMEM_PER_BLOCK
-from attngen.plan import Shape, make_plan
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import FIELDS, Spec, SpecError, from_dict, load, to_toml, toml_value
 from strategies import spec_fields, valid_specs
 
@@ -65,7 +66,7 @@ def test_a_value_another_field_rules_out_says_what_would_be_valid_beside_it(fiel
 
 
 def test_the_deterministic_backward_refusal_says_what_would_be_valid():
-    from attngen.plan import plan_backward
+    from attngen.kernels.bwd.plan import plan_backward
 
     with pytest.raises(SpecError, match=r"`deterministic` = true: expected false with block_mask = true and gqa_group = 2: "):
         plan_backward(Spec(block_mask=True, mask_mod="q_idx >= kv_idx", deterministic=True, gqa_group=2))
@@ -334,7 +335,7 @@ def test_an_array_or_a_device_0d_tensor_is_named_not_read():
 
 
 def test_the_errors_are_exported_at_the_top_level():
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
 
     assert attngen.InputError is InputError and attngen.SpecError is SpecError
     assert {"InputError", "SpecError"} <= set(attngen.__all__)

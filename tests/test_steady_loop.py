@@ -13,8 +13,8 @@ import pytest
 
 import attngen
 from attngen.emulator.driver import check_emulated
-from attngen.plan import make_plan
-from attngen.render import render_source
+from attngen.kernels.fwd.plan import make_plan
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import Spec, SpecError, load
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from attngen import render, tiles
-from attngen.plan import Shape, make_plan
+from attngen import tiles
+from attngen.kernels.fwd import render  # FIXME split
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import Spec
 from attngen.tiles import Edges, Frame, Rows
 
@@ -270,7 +272,7 @@ def test_a_varlen_sequence_with_no_key_under_a_right_only_window_runs_on_the_cpu
     """Before the algebra had one home, this kernel's n_tiles was 0 for a sequence with no key (its
     comment said >= 1) and the CPU model deadlocked at the consumer's first k_full wait."""
     import attngen
-    from attngen.reference import check_close, round_to
+    from attngen.reference.forward import check_close, round_to
 
     spec = attngen.Spec(head_dim=64, layout="varlen", window=[-1, 5], consumers=1)
     rng = np.random.default_rng(0)

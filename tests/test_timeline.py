@@ -9,7 +9,7 @@ import time
 import pytest
 
 from attngen.cli import main
-from attngen.plan import make_plan
+from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import load
 from attngen.timeline import Latency, SourceInfo, record, replay
 from attngen.timeline.invariants import check_all, pingpong_alternates, stages_exclusive, wgmma_depth
@@ -167,7 +167,7 @@ def test_2048_causal_renders_fast_and_small(tmp_path, capsys):
     (lambda t: "= = not toml", "readable latency TOML"),
 ])
 def test_a_users_latency_file_is_checked_against_the_default(tmp_path, edit, why):
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
     from attngen.timeline.latency import DEFAULT, Latency
 
     path = tmp_path / "lat.toml"

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from attngen.cli import main
-from attngen.plan import make_plan
-from attngen.render import render_source
+from attngen.kernels.fwd.plan import make_plan
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import load as load_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from attngen.plan import make_plan
-from attngen.render import render_source
+from attngen.kernels.fwd.plan import make_plan
+from attngen.kernels.fwd.render import render_source
 from attngen.spec import load
 from attngen.timeline import Latency, SourceInfo, record, replay
 from attngen.timeline.gpu import measured_timeline, synthetic_stamps
@@ -65,7 +65,7 @@ def test_stamps_render_the_same_chart():
 @pytest.mark.slow
 def test_the_stamped_kernel_lowers_and_compiles_for_sm90a(tmp_path):
     pytest.importorskip("tilelang")
-    from attngen.build import BuildError, build_source
+    from attngen.build.nvcc import BuildError, build_source
 
     plan = make_plan(load(ROOT / "examples" / "default.toml"))
     try:

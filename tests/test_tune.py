@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngen import runtime, tune, tuning_table
-from attngen.plan import make_plan
+from attngen.run import runtime
+from attngen.run import tune
+from attngen.run import tuning_table
+from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import Spec
 
 ROOT = Path(__file__).resolve().parent.parent

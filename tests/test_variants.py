@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import attngen
-from attngen import render
+from attngen.kernels.fwd import render  # FIXME split
 from attngen.emulator import POLICIES, emulate
 from attngen.emulator.driver import check_emulated, variant_inputs
-from attngen.plan import make_plan
-from attngen.reference import attention, check_lse, random_inputs, variant_of
-from attngen.runtime import InputError, check_extra, check_tensors
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import attention, check_lse, random_inputs, variant_of
+from attngen.run.runtime import InputError, check_extra, check_tensors
 from attngen.spec import Spec, SpecError
 from strategies import window_edge_kv_lens
 
@@ -114,7 +114,7 @@ def test_head_dim_v_enters_the_budgets():
     plan = make_plan(Spec(head_dim=192, head_dim_v=128, causal=True))
     assert plan.smem["V"] == plan.spec.v_stages * plan.spec.block_n * 128 * 2
     assert plan.smem["O"] == 128 * 128 * 2
-    from attngen.plan import regs_needed
+    from attngen.kernels.fwd.plan import regs_needed
     bn = plan.spec.block_n
     assert plan.consumer_regs_needed == regs_needed(plan.spec, bn) == regs_needed(Spec(head_dim=128), bn)  # O is 128 wide
 
@@ -378,7 +378,7 @@ def test_a_misspelt_keyword_of_the_emulators_names_the_nearest_tensor_or_spec_fi
 
 def test_attention_builds_the_variant_spec_from_its_keywords(monkeypatch):
     """attngen.attention maps its keywords to spec fields and tensors (compile stubbed: no GPU)."""
-    from attngen import runtime
+    from attngen.run import runtime
 
     seen = {}
 
@@ -421,7 +421,7 @@ def test_builtin_variants_agree_with_the_same_maths_as_mods():
 
 def test_element_wise_variants_enter_the_register_estimate():
     from attngen import hw
-    from attngen.plan import regs_needed
+    from attngen.kernels.fwd.plan import regs_needed
 
     base = regs_needed(Spec(consumers=3), 80)
     for fields in (dict(softcap=30.0), dict(alibi=True), dict(score_mod="score"), dict(mask_mod="kv_idx >= 0")):

@@ -12,7 +12,7 @@ import numpy as np
 
 from attngen.emulator import blas
 from attngen.emulator.driver import PROXY_FENCES, Runtime, Stats, _host_array, call_time_array, check_schedule, emulate
-from attngen.reference import InputError, check_scale, resolve_scale, to_numpy
+from attngen.reference.forward import InputError, check_scale, resolve_scale, to_numpy
 
 
 def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "random", source: str | None = None,
@@ -31,9 +31,10 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
     on a GPU: a sum of float atomics from several blocks may vary with it);
     the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
-    from attngen.plan import Plan, plan_backward
-    from attngen.inputs import backward_block_mask
-    from attngen.render_bwd import call_tensors, render_backward_source
+    from attngen.kernels.bwd.plan import plan_backward
+    from attngen.kernels.fwd.plan import Plan
+    from attngen.run.inputs import backward_block_mask
+    from attngen.kernels.bwd.render import call_tensors, render_backward_source
     from attngen.spec import Spec
 
     if isinstance(spec, Plan):

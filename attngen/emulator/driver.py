@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attngen import inputs as call_checks
+from attngen.run import inputs as call_checks
 from attngen.emulator import blas
 from attngen.emulator.agents import POLICIES, WARPGROUP, Agent, Scheduler
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
@@ -31,7 +31,7 @@ from attngen.emulator.hazards import Launch, Tracker
 from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
-from attngen.reference import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
+from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -370,7 +370,7 @@ def append_ownership(call, rows_per_block: int):
     the cache rows of new keys [x R, x R + R) (below seqlen_new) of sequence z at KV head y, found
     through the block table at positions cache_seqlens[z] + those rows (serving.cache_slots). It may
     write nothing else: not another row, head or page, not K_new, V_new or the int tensors."""
-    from attngen.serving import cache_slots
+    from attngen.run.serving import cache_slots
 
     shape = (call.dims["num_pages"], call.page_size, call.kv_heads, 1)
 
@@ -395,9 +395,9 @@ def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: 
     numpy arrays holding the cache dtype's values; the caller copies them back for in-place
     semantics). Every store is held to append_ownership: a write outside the block's appended rows
     is a KernelError. Inputs are checked first (serving.check_append, inputs.check_append_tensors)."""
-    from attngen.plan import append_plan
-    from attngen.render import render_append_source
-    from attngen.serving import check_append
+    from attngen.kernels.append.plan import append_plan
+    from attngen.kernels.append.render import render_append_source
+    from attngen.run.serving import check_append
 
     seed = check_schedule(seed, policy)
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
@@ -451,7 +451,7 @@ def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
     Every tensor goes through the runtime's own checks (attngen/inputs.py, cpu=True): a call the
     GPU path refuses is refused here with the same InputError. The last parameter is the run-time
     softmax_scale (None: 1 / sqrt(head_dim))."""
-    from attngen.serving import check_serving, serving_fields
+    from attngen.run.serving import check_serving, serving_fields
 
     scale = check_scale(softmax_scale, plan.spec.head_dim)
     tensors = {n: t for n, t in (tensors or {}).items() if t is not None}
@@ -472,7 +472,7 @@ def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
 
 
 def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
-    from attngen.plan import BLOCK_MASK_AXES
+    from attngen.kernels.common.plan import BLOCK_MASK_AXES
 
     """`args` + the LSE output and the checked call-time tensors (docs/variants.md), in parameter
     order; a free axis's extent joins `dims` (its T.dynamic)."""
@@ -498,8 +498,8 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     run-time scale (None: 1 / sqrt(head_dim)); `block_order` "grid" or "shuffled" (Runtime.run).
     Outputs start as NaN, so an element no block wrote stays NaN; a split kernel's partials are
     left in `stats.partials`."""
-    from attngen.plan import Plan, as_plan
-    from attngen.render import render_source
+    from attngen.kernels.fwd.plan import Plan, as_plan
+    from attngen.kernels.fwd.render import render_source
     from attngen.spec import Spec
 
     if not isinstance(spec_or_plan, (Spec, Plan)):
@@ -524,7 +524,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
         out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, owner=owner,
                      block_order=block_order)
         if plan.split_kv:  # the combine kernel merges the splits' partial O and LSE
-            from attngen.render import COMBINE_ROWS
+            from attngen.kernels.combine.render import COMBINE_ROWS
 
             partials = rt.tensors
             combine_inputs = [partials["O_partial"], partials["LSE_partial"], None] + ([None] if plan.spec.lse else [])
@@ -565,7 +565,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError);
     a store outside the rows its block owns is a KernelError.
     """
-    from attngen.plan import Plan, as_plan
+    from attngen.kernels.fwd.plan import Plan, as_plan
     from attngen.spec import Spec
 
     if not isinstance(spec_or_plan, (Spec, Plan)):
@@ -594,7 +594,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     mask_mod tensors hold small non-decreasing integers along their last axis (document ids, a
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
-    from attngen.plan import BLOCK_MASK_TENSORS
+    from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
 
     lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
     spec = plan.spec
@@ -642,9 +642,9 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     Returns (ok, text, stats); raises EmulationError for a hazard or deadlock. `run` replaces
     emulate_stats (the CLI passes the package's, which its tests may wrap). `softmax_scale` is
     passed to the kernel and to the reference alike (None: both use 1 / sqrt(head_dim))."""
-    from attngen.reference import check_lse, variant_of
+    from attngen.reference.forward import check_lse, variant_of
 
-    from attngen.serving import serving_fields
+    from attngen.run.serving import serving_fields
 
     if serving_fields(plan).uses_serving:
         return check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, batch=batch, seed=seed, policy=policy,
@@ -701,8 +701,8 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
     """check_emulated for a serving kernel: a ragged batch (serving_lengths) whose unused cache rows and
     pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
     when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
-    from attngen.reference import variant_of
-    from attngen.serving import check_serving, check_serving_close, random_serving_inputs
+    from attngen.reference.forward import variant_of
+    from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
 
     spec = plan.spec
     lq, lk = serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv, batch=batch)
@@ -757,7 +757,7 @@ def estimate_seconds(plan, batch: int, heads: int, kv_heads: int, q_lens, kv_len
     K tile its block visits, as the template counts them: every block of the grid, at least one
     tile, and one per empty split; a causal block stops at its last row's diagonal. Windows and
     masks are not counted, so the estimate is an upper bound there."""
-    from attngen.render import COMBINE_ROWS
+    from attngen.kernels.combine.render import COMBINE_ROWS
 
     spec = plan.spec
     group = spec.gqa_group if plan.pack_gqa else 1  # packed GQA: a block's rows are (query, head) pairs
@@ -823,7 +823,7 @@ def check_run(spec, shape, seed, options: dict) -> None:
     (option, default), e.g. {"q_len": ("--q-len", 128)}. A size past a launch limit or past
     memory names the option to shrink (for memory, the one furthest above its default).
     """
-    from attngen.plan import check_shape
+    from attngen.kernels.common.plan import check_shape
     from attngen.spec import SpecError
 
     for field, (option, _) in options.items():
@@ -855,7 +855,7 @@ def check_run(spec, shape, seed, options: dict) -> None:
 
 def _command_options(args, spec):
     """`attngen emulate`'s options, checked: (source text or None, its file name, query heads)."""
-    from attngen.plan import Shape
+    from attngen.kernels.common.plan import Shape
 
     heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
     options = {"batch": ("--batch", 1), "kv_heads": ("--kv-heads", 1), "heads": ("--heads", spec.gqa_group),
@@ -885,7 +885,7 @@ def command(args, plan=None) -> int:
 
     Every option is checked before an input is drawn; a bad one is one line on stderr and exit 2.
     """
-    from attngen.plan import make_plan
+    from attngen.kernels.fwd.plan import make_plan
     from attngen.spec import load
 
     plan = plan or make_plan(load(args.spec))

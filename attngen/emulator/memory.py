@@ -21,7 +21,7 @@ import numpy as np
 
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
 from attngen.hw import DTYPES as KERNEL_DTYPES
-from attngen.reference import round_to
+from attngen.reference.forward import round_to
 
 # TileLang's buffer dtype spellings -> how the emulator stores and rounds them
 DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32", "int32": "int32"}

@@ -43,7 +43,7 @@ from attngen.emulator.hazards import ATOMIC, REDUCE_ADD, Op
 from attngen.emulator.memory import (
     Buffer, ElementRef, Lanes, Region, Target, as_region, element_mask, parallel_indices, predicated, same_shape,
 )
-from attngen.reference import round_to
+from attngen.reference.forward import round_to
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}  # bytes per element, for TMA transaction counts
 MEMORY_ORDERS = ("relaxed", "consume", "acquire", "release", "acq_rel", "seq_cst")  # TileLang's names

@@ -34,7 +34,7 @@ def add_subcommand(sub):
 def check_output_file(option: str, path: str) -> None:
     """A file the command will write: not a directory, in a directory that exists (checked before any work,
     so a typo costs no emulation and gives one line, not the file system's raw [Errno 2])."""
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
 
     target = Path(path)
     if target.is_dir():
@@ -81,8 +81,9 @@ def model_charts(plan, args, lat):
 
 def command(args) -> int:
     from attngen.emulator import EmulationError, check_run
-    from attngen.plan import Shape, make_plan
-    from attngen.reference import InputError
+    from attngen.kernels.common.plan import Shape
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.reference.forward import InputError
     from attngen.spec import SpecError, load, serving_field
 
     t0 = time.perf_counter()

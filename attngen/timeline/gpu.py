@@ -130,15 +130,15 @@ def run_stamped(plan, args, block, repeats: int = 20):
     import torch
     from tvm.target import Target
 
-    from attngen.lower import TARGET, load_module
-    from attngen.reference import random_inputs
-    from attngen.render import render_source
-    from attngen.runtime import compile_kernel
+    from attngen.build.lower import TARGET, load_module
+    from attngen.reference.forward import random_inputs
+    from attngen.kernels.fwd.render import render_source
+    from attngen.run.runtime import compile_kernel
     from attngen.timeline.instrument import SLOTS, instrument
 
     spec = plan.spec
     heads = args.kv_heads * spec.gqa_group
-    from attngen.runtime import torch_dtype
+    from attngen.run.runtime import torch_dtype
 
     q, k, v = (torch.from_numpy(x).to(torch_dtype(spec.dtype)).cuda()  # random_inputs gives float32 numpy arrays
                for x in random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads,
@@ -176,9 +176,9 @@ def run_stamped(plan, args, block, repeats: int = 20):
 
 def build_stamped(spec_path: str, block=(0, 0, 0)) -> dict:
     """Lower and nvcc-compile the stamped variant (no GPU needed): the GPU check's dry run."""
-    from attngen.build import build_source
-    from attngen.plan import make_plan
-    from attngen.render import render_source
+    from attngen.build.nvcc import build_source
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.kernels.fwd.render import render_source
     from attngen.spec import load
     from attngen.timeline.instrument import instrument
 

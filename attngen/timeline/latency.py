@@ -127,7 +127,7 @@ class SourceInfo:
 
 
 def _read(p: Path) -> dict:
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
 
     try:
         return tomllib.loads(p.read_bytes().decode("utf-8"))
@@ -138,7 +138,7 @@ def _read(p: Path) -> dict:
 
 def _check_like(params: dict, default: dict, p: Path) -> None:
     """Every section and parameter of the default, with a value of the same kind (numbers positive)."""
-    from attngen.reference import InputError
+    from attngen.reference.forward import InputError
 
     for section, entries in default.items():
         for name, want in entries.items():

@@ -53,8 +53,8 @@ def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="
     """Emulate the plan's kernel (or `source`) on random inputs and record the blocks asked for (a set of
     (x, y, z), or "auto": every block up to `limit`, else `limit` spread evenly). `tensors`: the
     call-time tensors by name (a mask_mod's, a block mask's lists), checked as the emulator checks them."""
-    from attngen.reference import random_inputs
-    from attngen.render import render_source
+    from attngen.reference.forward import random_inputs
+    from attngen.kernels.fwd.render import render_source
 
     spec = plan.spec
     heads = kv_heads * spec.gqa_group

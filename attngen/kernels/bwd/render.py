@@ -1,0 +1,524 @@
+"""BackwardPlan -> the emitted backward module (templates/fa3_bwd.py.j2): preprocess, main, postprocess.
+
+The backward reuses the forward's pieces where the two passes say the same thing: the score
+chain (render.score_text: softcap, ALiBi, score_mod), a mod's text (render.mod_at), the
+variant constants and the tile-range algebra (tiles.Frame's transposed direction, q_first ..
+q_full_stop). What is new here is the transposed tile: the main kernel's fragments are
+[keys, query rows] (element (i, j) is key key0 + i, query row m0 + j), so its masks and
+scores name their rows and keys that way. docs/backward.md describes each kernel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attngen import expr, hw, tiles
+from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
+from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
+from attngen.kernels.fwd.render import has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
+from attngen.spec import Spec, to_toml
+from attngen.version import __version__
+
+TEMPLATE = "bwd/fa3_bwd.py.j2"
+PRE_ROWS = 64  # rows of one head per preprocess / postprocess block
+PRE_THREADS = 128
+
+_ROW, _KEY = "m0 + j", "key0 + i"  # the main kernel's element (i, j): key key0 + i, query row m0 + j
+
+
+def frame(bp: BackwardPlan) -> tiles.Frame:
+    """The backward's problem in the kernel's names (kv_len, q_len >= 1 in a bshd kernel; a packed
+    sequence may have none)."""
+    f = bp.forward
+    lo = 0 if f.varlen else 1
+    return tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
+                       edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("BLOCK_M", 1),
+                       block_n=tiles.Sym("BLOCK_N", 1))
+
+
+_KV_TILE = tiles.Sym("kv_block", 0)
+
+
+def q_range(bp: BackwardPlan) -> dict:
+    """The Q tiles the CTA's KV tile visits, and those it sees whole (tiles.Frame.q_span's bounds)."""
+    if bp.forward.block_mask:  # the listed Q tiles, partial and full (0: none; dK = dV = 0 are still written)
+        return {"q_first": "0", "n_q": "bm_partial_n + bm_full_n", "full_first": "", "full_stop": ""}
+    fr = frame(bp)
+    first = fr.q_first(_KV_TILE)
+    n_q = tiles.text(tiles.max_(tiles.sub(fr.q_stop(_KV_TILE), tiles.Sym("q_first", 0)), 0))
+    if bp.forward.varlen:  # the grid covers the longest sequence's keys: this one may have fewer
+        n_q = f"T.if_then_else(kv0 < kv_len, {n_q}, 0)"
+    return {"q_first": tiles.text(first),
+            "n_q": n_q,
+            "full_first": tiles.text(fr.q_full_first(_KV_TILE)),
+            "full_stop": tiles.text(fr.q_full_stop(_KV_TILE))}
+
+
+def has_edges(bp: BackwardPlan) -> bool:
+    return bp.forward.window_left is not None or bp.forward.window_right is not None
+
+
+def masked_visit(bp: BackwardPlan) -> str:
+    """Is Q tile q_tile of this KV tile masked? Outside the tiles every row sees whole, the last Q
+    tile when it passes q_len, and every visit of a KV tile that passes kv_len. A mask_mod masks all."""
+    if bp.forward.block_mask:  # a tile past a length is never full (tiles.tile_states, retile_states)
+        return "partial"
+    if bp.forward.mask_expr is not None:
+        return "True"
+    parts = []
+    if has_edges(bp):
+        parts.append("q_tile < full_first or q_tile >= full_stop")
+    parts += ["m0 + BLOCK_M > q_len", "kv_partial"]
+    return " or ".join(parts)
+
+
+def mask_binding(bp: BackwardPlan, dq: bool = False) -> str:
+    if not has_edges(bp):
+        return ""
+    if dq:
+        return "diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag"
+    return "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
+
+
+# The two orientations: (query row text, key text, the row's index name, the key's index name).
+MAIN = (_ROW, _KEY, "j", "i")  # the main kernel's transposed tile [keys, rows]
+DQ = ("q0 + row0 + i", "kv_tile * DQ_BLOCK_N + j", "i", "j")  # the dq kernel's [rows, keys], as the forward's
+
+
+def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
+    """Does the query row see the key (the edges of tiles.visible, with the diagonal bound per
+    tile), and, in the main kernel, is the row a real one (< q_len: its rows past q_len are loaded
+    as zeros, but a score_mod could make P infinite there)?"""
+    f = bp.forward
+    row, key, ri, ki = DQ if dq else MAIN
+    left, right = f.window_left, f.window_right
+    parts = []
+    if left is not None:
+        parts.append(f"{ki} >= {ri} + diag - {left}" if left else f"{ki} >= {ri} + diag")
+    if right is not None:
+        parts.append(f"{ri} + diag + {right} >= {ki}" if right else f"{ri} + diag >= {ki}")
+    if right != 0:  # right == 0 keeps a real row's keys below kv_len
+        parts.append(f"{key} < kv_len")
+    if not dq:
+        parts.append(f"{row} < q_len")
+    if f.mask_expr is not None:
+        parts.append(mod_at(f, f.mask_expr, row, key, "head", None))
+    return " and ".join(f"({p})" if " and " in p or " or " in p else p for p in parts)
+
+
+def dq_range(bp: BackwardPlan) -> dict:
+    """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
+    f = bp.forward
+    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (block_mask_walk)
+        return {"dq_kv_first": "0", "dq_n_kv": "bm_partial_n + bm_full_n", "dq_full_first": "", "dq_full_stop": "",
+                "dq_masked_visit": "partial"}
+    lo = 0 if f.varlen else 1
+    fr = tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
+                     edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("DQ_BLOCK_M", 1),
+                     block_n=tiles.Sym("DQ_BLOCK_N", 1))
+    q0, row0 = tiles.Sym("q0", 0), tiles.Sym("row0", 0)
+    block = tiles.Rows(q0, tiles.add(q0, tiles.Sym("DQ_BLOCK_M", 1), -1))
+    wg = tiles.Rows(tiles.add(q0, row0), tiles.add(q0, row0, tiles.Sym("WG_ROWS", 1), -1))
+    first = fr.kv_first(block)
+    full_first = fr.kv_full_first(wg)
+    masked = "True" if f.mask_expr is not None else " or ".join(
+        ([] if full_first == 0 else ["kv_tile < full_first"]) + ["kv_tile >= full_stop"])
+    n_kv = tiles.text(tiles.max_(tiles.sub(fr.kv_stop(block), tiles.Sym("kv_first", 0)), 0))
+    if f.varlen:  # the grid covers the longest sequence's rows: this one may have fewer
+        n_kv = f"T.if_then_else(q0 < q_len, {n_kv}, 0)"
+    return {"dq_kv_first": tiles.text(first),
+            "dq_n_kv": n_kv,
+            "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
+            "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
+            "dq_masked_visit": masked}
+
+
+def log2_score(bp: BackwardPlan, dq: bool = False) -> str:
+    """acc_s[i, j] (the raw q . k) -> the forward's final score in base-2 units (what LSE2 is in)."""
+    f = bp.forward
+    row, key = (DQ if dq else MAIN)[:2]
+    if not f.prescaled:
+        return "acc_s[i, j] * scale_log2"
+    return f"({score_text(f, 'acc_s[i, j]', row, key, 'head')}) * LOG2E"
+
+
+def dz_ds(bp: BackwardPlan, dq: bool = False) -> str:
+    """d(final score)/d(q . k * scale) at element (i, j) from the raw acc_s, or "" where it is 1:
+    softcap's 1 - tanh^2 times the score_mod's derivative (expr.derivative) at the softcapped score."""
+    f = bp.forward
+    row, key = (DQ if dq else MAIN)[:2]
+    factors = []
+    if f.spec.softcap:
+        t = "T.tanh(acc_s[i, j] * softcap_scale)"
+        factors.append(f"(1.0 - {t} * {t})")
+    if f.score_expr is not None:
+        d = expr.derivative(f.score_expr)
+        if d.canonical.strip() != "1":
+            u = score_text(f, "acc_s[i, j]", row, key, "head", mods=False)
+            factors.append(f"({mod_at(f, d, row, key, 'head', u)})")
+    return " * ".join(factors)
+
+
+def grouped_visits(bp: BackwardPlan) -> bool:
+    """Deterministic GQA: a block owns a KV head and visits its group's query heads in turn."""
+    return bp.deterministic and bp.spec.gqa_group > 1
+
+
+def visits(bp: BackwardPlan) -> dict:
+    if grouped_visits(bp):
+        return {"visit": "v", "n_visits": "GQA_GROUP * n_q",
+                "visit_comment": "  # each query head of the group in turn: dK and dV summed in registers, in order",
+                "visit_lines": ["head = kv_head * GQA_GROUP + v // n_q", "m = v % n_q"]}
+    return {"visit": "m", "n_visits": "n_q", "visit_comment": "", "visit_lines": []}
+
+
+def consumer_args(bp: BackwardPlan) -> str:
+    names = ["K_shared", "V_shared", "Q_shared", "dO_shared", "LSE_shared", "dPsum_shared"]
+    if not bp.deterministic:
+        names += ["dS_shared", "dQ_shared"]
+    names += ["kv_full", "q_full", "q_empty", "do_full", "do_empty"]
+    if not bp.deterministic:
+        names.append("dQ_accum")
+    names += ["dK_accum", "dV_accum"] if bp.kv_accum else ["dK", "dV"]
+    names += ["kv_block"] + ([] if grouped_visits(bp) else ["head"]) + ["kv_head", "batch_idx", "q_first", "n_q"]
+    if has_edges(bp):
+        names += ["full_first", "full_stop"]
+    names.append("kv_partial")
+    names += seq_names(bp)
+    names += [t.param for t in call_tensors(bp)]
+    names += block_mask_args(bp)
+    return ", ".join(names + ["softmax_scale"])
+
+
+# -- a block mask (FlexAttention's BlockMask): each pass walks its lists (render.list_walk) ---------------
+BM_VALUES = ["bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
+
+
+def block_mask_tensors(bp: BackwardPlan, dq: bool = False) -> tuple:
+    """(call-time name, parameter, axes) of a kernel's lists: the main kernel's transposed q_* per KV
+    tile, the dq kernel's kv_* per Q tile (plan.BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS)."""
+    if not bp.forward.block_mask:
+        return ()
+    return DQ_BLOCK_MASK_TENSORS if dq else BWD_BLOCK_MASK_TENSORS
+
+
+def block_mask_args(bp: BackwardPlan, dq: bool = False) -> list:
+    """What a consumer macro's walk reads: the block's row of the lists and its two index tensors."""
+    t = block_mask_tensors(bp, dq)
+    return (["q_block"] if dq else []) + BM_VALUES + [t[1][1], t[3][1]] if t else []  # (the main macro has kv_block)
+
+
+def block_mask_setup(bp: BackwardPlan, dq: bool = False) -> list[str]:
+    """The block's row of the lists (a batch or head extent of 1 broadcasts) and its two counts."""
+    t = block_mask_tensors(bp, dq)
+    if not t:
+        return []
+    row, what = ("q_block", "KV tiles of these rows") if dq else ("kv_block", "Q tiles of this KV tile")
+    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
+            "bm_h = T.min(head, bm_heads - 1)",
+            f"bm_partial_n = {t[0][1]}[bm_b, bm_h, {row}]  # {what} that the mask cuts",
+            f"bm_full_n = {t[2][1]}[bm_b, bm_h, {row}]  # ... and that it sees whole"]
+
+
+def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tuple[list, list]:
+    """(before the loop, at the top of each visit): the visit's tile, kept as the dense kernel names it
+    (consumers: q_tile / kv_tile; the producer: m0 / kv0), walked from the lists with a block mask."""
+    tile, first, step, start = ("kv_tile", "kv_first", "k", "kv0") if dq else ("q_tile", "q_first", "m", "m0")
+    size = "DQ_BLOCK_N" if dq else "BLOCK_M"
+    t = block_mask_tensors(bp, dq)
+    if not t:
+        return [], [f"{start} = ({first} + {step}) * {size}" if producer else f"{tile} = {first} + {step}"]
+    extent = "bm_dq_kv_tiles" if dq else "bm_q_tiles"
+    row = "bm_b, bm_h, " + ("q_block" if dq else "kv_block")
+    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "n_kv" if dq else "n_q")
+    return list_cursors(t[1][1], t[3][1]), walk + ([f"{start} = {tile} * {size}"] if producer else [])
+
+
+def block_mask_params(bp: BackwardPlan, dq: bool = False) -> list:
+    return [tensor_param(param, list(axes), '"int32"', f"call time: {name} (the {'dq' if dq else 'main'} kernel's tiles)")
+            for name, param, axes in block_mask_tensors(bp, dq)]
+
+
+# -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
+def seq_names(bp: BackwardPlan) -> list:
+    """The block's per-sequence values a macro needs (none for bshd, whose lengths are the kernel's)."""
+    if not bp.forward.varlen:
+        return []
+    return ["q_len", "kv_len"] + (["causal_offset"] if has_offset(bp.forward) else []) + ["q_start", "k_start"]
+
+
+def seq_setup(bp: BackwardPlan) -> list:
+    if not bp.forward.varlen:
+        return []
+    lines = ["q_start = cu_seqlens_q[batch_idx]  # this sequence's rows of q, dO, dQ", "q_len = cu_seqlens_q[batch_idx + 1] - q_start",
+             "k_start = cu_seqlens_k[batch_idx]  # ... and of k, v, dK, dV", "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
+    if has_offset(bp.forward):
+        lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
+    return lines
+
+
+def index_helpers(bp: BackwardPlan) -> dict:
+    """Index text of the global tensors: a row r (or rows a:b) of q-like [B, Sq, H, .] / [total_q, H, .],
+    of row-statistics [B, H, Sq] / [H, total_q], and of k-like tensors."""
+    if bp.forward.varlen:
+        return {"q_at": lambda r, h="head": f"q_start + {r}, {h}", "q_box": lambda a, b, h="head": f"q_start + {a}:q_start + {b}, {h}",
+                "row_at": lambda r: f"head, q_start + {r}", "row_box": lambda a, b: f"head, q_start + {a}:q_start + {b}",
+                "k_at": lambda r, h="kv_head": f"k_start + {r}, {h}", "k_box": lambda a, b, h="kv_head": f"k_start + {a}:k_start + {b}, {h}",
+                "q_rows": "max_seqlen_q", "kv_rows": "max_seqlen_k",
+                # the preprocess's loads of a row past the sequence (counted 0): clamped into the tensor
+                "pre_q_at": "T.min(q_start + r0 + i, total_q - 1), head", "pre_row_at": "head, T.min(q_start + r0 + i, total_q - 1)"}
+    return {"q_at": lambda r, h="head": f"batch_idx, {r}, {h}", "q_box": lambda a, b, h="head": f"batch_idx, {a}:{b}, {h}",
+            "row_at": lambda r: f"batch_idx, head, {r}", "row_box": lambda a, b: f"batch_idx, head, {a}:{b}",
+            "k_at": lambda r, h="kv_head": f"batch_idx, {r}, {h}", "k_box": lambda a, b, h="kv_head": f"batch_idx, {a}:{b}, {h}",
+            "q_rows": "q_len", "kv_rows": "kv_len",
+            "pre_q_at": "batch_idx, T.min(r0 + i, q_len - 1), head", "pre_row_at": "batch_idx, head, T.min(r0 + i, q_len - 1)"}
+
+
+def scale_setup(bp: BackwardPlan) -> list[str]:
+    f = bp.forward
+    if not f.prescaled:
+        return ["scale_log2 = softmax_scale * LOG2E  # P = exp2(k . q * scale_log2 - LSE2)"]
+    if f.spec.softcap:
+        return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
+    return []
+
+
+def q_shape(dim: str, varlen: bool) -> list:
+    return ["total_q", "heads", dim] if varlen else ["batch", "q_len", "heads", dim]
+
+
+def kv_shape(dim: str, varlen: bool) -> list:
+    return ["total_k", "kv_heads", dim] if varlen else ["batch", "kv_len", "kv_heads", dim]
+
+
+def call_tensors(bp: BackwardPlan) -> list:
+    """The forward's call-time tensors (ALiBi slopes, score_mod/mask_mod tensors): the main kernel reads them too."""
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}  # the forward's own block-mask lists: the backward has its own
+    return [t for t in bp.forward.extra if not t.output and t.name != "sinks" and t.name not in lists]
+
+
+def rows_shape(varlen: bool) -> list:
+    return ["heads", "total_q"] if varlen else ["batch", "heads", "q_len"]
+
+
+def params(bp: BackwardPlan, dv: str) -> dict:
+    """Each kernel's prim_func parameter lines (docs/backward.md, "The kernels' parameters")."""
+    vl = bp.forward.varlen
+    seq = []
+    if vl:
+        seq = [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"),
+               tensor_param("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k, v, dK, dV"),
+               "max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grids over rows",
+               "max_seqlen_k: T.int32,  # the longest sequence's keys: sizes the main kernel's grid"]
+    kv_out = '"float32"' if bp.kv_accum else "DTYPE"
+    kv_names = ("dK_accum", "dV_accum") if bp.kv_accum else ("dK", "dV")
+    pre = [tensor_param("O", q_shape(dv, vl), "DTYPE", "the forward's output"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
+           tensor_param("LSE", rows_shape(vl), '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
+           tensor_param("dLSE", rows_shape(vl), '"float32"', "the LSE output's gradient (zeros when the loss reads no LSE)"),
+           tensor_param("dPsum", rows_shape(vl), '"float32"', "output: rowsum(dO * O) - dLSE"),
+           tensor_param("LSE2", rows_shape(vl), '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
+    if not bp.deterministic:
+        pre.append(tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
+    if bp.spec.sinks and not bp.deterministic:
+        pre += [tensor_param("Sinks", ["heads"], '"float32"', "call time: sinks"),
+                tensor_param("dSinks", ["heads"], '"float32"', "in/out: zeroed by the caller; -= sum_rows exp(sink - LSE) dPsum")]
+    dsinks = [tensor_param("LSE", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"'),
+              tensor_param("Sinks", ["heads"], '"float32"', "call time: sinks"),
+              tensor_param("dSinks", ["heads"], '"float32"', "output: -sum_rows exp(sink - LSE) dPsum")] + seq
+    main = [tensor_param("Q", q_shape("HEAD_DIM", vl), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
+            tensor_param("V", kv_shape(dv, vl), "DTYPE"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
+            tensor_param("LSE2", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"')]
+    if not bp.deterministic:
+        main.append(tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "in/out: dS K reduce-added, unscaled"))
+    main += [tensor_param(kv_names[0], kv_shape("HEAD_DIM", vl), kv_out,
+                    "in/out: zeroed by the caller; dK of the group's query heads atomically added, scaled" if bp.kv_accum
+                    else "output: dK, scaled"),
+            tensor_param(kv_names[1], kv_shape(dv, vl), kv_out,
+                    "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
+    calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}") for t in call_tensors(bp)]
+    scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
+    main += calls + block_mask_params(bp) + seq + [scale]
+    dq = [tensor_param("Q", q_shape("HEAD_DIM", vl), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
+          tensor_param("V", kv_shape(dv, vl), "DTYPE"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
+          tensor_param("LSE2", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"'),
+          tensor_param("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
+    post = [tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"'), tensor_param("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output")] + seq + [scale]
+    post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM", vl), '"float32"'), tensor_param("dV_accum", kv_shape(dv, vl), '"float32"'),
+               tensor_param("dK", kv_shape("HEAD_DIM", vl), "DTYPE", "output"), tensor_param("dV", kv_shape(dv, vl), "DTYPE", "output")]
+    pre += seq
+    post_kv += seq
+    return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq,
+            "dsinks_params": dsinks}
+
+
+def header_lines(bp: BackwardPlan) -> list[str]:
+    spec = bp.spec
+    shape = f"static B,H,HKV,SQ,SKV = {bp.shape}" if bp.shape else "dynamic: batch, q_len, kv_len, kv_heads are runtime values"
+    lines = [
+        "=" * 78,
+        "attngen auto-generated backward kernels: do not edit; regenerate with attngen.",
+        f"kernel:    {bp.name}",
+        f"spec hash: {bp.hash}",
+        f"generator: attngen {__version__}, template {Path(TEMPLATE).name}",
+        f"shape:     {shape}",
+        f"schedule:  1 TMA producer warpgroup + {bp.consumers} MMA warpgroup(s) of {bp.wg_keys} keys, {bp.threads} threads, "
+        f"setmaxnreg {bp.producer_regs}/{bp.consumer_regs}; FA3's tile {bp.fa3_tile[0]}x{bp.fa3_tile[1]} ({bp.fa3_tile[2]} WGs)",
+        f"smem:      {bp.smem_bytes} bytes dynamic (" + ", ".join(f"{k} {v}" for k, v in bp.smem.items()) + ")",
+        "entries:   " + ", ".join(entries(bp)),
+        "spec:",
+    ]
+    lines += ["  " + line for line in to_toml(spec).splitlines()]
+    lines.append("=" * 78)
+    return lines
+
+
+def entries(bp: BackwardPlan) -> list:
+    """The module's kernel builders, in launch order."""
+    out = ["build_preprocess_kernel", "build_kernel"]
+    out.append("build_dq_kernel" if bp.deterministic else "build_postprocess_kernel")
+    if bp.deterministic and bp.spec.sinks:
+        out.append("build_dsinks_kernel")
+    if bp.kv_accum:
+        out.append("build_postprocess_kv_kernel")
+    return out
+
+
+def layout_context(bp: BackwardPlan, dv: str) -> dict:
+    """How the main kernel's MMA warpgroups share the KV tile: by keys (each its 64 keys, every head-dim
+    column; K and V slices are key rows) or, where dK and dV of 64 keys would not fit in registers, by
+    columns (each all 64 keys, 1/n of the head dims of dK, dV and dQ; S^T and dP^T summed over the
+    column slices of K, Q, V and dO, every warpgroup computing them whole)."""
+    n = bp.consumers
+    h = index_helpers(bp)
+    if not bp.columns:
+        kv_loads = []
+        for g in range(n):
+            lo = f"kv0 + {g * bp.wg_keys}" if g else "kv0"
+            rows = h["k_box"](lo, f"kv0 + {(g + 1) * bp.wg_keys}")
+            kv_loads += [(f"K[{rows}, :]", f"K_shared[{g}, :, :]"), (f"V[{rows}, :]", f"V_shared[{g}, :, :]")]
+        return {"columns": False, "wg_doc": "keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column",
+                "key0": "kv_block * BLOCK_N + g * WG_KEYS", "dk_w": "HEAD_DIM", "dv_w": dv,
+                "dq_doc": "this warpgroup's keys' share of dQ",
+                "s_gemms": [("K_shared[g, :, :]", "Q_shared[stage, 0, :, :]", True)],
+                "dp_gemms": [("V_shared[g, :, :]", "dO_shared[stage, 0, :, :]", True)],
+                "own_slice": "0", "dk_cols": ":", "dv_cols": ":", "dk_col": lambda d: d, "dv_col": lambda d: d,
+                "kv_slice_doc": "one slice of keys per MMA warpgroup", "q_slices": 1, "q_slice_doc": "",
+                "kv_loads": kv_loads, "slice_cols": lambda c, w: ":"}
+    rows = h["k_box"]("kv0", "kv0 + BLOCK_N")
+    cols = lambda c, w: f"{c} * {w}:{c + 1} * {w}" if c else f"0:{w}"  # noqa: E731
+    kv_loads = []
+    for c in range(n):
+        kv_loads += [(f"K[{rows}, {cols(c, 'DK_COLS')}]", f"K_shared[{c}, :, :]"), (f"V[{rows}, {cols(c, 'DV_COLS')}]", f"V_shared[{c}, :, :]")]
+    return {"columns": True, "wg_doc": "every key of the KV tile, head-dim columns [g DK_COLS, (g + 1) DK_COLS) of dK and dQ (dV: DV_COLS)",
+            "key0": "kv_block * BLOCK_N", "dk_w": "DK_COLS", "dv_w": "DV_COLS",
+            "dq_doc": "this warpgroup's columns of dQ",
+            "s_gemms": [(f"K_shared[{c}, :, :]", f"Q_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "dp_gemms": [(f"V_shared[{c}, :, :]", f"dO_shared[stage, {c}, :, :]", c == 0) for c in range(n)],
+            "own_slice": "g", "dk_cols": "g * DK_COLS:(g + 1) * DK_COLS", "dv_cols": "g * DV_COLS:(g + 1) * DV_COLS",
+            "dk_col": lambda d: f"g * DK_COLS + {d}", "dv_col": lambda d: f"g * DV_COLS + {d}",
+            "kv_slice_doc": "column slices of the tile's keys (S^T sums over them)", "q_slices": n,
+            "q_slice_doc": "  # column slices, as K's", "kv_loads": kv_loads, "slice_cols": cols}
+
+
+def template_context(bp: BackwardPlan) -> dict:
+    f = bp.forward
+    spec = bp.spec
+    dv = "HEAD_DIM" if f.head_dim_v == spec.head_dim else "HEAD_DIM_V"
+    names = ("batch", "total_q", "total_k", "kv_heads") if f.varlen else ("batch", "q_len", "kv_len", "kv_heads")
+    dims = {d: (getattr(bp.shape, d) if bp.shape else None) for d in names}
+    free = [t.dim(a) for t in call_tensors(bp) for a in range(len(t.shape)) if t.shape[a] is None]
+    if f.block_mask:
+        free += list(BLOCK_MASK_AXES) + (["bm_dq_q_tiles", "bm_dq_kv_tiles"] if bp.deterministic else [])
+    return {
+        "header": header_lines(bp),
+        "kernel_name": bp.name,
+        "spec_hash": bp.hash,
+        "head_dim": spec.head_dim,
+        "dv": dv,
+        "dtype": spec.dtype,
+        "gqa_group": spec.gqa_group,
+        "block_m": bp.block_m,
+        "block_n": bp.block_n,
+        "wg_keys": bp.wg_keys,
+        "consumers": bp.consumers,
+        "q_stages": bp.q_stages,
+        "log2e": hw.LOG2E,
+        "variant_constants": [line for line in variant_constants(f) if not line.startswith("LN2")],
+        "threads": bp.threads,
+        "consumer_threads": bp.consumer_threads,
+        "tma_thread_end": bp.tma_thread_end,
+        "tma_threads": bp.tma_threads,
+        "producer_regs": bp.producer_regs,
+        "consumer_regs": bp.consumer_regs,
+        "warpgroup_threads": bp.warpgroup_threads,
+        "ds_bar": bp.ds_bar,
+        "dq_bar": bp.dq_bar,
+        "pre_rows": PRE_ROWS,
+        # the preprocess's O * dO tile: TileLang 0.1.15 finds no fragment layout for 96 columns
+        "pre_cols": 0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
+        "pre_threads": PRE_THREADS,
+        "compile_flags": bp.compile_flags,
+        "dims": dims,
+        "free_dims": free,
+        "offset": has_offset(f),  # (varlen: per sequence, in seq_setup)
+        "kv_accum": bp.kv_accum,
+        "sinks": spec.sinks,
+        **q_range(bp),
+        "has_edges": has_edges(bp),
+        "masked_visit": masked_visit(bp),
+        "mask_bind": mask_binding(bp),
+        "mask_cond": mask_condition(bp),
+        "log2_score": log2_score(bp),
+        "dz_ds": dz_ds(bp),
+        "scale_setup": scale_setup(bp),
+        "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
+        "bm_setup": block_mask_setup(bp),
+        "tile_init": tile_lines(bp)[0],
+        "tile_lines": tile_lines(bp)[1],
+        "producer_tile_lines": tile_lines(bp, producer=True)[1],
+        "consumer_args": consumer_args(bp),
+        **layout_context(bp, dv),
+        "varlen": f.varlen,
+        "seq_setup": seq_setup(bp),
+        "seq_args": "".join(f", {n}" for n in seq_names(bp)),
+        **index_helpers(bp),
+        "deterministic": bp.deterministic,
+        "grouped_visits": grouped_visits(bp),
+        "main_grid_heads": "kv_heads" if grouped_visits(bp) else "heads",
+        "main_head_var": "kv_head" if grouped_visits(bp) else "head",
+        **visits(bp),
+        **(dq_context(bp) if bp.deterministic else {}),
+        **params(bp, dv),
+    }
+
+
+def dq_context(bp: BackwardPlan) -> dict:
+    return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
+            "dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
+            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp),
+            "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
+            "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
+            "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}
+
+
+def as_backward_plan(spec_or_plan, shape=None) -> BackwardPlan:
+    if isinstance(spec_or_plan, BackwardPlan):
+        return spec_or_plan
+    if isinstance(spec_or_plan, Spec):
+        return plan_backward(spec_or_plan, shape)
+    return plan_backward(spec_or_plan.spec, shape if shape is not None else spec_or_plan.shape)  # a forward Plan
+
+
+def render_backward_source(spec_or_plan, shape=None) -> str:
+    """The emitted backward module (dynamic shapes unless the plan has a static shape)."""
+    bp = as_backward_plan(spec_or_plan, shape)
+    return render_template(TEMPLATE, template_context(bp))
+
+
+def generate_backward(spec_or_plan, out_dir="generated", shape=None) -> Path:
+    """Write the emitted backward module under `out_dir` (fa3_bwd_<name>.py); return its path."""
+    bp = as_backward_plan(spec_or_plan, shape)
+    path = Path(out_dir) / f"{bp.name}.py"
+    write_if_different(path, render_backward_source(bp))
+    return path
