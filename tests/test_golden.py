@@ -81,7 +81,7 @@ def test_write_if_different_keeps_mtime(tmp_path):
 
 
 def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
-    render_mod = importlib.import_module("attngen.kernels.fwd.render")
+    render_mod = importlib.import_module("attngen.kernels.common.emit")
 
     broken = "line one\n{{ kernel_name }}\n{{ no_such_parameter }}\nline four\n"
     monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
@@ -97,10 +97,10 @@ def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
 
 
 def test_template_found_in_a_source_checkout_without_install(monkeypatch):
-    render_mod = importlib.import_module("attngen.kernels.fwd.render")
+    render_mod = importlib.import_module("attngen.kernels.common.emit")
 
     def not_installed(package):
         raise ModuleNotFoundError(package)
 
     monkeypatch.setattr(render_mod.importlib.resources, "files", not_installed)
-    assert render_mod._load_template("fa3_fwd.py.j2") == (ROOT / "templates" / "fa3_fwd.py.j2").read_text()
+    assert render_mod._load_template("fwd/fa3_fwd.py.j2") == (ROOT / "templates" / "fwd" / "fa3_fwd.py.j2").read_text()

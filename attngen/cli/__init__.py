@@ -116,7 +116,7 @@ def cmd_build(args) -> int:
     return 0
 
 
-PRESETS = Path(__file__).resolve().parent.parent / "examples"  # the presets: the source tree's examples/*.toml
+PRESETS = Path(__file__).resolve().parents[2] / "examples"  # the presets: the source tree's examples/*.toml
 
 
 def preset_files() -> list:

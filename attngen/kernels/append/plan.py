@@ -1,11 +1,6 @@
-"""Every number the kernel needs, derived once from a Spec (and optionally a static shape).
-
-`make_plan` resolves what the user left open (tile sizes, ping-pong), checks every budget
-and returns a `Plan`: the resolved spec, the kernel's name and hash, thread ranges, the
-setmaxnreg split, shared-memory bytes, barrier ids and arrival counts and the build flags
-(the softmax scale is not here: the kernel takes it at call time). Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
-makes the plan once and passes it down; a violated budget raises `SpecError` naming the
-field to change, before anything is rendered.
+"""The KV-cache append family's plan: the numbers of the kernel that writes new keys and values
+into a paged cache (flash_attn_with_kvcache's k=, v=). It depends on no Spec, only on the
+cache's dtype, head dims and page size, so one build serves every forward spec of the cache.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Plan -> emitted TileLang source, through one Jinja2 template.
-
-The template is thin: it receives flat numbers and the expressions built here (masks,
-tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
-and only lays them out in the order the GPU executes them.
-"""
+"""AppendPlan -> the emitted KV-cache append module (templates/append/fa3_kv_append.py.j2)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""Every number the kernel needs, derived once from a Spec (and optionally a static shape).
+"""The backward family's plan: every number its kernels (preprocess, main, dq or postprocess,
+dsinks, postprocess of dK/dV) need, derived once from the forward's resolved Spec.
 
-`make_plan` resolves what the user left open (tile sizes, ping-pong), checks every budget
-and returns a `Plan`: the resolved spec, the kernel's name and hash, thread ranges, the
-setmaxnreg split, shared-memory bytes, barrier ids and arrival counts and the build flags
-(the softmax scale is not here: the kernel takes it at call time). Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
-makes the plan once and passes it down; a violated budget raises `SpecError` naming the
-field to change, before anything is rendered.
+`plan_backward` takes FlashAttention-3's tile for the head dim, brings it to this formulation and
+shrinks it until the register and shared-memory budgets hold; a violated budget raises
+`SpecError` naming the field to change. docs/backward.md describes the kernels.
 """
 
 from __future__ import annotations

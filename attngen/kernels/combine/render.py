@@ -1,8 +1,5 @@
-"""Plan -> emitted TileLang source, through one Jinja2 template.
-
-The template is thin: it receives flat numbers and the expressions built here (masks,
-tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
-and only lays them out in the order the GPU executes them.
+"""The split-KV combine kernel's names (templates/combine/fa3_combine.py.j2): it merges each
+split's partial O and LSE per row. The forward's module includes it when the spec has splits != 1.
 """
 
 from __future__ import annotations

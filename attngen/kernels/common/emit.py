@@ -1,8 +1,6 @@
-"""Plan -> emitted TileLang source, through one Jinja2 template.
-
-The template is thin: it receives flat numbers and the expressions built here (masks,
-tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
-and only lays them out in the order the GPU executes them.
+"""Templates in, TileLang text out: the Jinja environment over templates/<family>/, template
+errors shown with numbered lines, the parameter-line helper every family's kernels use, and the
+atomic write that leaves an unchanged file alone.
 """
 
 from __future__ import annotations

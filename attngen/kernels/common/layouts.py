@@ -1,8 +1,5 @@
-"""Plan -> emitted TileLang source, through one Jinja2 template.
-
-The template is thin: it receives flat numbers and the expressions built here (masks,
-tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
-and only lays them out in the order the GPU executes them.
+"""Where a serving layout puts its rows: the tensor shapes of dense (bshd), packed (varlen) and
+paged layouts, shared by the forward, the combine and the backward kernels.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Every number the kernel needs, derived once from a Spec (and optionally a static shape).
-
-`make_plan` resolves what the user left open (tile sizes, ping-pong), checks every budget
-and returns a `Plan`: the resolved spec, the kernel's name and hash, thread ranges, the
-setmaxnreg split, shared-memory bytes, barrier ids and arrival counts and the build flags
-(the softmax scale is not here: the kernel takes it at call time). Each entry point (the CLI, attngen.emulate, attngen.attention, ...)
-makes the plan once and passes it down; a violated budget raises `SpecError` naming the
-field to change, before anything is rendered.
+"""What every kernel family's plan shares: the static Shape, the call-time tensor ABI
+(ExtraTensor, the block-mask lists), named-barrier records, the names and hashes made from a
+Spec, and the nvcc flags. Each family's own plan (kernels/<family>/plan.py) builds on these.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Plan -> emitted TileLang source, through one Jinja2 template.
+"""Plan -> the emitted forward module, through templates/fwd/fa3_fwd.py.j2.
 
-The template is thin: it receives flat numbers and the expressions built here (masks,
-tile counts, guarded maxima, barrier ids), where they can be read and tested as Python,
-and only lays them out in the order the GPU executes them.
+The template is thin: it receives the numbers and the expressions built here (masks, tile
+counts, guarded maxima, barrier ids), where they can be read and tested as Python, and only
+lays them out in the order the GPU executes them.
 """
 
 from __future__ import annotations
