@@ -119,7 +119,7 @@ def hidden_env(tmp_path: Path) -> dict:
 
 def test_hidden_toolkit_hands_the_wheels_to_tilelang(tmp_path):
     """TileLang (the runtime's tilelang.compile) runs the same pip nvcc as attngen build."""
-    code = ("import attngen.build.lower, tilelang.contrib.nvcc as n; from attngen import toolchain; "
+    code = ("import attngen.build.lower, tilelang.contrib.nvcc as n; from attngen.build import toolchain; "
             "print(n.get_nvcc_compiler()); print(toolchain.current().nvcc); print(toolchain.current().kind)")
     proc = subprocess.run([sys.executable, "-c", code], env=hidden_env(tmp_path), capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
