@@ -1,14 +1,17 @@
-"""attngen: FlashAttention-3 forward kernels for Hopper (sm_90a), generated from a spec.
+"""attngen: FlashAttention-3 kernels for Hopper (sm_90a), forward and backward, generated from a spec.
 
-Flow (each step a module; data flows one way, each entry point plans once):
-    spec -> plan -> render (templates/) -> emitted TileLang source
-         -> build (lower + nvcc) | emulate (CPU model) | runtime (GPU) -> ops (torch custom ops)
-hw holds the target's facts beneath all of them; reference is the fp64 oracle.
-`attngen.attention` is attngen.interfaces.ops.attention (torch.ops.attngen.fwd), imported on first use:
-`import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
-way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.interfaces.flex) and the module
-`attngen.interfaces.flash_attn_interface` (FlashAttention-3's names), and `attngen.interfaces.distributed` (context
-parallelism over torch.distributed: ring and all-gather attention, docs/distributed.md).
+Flow (data flows one way, each entry point plans once; tests/test_architecture.py):
+    spec -> kernels/<family>: plan -> render (templates/<family>/) -> emitted TileLang source
+         -> build (lower + nvcc) | emulator (CPU model) | run (GPU) -> interfaces (torch ops, doors) -> cli
+The families: fwd (the forward pass), combine (split-KV's merge, emitted in the forward's file),
+bwd (the backward pass, planned from the forward's plan), append (the KV-cache append);
+kernels/common holds what they share. hw, expr and tiles hold the chip's facts and the algebra
+beneath all of them; reference is the fp64 oracle of both passes.
+`attngen.attention` is attngen.interfaces.ops.attention (torch.ops.attngen.fwd, .bwd for autograd),
+imported on first use: `import attngen` alone does not import torch. The front doors
+(docs/interfaces.md) load the same way: `attngen.flex_attention`, `attngen.create_block_mask`,
+the module `attngen.flash_attn_interface` (FlashAttention-3's names) and `attngen.distributed` (context
+parallelism, docs/distributed.md).
 Errors: `attngen.SpecError` (a spec field that cannot become a kernel) and `attngen.InputError`
 (a call's argument the kernel cannot take), both ValueErrors with one line naming the field or
 argument, the value and what is valid.

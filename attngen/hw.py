@@ -23,45 +23,29 @@ INT32_MAX = 2**31 - 1  # TileLang's host stub passes shapes and strides as int32
 TMA_ALIGN = 16  # bytes: TMA wants a 16-byte aligned base and 16-byte multiple strides
 LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel uses
 
-# setmaxnreg split per consumer count, as FlashAttention-3 uses it: (producer, consumer).
-# The producer only issues TMA, so it gives its registers to the consumers.
+# Register budgets, measured with ptxas on the emitted kernels: the measurements (dates, specs,
+# spill bytes) are in docs/hw-measurements.md, one section per constant below.
+# setmaxnreg split per consumer count, FlashAttention-3's: (producer, consumer). The producer
+# only issues TMA, so it gives its registers to the consumers.
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
-# A producer that looks up pages or split ranges per tile spills at 24 registers (measured:
-# 36 bytes on the paged split-KV decode preset); one consumer leaves the pool room for 56.
-# With 2 consumers the pool is full at 24 + 2 x 240, and a paged producer spilled there too
-# (4 bytes, bench/plan_sweep.py): it takes 40 and each consumer 232 (plan.reg_split).
+# A producer that looks up pages or split ranges per tile spills at 24 registers.
 SERVING_PRODUCER_REGS = {1: 56, 2: 40}
-# Registers a consumer thread needs beyond its accumulators (row statistics, addresses,
-# loop state), per consumer count. Calibrated with bench/register_budget.py against ptxas
-# spill reports: docs/spec-reference.md, "Register budget".
+# Registers a consumer thread needs beyond its accumulators (row statistics, addresses, loop state).
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 # ...and beyond that when tiles are masked along a diagonal (causal or a window): the mask's row
-# and column index of each element is live beside the accumulators. At the 3-consumer edge hd64
-# causal at block_n 128 (accumulators 128) spilled 24 bytes with 32 spare, hd128 causal at 80
-# (124) fits with 36 (bench/plan_sweep.py; docs/spec-reference.md, "Register budget").
+# and column index of each element is live beside the accumulators.
 DIAGONAL_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 4}
-# ...and more when the mask is a band, a left edge (window left) beside a right one (causal or
-# window right): both edges' indices are live, and their share grows with block_n. On the merged
-# template of 2026-12-01 the sweep saw hd64 causal window [127, -1] at 192x112 (158 used) spill
-# 180 bytes and hd96 at 192x96 spill 128; with 16 here hd64 at 192x96 still spilled 12, at 192x80
-# it fits, and hd96 fits at 192x80. 28, the element-wise variants' share, is an upper bound that
-# keeps every band spill-free (hd96 then gets 64 where 80 fits: docs/spec-reference.md).
+# ...and more when the mask is a band (a left window edge beside a right one): both edges'
+# indices are live; an upper bound, as their share grows with block_n.
 BAND_MASK_REG_OVERHEAD = {1: 0, 2: 0, 3: 28}
-# ...and with packed sequences (layout "varlen"): the sequence's start and length, read from
-# cu_seqlens before the warpgroups split, stay live to the row-by-row epilogue. hd256 with a
-# mask_mod at block_n 48 (estimate 240 of 240) spilled both (8 B stack); hd128 with three
-# variants at 128 (236) fits (bench/plan_sweep.py).
+# ...and with packed sequences (layout "varlen"): the sequence's start and length stay live to
+# the row-by-row epilogue.
 PER_SEQUENCE_REG_OVERHEAD = 4
 ACCUM_BYTES = 4  # wgmma accumulates in float32
-# Registers a consumer thread needs beyond that for the variants' element-wise score work
-# (softcap, ALiBi, score_mod, mask_mod: temporaries of the transform and the mask, tensor
-# addresses). Measured with ptxas at the 3-consumer edge (160 registers), every variant at
-# once: it spills with 16 spare registers (block_n 64) and fits with 28 (block_n 48). lse and
-# sinks fit with the base estimate's 4 spare (docs/variants.md, "Registers"); a window is a
-# diagonal mask (DIAGONAL_MASK_REG_OVERHEAD).
+# ...and for the variants' element-wise score work (softcap, ALiBi, score_mod, mask_mod:
+# temporaries of the transform and the mask, tensor addresses); lse and sinks need none.
 VARIANT_REG_OVERHEAD = 28
-# A block mask's consumer keeps its two list cursors, the lists' row and the visit's tile live
-# (measured, hd128 f16 2 consumers at 232: block_n 112 spilled 4 B, 96 fitted; attngen build).
+# A block mask's consumer keeps its two list cursors, the lists' row and the visit's tile live.
 BLOCK_MASK_REG_OVERHEAD = 12
 
 

@@ -47,8 +47,8 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 from attngen.run.gputime import n_sets, time_launches  # noqa: E402
-from attngen.kernels.bwd.plan import autograd_spec, plan_backward
-from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops
+from attngen.kernels.bwd.plan import autograd_spec, plan_backward  # noqa: E402
+from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops  # noqa: E402
 from attngen.kernels.fwd.plan import make_plan  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
@@ -244,7 +244,8 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
             print(f"  FAILED to build {rows[-1]['kernel']}: {rows[-1]['error']}", flush=True)
             continue
         worker = built.get(key)
-        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""), "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
+        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""),
+                     "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
     from attngen.build.cache import cache_root
 

@@ -58,7 +58,9 @@ _MASK0 = ("        if full_tiles < 1:  # tile 0 is itself a diagonal or partial 
           "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
           "                acc_s[i, j] = T.if_then_else(i + diag0 >= j, acc_s[i, j], -T.infinity(ACCUM))\n")
 _REDUCE0 = "        T.reduce_max(acc_s, m_cur, dim=1, clear=True)  # the first tile: nothing to carry (-inf for a row that sees no key)\n"
-_M_OLD = "            T.copy(m_cur, m_prev)\n            T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n            for i in T.Parallel(WG_ROWS):\n"
+_M_OLD = ("            T.copy(m_cur, m_prev)\n"
+          "            T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"
+          "            for i in T.Parallel(WG_ROWS):\n")
 _M_NEW = ("            T.reduce_max(acc_s, m_prev, dim=1, clear=True)  # this tile's row max\n"
           "            for i in T.Parallel(WG_ROWS):\n                m_prev[i] = T.max(m_prev[i], m_cur[i])  # the new running max\n")
 
@@ -83,19 +85,24 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         [
             _SPLIT,
             ("        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n",
-             "        T.fill(row_sum, 0)\n        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n        T.fill(m_cur, -T.infinity(ACCUM))\n"),
+             "        T.fill(row_sum, 0)\n"
+             "        T.fill(alpha, 1.0)  # the first carried rescale is a no-op\n"
+             "        T.fill(m_cur, -T.infinity(ACCUM))\n"),
             (_MASK0,
              "        if full_tiles < 1:  # tile 0 is itself a diagonal or partial tile\n"
              "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
              "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= j, acc_s[i, j], -T.infinity(ACCUM))\n"),
             (_REDUCE0, "        T.reduce_max(acc_s, m_cur, dim=1, clear=False)\n"),
             ("        T.reduce_sum(acc_s, row_sum, dim=1)  # the running sum starts at tile 0's\n",
-             "        T.reduce_sum(acc_s, row_sum_tile, dim=1)\n        for i in T.Parallel(WG_ROWS):\n            row_sum[i] = row_sum_tile[i]\n"),
+             "        T.reduce_sum(acc_s, row_sum_tile, dim=1)\n"
+             "        for i in T.Parallel(WG_ROWS):\n"
+             "            row_sum[i] = row_sum_tile[i]\n"),
             ("            diag = q0 + row0 + causal_offset - k * BLOCK_N  # row i of tile k sees keys j <= i + diag\n"
              "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
              "                acc_s[i, j] = T.if_then_else(i + diag >= j, acc_s[i, j], -T.infinity(ACCUM))\n",
              "            for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n"
-             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], -T.infinity(ACCUM))\n"),
+             "                acc_s[i, j] = T.if_then_else(q0 + row0 + i + causal_offset >= k * BLOCK_N + j, acc_s[i, j], "
+             "-T.infinity(ACCUM))\n"),
         ],
     ),
     "hoist-row-max": (
@@ -173,9 +180,11 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
         [
             _SPLIT,
             (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_cur[i] * scale_log2)\n",
-             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - m_prev[i] * scale_log2)\n                m_cur[i] = m_prev[i]\n", "all"),
+             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - m_prev[i] * scale_log2)\n"
+             "                m_cur[i] = m_prev[i]\n", "all"),
             (f"{_M_OLD}                alpha[i] = T.exp2(m_prev[i] * scale_log2 - {_GUARD})\n",
-             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - {_GUARD.replace('m_cur', 'm_prev')})\n                m_cur[i] = m_prev[i]\n",
+             f"{_M_NEW}                alpha[i] = T.exp2(m_cur[i] * scale_log2 - {_GUARD.replace('m_cur', 'm_prev')})\n"
+             "                m_cur[i] = m_prev[i]\n",
              "optional"),  # the dynamic kernel's masked loop guards a row that saw no key
         ],
     ),
@@ -210,7 +219,8 @@ VARIANTS: dict[str, tuple[str, list[tuple]]] = {
              "                row_sum[i] *= alpha[i]\n", "all", "optional"),
             ("            T.reduce_sum(acc_s, row_sum_tile, dim=1)\n",
              "            T.reduce_sum(acc_s, row_sum, dim=1, clear=False)\n", "all"),
-            ("            for i in T.Parallel(WG_ROWS):\n                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]\n", "", "all"),
+            ("            for i in T.Parallel(WG_ROWS):\n"
+             "                row_sum[i] = row_sum[i] * alpha[i] + row_sum_tile[i]\n", "", "all"),
         ],
     ),
     "prologue-cast-in-exp": (
@@ -265,13 +275,15 @@ def nvcc_variants(cu: Path, flags: list, rounds: int) -> None:
                 print(f"  nvcc {name}: failed: {proc.stderr.strip()[-300:]}")
                 continue
             cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-            dump = subprocess.run([tc.cuobjdump, "--dump-sass", str(cu.with_suffix(f".{name}.cubin"))], capture_output=True, text=True, env=tc.subprocess_env()).stdout
+            dump = subprocess.run([tc.cuobjdump, "--dump-sass", str(cu.with_suffix(f".{name}.cubin"))],
+                                  capture_output=True, text=True, env=tc.subprocess_env()).stdout
             sass[name] = hashlib.sha256(dump.encode()).hexdigest()[:12]
     print("\n| nvcc variant | extra flags | CPU min (s) | CPU median (s) | SASS same as baseline |")
     print("| --- | --- | --- | --- | --- |")
     for name, extra in NVCC_VARIANTS.items():
         if cpu[name]:
-            print(f"| {name} | {' '.join(extra) or '-'} | {min(cpu[name]):.2f} | {statistics.median(cpu[name]):.2f} | {sass.get(name) == sass.get('baseline')} |")
+            print(f"| {name} | {' '.join(extra) or '-'} | {min(cpu[name]):.2f} | {statistics.median(cpu[name]):.2f} "
+                  f"| {sass.get(name) == sass.get('baseline')} |")
 
 
 def extract_seed(notes: Path) -> str:
@@ -365,7 +377,8 @@ def worker(kind: str, variant: str, notes: Path, profile: bool, cu_out: str | No
     if cu_out:
         Path(cu_out).write_text(cuda)
     return {"kernel": kind, "variant": variant, "edits": applied, "import_s": t_import, "tir_s": t1 - t0, "passes_s": t2 - t1,
-            "lower_s": t2 - t0, "lower_cpu_s": c2 - c0, "cuda_sha": hashlib.sha256(cuda.encode()).hexdigest()[:12], "cuda_lines": cuda.count("\n"),
+            "lower_s": t2 - t0, "lower_cpu_s": c2 - c0,
+            "cuda_sha": hashlib.sha256(cuda.encode()).hexdigest()[:12], "cuda_lines": cuda.count("\n"),
             "passes": passes, "compile_flags": flags}
 
 
@@ -384,7 +397,8 @@ def time_nvcc(cu: Path, flags: list) -> float:
     from attngen.build import toolchain
 
     t0 = time.perf_counter()
-    proc = subprocess.run(nvcc_command(cu, cu.with_suffix(".cubin"), flags), capture_output=True, text=True, env=toolchain.current().subprocess_env())
+    proc = subprocess.run(nvcc_command(cu, cu.with_suffix(".cubin"), flags),
+                          capture_output=True, text=True, env=toolchain.current().subprocess_env())
     if proc.returncode != 0:
         raise SystemExit(f"build_time.py: nvcc failed on {cu}:\n{proc.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -405,7 +419,8 @@ def verify(variant: str, cache_dir: Path) -> bool:
     from attngen.spec import load
 
     spec = load(ROOT / "examples" / "default.toml")
-    keys = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "dynamic_smem_bytes", "static_smem_bytes", "setmaxnreg_applied", "sass")
+    keys = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "dynamic_smem_bytes", "static_smem_bytes",
+            "setmaxnreg_applied", "sass")
     edits = variant_edits(variant)
     base = "split-masked-loop" if edits and edits[0] is _SPLIT and variant != "split-masked-loop" else "baseline"
     reports = {}
@@ -435,7 +450,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of seed,static,dynamic")
     ap.add_argument("--profile", action="store_true", help="print the slowest passes of each kernel (TVM pass timing)")
     ap.add_argument("--nvcc", action="store_true", help="also time nvcc (the build's command) on each kernel's CUDA")
-    ap.add_argument("--verify", metavar="VARIANT", help="build VARIANT beside the baseline, compare resources, run it on the CPU model; stop")
+    ap.add_argument("--verify", metavar="VARIANT",
+                    help="build VARIANT beside the baseline, compare resources, run it on the CPU model; stop")
     ap.add_argument("--nvcc-variants", action="store_true", help="time nvcc flag variants on the dynamic kernel (NVCC_VARIANTS) and stop")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--list", action="store_true", help="list the variants and stop")
@@ -516,7 +532,8 @@ def main(argv=None) -> int:
     if nv:
         print("\nnvcc (the build's command, round 1): " + ", ".join(f"{k}/{v} {t:.2f} s" for k, v, t in nv))
     imports = [x["import_s"] for x in results]
-    print(f"\nimport tilelang (every cold process pays it, not counted above): min {min(imports):.2f} s, median {statistics.median(imports):.2f} s")
+    print(f"\nimport tilelang (every cold process pays it, not counted above): "
+          f"min {min(imports):.2f} s, median {statistics.median(imports):.2f} s")
     try:
         tc = toolchain.current()
         print(f"toolchain: {tc.kind} nvcc {tc.version}; {os.cpu_count()} CPUs; load average at the end {os.getloadavg()[0]:.2f}")

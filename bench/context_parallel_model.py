@@ -98,7 +98,8 @@ def main(argv=None):
     for r in rows(args):
         print(f"{r['W']:>2} {r['S']:>8} {r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} "
               f"{r['ring_fwd_MB']:>6.1f}/{r['ring_bwd_MB']:<6.1f} {r['nvl_fwd_ms']:>6.3f}/{r['nvl_bwd_ms']:<6.3f} "
-              f"{r['ib_fwd_ms']:>6.3f}/{r['ib_bwd_ms']:<6.3f} {('yes' if r['nvl_hides'] else 'NO'):>5}/{('yes' if r['ib_hides'] else 'NO'):<6} "
+              f"{r['ib_fwd_ms']:>6.3f}/{r['ib_bwd_ms']:<6.3f} "
+              f"{('yes' if r['nvl_hides'] else 'NO'):>5}/{('yes' if r['ib_hides'] else 'NO'):<6} "
               f"{r['allgather_MB']:>10.1f} {r['reducescatter_MB']:>8.1f} {r['zigzag']:>7.2f} {r['contiguous']:>7.2f}")
 
 

@@ -237,7 +237,8 @@ def run(plans: list, jobs: int, cache_dir=None, on_row=None, neighbours: bool = 
 def format_row(i: int, r: Row) -> str:
     if r.error:
         return f"{i:>4}  {r.name:<72} {r.estimate:>4} {r.budget:>4}  BUILD FAILED: {r.error}"
-    spill = f"{r.spill_st}/{r.spill_ld}" + (f" stack {r.stack}" if r.stack else "") + (f" combine {r.combine_spill}" if r.combine_spill else "")
+    spill = (f"{r.spill_st}/{r.spill_ld}" + (f" stack {r.stack}" if r.stack else "")
+             + (f" combine {r.combine_spill}" if r.combine_spill else ""))
     near = "-" if not r.neighbour else f"n{r.neighbour} {r.neighbour_estimate} " + ("spills" if r.neighbour_spills else "FITS")
     return (f"{i:>4}  {r.name:<72} {r.estimate:>4} {r.budget:>4} {r.used or '?':>4} {r.launch:>4}  "
             f"{spill:<14} {f'{r.ldl}/{r.stl}':<7}  {near}" + ("  SPILLS" if r.spills else ""))

@@ -56,7 +56,8 @@ def main():
         agree = (need <= cap) == (spills == 0)
         disagreements += not agree
         verdict = ("fits" if spills == 0 else "spills") + ("" if agree else "  <-- estimate disagrees")
-        print(f"{plan.name:<64} {cap:>4} {need:>8} {sass_max_register(result.cubin_path):>4} {f"{r['spill_store_bytes']}/{r['stack_frame_bytes']}":>13}  {verdict}", flush=True)
+        spill_stack = f"{r['spill_store_bytes']}/{r['stack_frame_bytes']}"
+        print(f"{plan.name:<64} {cap:>4} {need:>8} {sass_max_register(result.cubin_path):>4} {spill_stack:>13}  {verdict}", flush=True)
     print(f"{disagreements} disagreement(s) between the estimate and ptxas")
 
 

@@ -116,7 +116,10 @@ def run_case(case: dict, group=None) -> dict:
         outputs.append(lse)
         cotangents.append(cp.shard_sequence(lse_cotangent(case), dim=2, load_balance=lb, group=group))
     torch.autograd.backward(outputs, cotangents)
-    full = lambda t, dim=1: cp.unshard_sequence(t.detach(), dim=dim, load_balance=lb, group=group)
+
+    def full(t, dim=1):
+        return cp.unshard_sequence(t.detach(), dim=dim, load_balance=lb, group=group)
+
     result = {"out": full(out), "lse": full(lse, 2), "dq": full(parts[0].grad), "dk": full(parts[1].grad),
               "dv": full(parts[2].grad)}
     cp._TEST_ONLY_MUTANT = None

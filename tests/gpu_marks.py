@@ -29,4 +29,5 @@ def has_toolkit() -> bool:
     return True
 
 
-NEEDS_TOOLKIT = pytest.mark.skipif(not has_toolkit(), reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")
+NEEDS_TOOLKIT = pytest.mark.skipif(not has_toolkit(),
+                                   reason="a CUDA toolkit (nvcc: system or the nvidia-cuda-nvcc wheels) is needed to build a kernel")

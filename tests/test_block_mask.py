@@ -166,7 +166,8 @@ def test_a_q_tile_with_no_listed_tile_loads_nothing_and_gives_the_dense_kernels_
 ZERO_VISIT_MUTANTS = {
     "the zero-visit guard dropped": [("if n_tiles > 0:", "if True:")],
     "the zero-visit guard inverted": [("if n_tiles > 0:", "if n_tiles <= 0:")],
-    "an empty Q tile runs one visit (n_tiles >= 1)": [("n_tiles = bm_partial_n + bm_full_n", "n_tiles = T.max(bm_partial_n + bm_full_n, 1)")],
+    "an empty Q tile runs one visit (n_tiles >= 1)":
+        [("n_tiles = bm_partial_n + bm_full_n", "n_tiles = T.max(bm_partial_n + bm_full_n, 1)")],
     "the row sum of a skipped block left unset": [("T.fill(row_sum, 0)", "T.fill(row_sum, 1)")],
 }
 

@@ -202,7 +202,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     casual = tmp_path / "casual.toml"
     casual.write_text("casual = true\n")
     paths = {"{spec}": str(DEFAULT), "{tmp}": str(tmp_path), "{latin1}": str(latin1), "{missing}": str(tmp_path / "no.toml"),
-             "{casual}": str(casual), "{aligned}": str(ROOT / "examples" / "seed_parity.toml"), "{missing_dir}": str(tmp_path / "no" / "dir" / "x"), "{under_file}": str(DEFAULT / "x")}
+             "{casual}": str(casual), "{aligned}": str(ROOT / "examples" / "seed_parity.toml"),
+             "{missing_dir}": str(tmp_path / "no" / "dir" / "x"), "{under_file}": str(DEFAULT / "x")}
 
     def no_work(*a, **k):
         raise AssertionError("did work before rejecting the input")

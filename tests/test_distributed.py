@@ -164,8 +164,8 @@ def merged(parts):
     """(out, lse) from partial results by _merge, starting from no key (out 0, lse -inf)."""
     out = torch.zeros(1, 3, 1, 2)
     lse = torch.full((1, 1, 3), float("-inf"))
-    for o, l in parts:
-        cp._merge(out, lse, slice(0, 3), o, l)
+    for part_out, part_lse in parts:
+        cp._merge(out, lse, slice(0, 3), part_out, part_lse)
     return out, lse
 
 

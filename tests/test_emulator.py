@@ -100,7 +100,7 @@ def test_bad_arguments_are_rejected_before_running():
         emulate(spec, q, k, v, policy="fastest")
     with pytest.raises(ValueError, match="head_dim"):
         emulate(attngen.Spec(head_dim=128), q, k, v)
-    with pytest.raises(InputError, match="gqa group"):  # the runtime's checks (attngen/inputs.py)
+    with pytest.raises(InputError, match="gqa group"):  # the runtime's checks (attngen/run/inputs.py)
         emulate(spec, q[:, :, :1], k, v)
     with pytest.raises(InputError, match="multiple of block_n"):
         emulate(spec, q, k[:, :100], v[:, :100])
@@ -221,7 +221,8 @@ def test_unsupported_construct_names_it_and_its_line():
 
 def test_if_on_element_values_is_unsupported():
     spec = attngen.Spec()
-    src = mutate(spec, "            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0\n",
+    src = mutate(spec, "            acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])"
+                       "  # a row that sees no key gives 0\n",
                  "            if row_sum[i] > 0:\n                acc_o[i, j] /= row_sum[i]\n")
     q, k, v = inputs(spec, 1, 1, 64, 64)
     with pytest.raises(UnsupportedConstruct, match="T.if_then_else") as e:

@@ -207,9 +207,9 @@ def test_an_fa3_argument_attngen_cannot_serve_is_refused_by_name(name, arg, valu
 
 def test_k_and_v_are_appended_together():  # the append itself: tests/test_kv_append.py
     q, k, v = QKV
-    for given, missing in (({"k": k[:, :1]}, "v"), ({"v": v[:, :1]}, "k")):
+    for appended, missing in (({"k": k[:, :1]}, "v"), ({"v": v[:, :1]}, "k")):
         with pytest.raises(InputError, match=f"^{missing} = NoneType: .*appended together"):
-            fa.flash_attn_with_kvcache(q, rand(1, 16, 2, D), rand(1, 16, 2, D), cache_seqlens=3, **given)
+            fa.flash_attn_with_kvcache(q, rand(1, 16, 2, D), rand(1, 16, 2, D), cache_seqlens=3, **appended)
 
 
 @pytest.mark.parametrize("name", sorted(FA3))

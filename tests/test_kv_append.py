@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache(q, k_cache, v_cache, k=, v=, cache_seqlens=, page_table=): the append
-companion kernel (templates/fa3_kv_append.py.j2) on the CPU model, then the attention over
+companion kernel (templates/append/fa3_kv_append.py.j2) on the CPU model, then the attention over
 cache_seqlens + seqlen_new keys (docs/interfaces.md).
 
 - The cache after a call equals the expected cache byte for byte: every row outside the appended

@@ -31,6 +31,7 @@ def test_static_shape_specializes():
 
 
 def test_lowering_failure_names_the_kernel():
-    broken = attngen.render_source(attngen.Spec()).replace("T.reduce_max(acc_s, m_cur, dim=1, clear=False)", "T.reduce_max(acc_s, m_cur, dim=7)", 1)
+    source = attngen.render_source(attngen.Spec())
+    broken = source.replace("T.reduce_max(acc_s, m_cur, dim=1, clear=False)", "T.reduce_max(acc_s, m_cur, dim=7)", 1)
     with pytest.raises(LowerError, match="fa3_fwd_hd128"):
         lower_source(broken, "fa3_fwd_hd128_broken")

@@ -70,13 +70,19 @@ def test_the_readme_says_how_a_machine_without_a_gpu_installs_torchs_cpu_build()
 
 
 def test_the_module_table_lists_every_module_once():
-    """Issue 25: render_bwd was listed twice and five modules not at all."""
+    """Issue 25: render_bwd was listed twice and five modules not at all. Issue 26: the table names
+    every package folder, nested ones included (kernels/fwd, ...), each template family's folder and
+    every top-level module, so it stays true when a folder's files split."""
     import re
 
     text = (ROOT / "README.md").read_text()
-    table = [line for line in text.splitlines() if line.startswith("| `attngen/")]
-    named = [m for line in table for m in re.findall(r"`attngen/([\w/]+?)(?:\.py)?/?`", line.split(" | ")[0])]
+    table = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| `attngen/")]
+    named = [m for cell in table for m in re.findall(r"`attngen/([\w/]+?)(?:\.py)?/?`", cell)]
     modules = {p.stem for p in (ROOT / "attngen").glob("*.py") if not p.stem.startswith("__")}
-    packages = {p.parent.name for p in (ROOT / "attngen").glob("*/__init__.py")}
+    packages = {p.parent.relative_to(ROOT / "attngen").as_posix() for p in (ROOT / "attngen").glob("*/**/__init__.py")}
+    families = {p.name for p in (ROOT / "templates").iterdir() if p.is_dir() and list(p.glob("*.j2"))}
+    assert "kernels/fwd" in packages and "fwd" in families  # the scan sees the nested folders
     assert sorted(named) == sorted(set(named)), "a module listed twice"
-    assert modules | packages <= set(named)
+    assert modules | packages <= set(named), "a module or package folder the table does not name"
+    template_folders = {m for cell in table for m in re.findall(r"`templates/(\w+)/`", cell)}
+    assert families <= template_folders, "a template family the table does not name"

@@ -1,4 +1,4 @@
-"""The fp64 gradient reference (attngen/reference_bwd.py) against torch float64 autograd of an fp64
+"""The fp64 gradient reference (attngen/reference/backward.py) against torch float64 autograd of an fp64
 forward written here in torch, independently of attngen's numpy code (its own masks, its own
 score_mod evaluator); the symbolic score_mod derivative against finite differences; and the
 backward tolerance rule, shown to pass an honest low-precision computation and to fail a broken one."""

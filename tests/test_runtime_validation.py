@@ -240,7 +240,8 @@ def test_mixed_devices_rejected():
 
 def test_kernel_call_validates_before_launch():
     launched = []
-    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled", compile_seconds=0.0)
+    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+                            compile_seconds=0.0)
     q, k, v = tensors()
     with raises("q.device", "cpu"):
         kernel(q, k, v)
@@ -316,7 +317,8 @@ def test_property_one_mutation_one_named_error(p, mutation):
         "dtype": ("k", lambda: (q, meta(k.shape, other), v), "k.dtype"),
         "head_dim": ("q", lambda: (meta((*q.shape[:3], 96), p["dtype"]), k, v), "q.shape[3] (head_dim)"),
         "group": ("q", lambda: (meta((p["b"], p["sq"], h + p["hkv"], p["d"]), p["dtype"]), k, v), "q.shape[2] / k.shape[2] (gqa group)"),
-        "batch": ("k", lambda: (q, meta((p["b"] + 1, *k.shape[1:]), p["dtype"]), meta((p["b"] + 1, *k.shape[1:]), p["dtype"])), "k.shape[0] (batch)"),
+        "batch": ("k", lambda: (q, meta((p["b"] + 1, *k.shape[1:]), p["dtype"]), meta((p["b"] + 1, *k.shape[1:]), p["dtype"])),
+                  "k.shape[0] (batch)"),
         "v_len": ("v", lambda: (q, k, meta((p["b"], p["skv"] + 1, *v.shape[2:]), p["dtype"])), "v.shape"),
     }
     if mutation == "none":
@@ -462,7 +464,7 @@ def emu_inputs():
     (lambda q, k, v: (q.tolist(), k, v), "q", ["list", "numpy array"]),
     (lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), "q.dtype", ["bfloat16", "float16, the spec's dtype"]),
     (lambda q, k, v: (q.numpy().astype(np.int32), k, v), "q.dtype", ["int32"]),
-    # the runtime's own checks and wording (attngen/inputs.py)
+    # the runtime's own checks and wording (attngen/run/inputs.py)
     (lambda q, k, v: (q, k[..., :32], v[..., :32]), "k.shape[3] (head_dim)", ["= 32", "64, the spec's head_dim"]),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q.shape[3] (head_dim)", ["= 32", "64"]),
     (lambda q, k, v: (q[0], k, v), "q.shape", ["4 dimensions"]),
@@ -530,7 +532,7 @@ def test_emulate_checks_call_time_tensors_as_the_runtime_does(change, argument, 
     lambda qkv, t: qkv.__setitem__(0, torch.cat([qkv[0]] * 2, dim=2)),
 ])
 def test_the_cpu_model_and_the_runtime_refuse_a_call_with_one_error(change):
-    """One home (attngen/inputs.py): the same bad call gives the same InputError on both paths."""
+    """One home (attngen/run/inputs.py): the same bad call gives the same InputError on both paths."""
     qkv, tensors = sinks_inputs()
     qkv = list(qkv)
     change(qkv, tensors)

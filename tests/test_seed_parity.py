@@ -367,7 +367,8 @@ FLOOR = f"(-0x1.fffffep+126f/*-1.701412e+38*/ / max({SCALE}, 0x1p+0f/*1.000000e+
     ("-0x1.fffffep+126f/*-1.701412e+38*/", "-0x1.fffffep+127f/*-3.402823e+38*/"),  # one floor not halved: -inf once scaled by > 1
     ("0x1p+0f/*1.000000e+00*/))", "0x1p-1f/*5.000000e-01*/))"),  # one floor's divisor bounded below by 0.5, not 1
     ("(i_22 & 1)] == 0x0p+0f", "(i_22 & 1)] <= 0x0p+0f"),  # one epilogue's select under another test
-    (f"(m_cur[(i_7 & 1)] * {SCALE})", "(m_cur[(i_7 & 1)] * (softmax_scale * 0x1.62e42fefa39efp-1f/*6.931472e-01*/))"),  # ln 2 for LOG2E in one factor
+    # ln 2 for LOG2E in one factor
+    (f"(m_cur[(i_7 & 1)] * {SCALE})", "(m_cur[(i_7 & 1)] * (softmax_scale * 0x1.62e42fefa39efp-1f/*6.931472e-01*/))"),
     ("V_desc, float softmax_scale);", "V_desc, double softmax_scale);"),  # the declaration's parameter of another type
 ])
 def test_the_comparison_catches_a_changed_statement(lowered, seed_cuda, edit):

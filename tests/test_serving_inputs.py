@@ -494,11 +494,11 @@ def ground_truth(x, causal, lowprec_dtype=None, **variant):
             continue
         if lowprec_dtype:
             o = attention_lowprec(q[None], k[None], v[None], causal, lowprec_dtype, batch_offset=b, **variant)
-            l = np.zeros((1, q.shape[1], len(q)))
+            lse = np.zeros((1, q.shape[1], len(q)))
         else:
-            o, l = attention(q[None], k[None], v[None], causal, batch_offset=b, **variant)
+            o, lse = attention(q[None], k[None], v[None], causal, batch_offset=b, **variant)
         outs.append(o[0])
-        lses.append(l[0])
+        lses.append(lse[0])
     return outs, lses
 
 

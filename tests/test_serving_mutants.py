@@ -175,7 +175,8 @@ MUTANTS = [
            "reference", dict(VARLEN_SPEC, causal=False),
            chain(replace("T.if_then_else(j < kv_len,", "T.if_then_else(k_start + j < total_k,", 1),
                  replace("T.if_then_else(k * BLOCK_N + j < kv_len,", "T.if_then_else(k_start + k * BLOCK_N + j < total_k,", 1),
-                 replace("q_len, kv_len, q_start, softmax_scale)", "q_len, kv_len, q_start, k_start, softmax_scale)", 2))),  # the macro's def and call
+                 # the macro's def and call
+                 replace("q_len, kv_len, q_start, softmax_scale)", "q_len, kv_len, q_start, k_start, softmax_scale)", 2))),
     Mutant("causal_offset_of_sequence_0", "causal_offset from sequence 0's lengths, not this sequence's",
            "reference", dict(VARLEN_SPEC, causal=True),
            replace("causal_offset = kv_len - q_len",

@@ -281,7 +281,9 @@ def test_softcap_names_keep_their_tokens_and_tell_close_values_apart():
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(FIELDS + ("stages", "headdim")), st.one_of(st.integers(-5, 300), st.text(max_size=8), st.booleans(), st.none(), st.floats(allow_nan=False)), max_size=5))
+@given(st.dictionaries(st.sampled_from(FIELDS + ("stages", "headdim")),
+                       st.one_of(st.integers(-5, 300), st.text(max_size=8), st.booleans(), st.none(), st.floats(allow_nan=False)),
+                       max_size=5))
 def test_arbitrary_input_raises_spec_error_and_nothing_else(data):
     try:
         plan = make_plan(from_dict(data))

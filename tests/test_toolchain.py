@@ -34,7 +34,8 @@ def fake_toolkit(root: Path, release: str) -> Path:
 
 @pytest.fixture
 def kits(tmp_path):
-    return fake_toolkit(tmp_path / "home", "12.8.93"), fake_toolkit(tmp_path / "onpath", "12.9.41"), fake_toolkit(tmp_path / "pip", "13.0.88")
+    return (fake_toolkit(tmp_path / "home", "12.8.93"), fake_toolkit(tmp_path / "onpath", "12.9.41"),
+            fake_toolkit(tmp_path / "pip", "13.0.88"))
 
 
 def test_cuda_home_comes_first(kits):
@@ -54,7 +55,8 @@ def test_the_wheels_when_nothing_else(kits, tmp_path):
     _, _, pip = kits
     tc = toolchain.find({"PATH": str(tmp_path)}, pip_home=pip)
     assert (tc.kind, tc.found_by, tc.nvcc, tc.version) == ("pip", "pip", str(pip / "bin" / "nvcc"), "13.0.88")
-    assert tc.describe() == {"kind": "pip", "found_by": "pip", "nvcc": str(pip / "bin" / "nvcc"), "version": "13.0.88", "cuda_home": str(pip)}
+    assert tc.describe() == {"kind": "pip", "found_by": "pip", "nvcc": str(pip / "bin" / "nvcc"), "version": "13.0.88",
+                             "cuda_home": str(pip)}
     # CUDA_HOME pointing at the wheels' folder (as hand_to_tilelang sets it) is still the pip toolkit
     assert toolchain.find({"CUDA_HOME": str(pip), "PATH": ""}, pip_home=pip).kind == "pip"
 
@@ -117,7 +119,7 @@ def hidden_env(tmp_path: Path) -> dict:
 
 def test_hidden_toolkit_hands_the_wheels_to_tilelang(tmp_path):
     """TileLang (the runtime's tilelang.compile) runs the same pip nvcc as attngen build."""
-    code = ("import attngen.build.lower, tilelang.contrib.nvcc as n; from attngen import toolchain; "
+    code = ("import attngen.build.lower, tilelang.contrib.nvcc as n; from attngen.build import toolchain; "
             "print(n.get_nvcc_compiler()); print(toolchain.current().nvcc); print(toolchain.current().kind)")
     proc = subprocess.run([sys.executable, "-c", code], env=hidden_env(tmp_path), capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

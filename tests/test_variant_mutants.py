@@ -36,7 +36,8 @@ def softcap_after_mask(source):
     masked keys get -SOFTCAP, not -inf."""
     pattern = re.compile(
         r"(?P<mod>( +)for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):  # softcap[^\n]*\n[^\n]*\n)"
-        r"(?P<mask>(\2full_tiles = [^\n]*\n)?\2if [^\n]*\n(\2    diag\w* = [^\n]*\n)?\2    for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
+        r"(?P<mask>(\2full_tiles = [^\n]*\n)?\2if [^\n]*\n(\2    diag\w* = [^\n]*\n)?"
+        r"\2    for i, j in T\.Parallel\(WG_ROWS, BLOCK_N\):\n[^\n]*T\.if_then_else\([^\n]*\n)")
     out, n = pattern.subn(lambda m: m["mask"] + m["mod"], source)
     assert n >= 2, "edit no longer applies: the prologue's and the steady loop's transform, each followed by a mask"
     return out

@@ -208,7 +208,8 @@ CASES = [
     (dict(head_dim=128, head_dim_v=64, consumers=3, block_n=64), (1, 1, 200, 333)),
     (dict(score_mod="score + rel[h, q_idx - kv_idx + 64] * 0.5", lse=True, gqa_group=2), (1, 1, 150, 180)),
     (dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]", causal=True, lse=True), (2, 1, 190, 257)),
-    (dict(softcap=5.0, alibi=True, sinks=True, score_mod="score * 0.5 + bias[h]", mask_mod="kv_idx != q_idx + 3", window=[90, 40], lse=True, head_dim=64, head_dim_v=128, aligned=True),
+    (dict(softcap=5.0, alibi=True, sinks=True, score_mod="score * 0.5 + bias[h]", mask_mod="kv_idx != q_idx + 3", window=[90, 40],
+          lse=True, head_dim=64, head_dim_v=128, aligned=True),
      (1, 1, 256, 384)),
 ]
 
@@ -231,7 +232,8 @@ WINDOW_EDGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fields, q_len, max_kv", WINDOW_EDGE_CASES, ids=lambda x: make_plan(Spec(**x)).name if isinstance(x, dict) else None)
+@pytest.mark.parametrize("fields, q_len, max_kv", WINDOW_EDGE_CASES,
+                         ids=lambda x: make_plan(Spec(**x)).name if isinstance(x, dict) else None)
 def test_window_edges_at_tile_multiples_match_the_reference(fields, q_len, max_kv):
     plan = make_plan(Spec(**fields))
     lens = window_edge_kv_lens(plan, q_len, max_kv)

@@ -88,7 +88,8 @@ def parse_ptxas(text: str, kernel: str) -> dict:
 def sass_census(cubin: Path) -> dict:
     tc = toolchain.current()
     if tc.cuobjdump is None:
-        raise BuildError("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (or put the CUDA toolkit's cuobjdump on PATH)")
+        raise BuildError("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` "
+                         "(or put the CUDA toolkit's cuobjdump on PATH)")
     # cuobjdump runs nvdisasm found on PATH: the toolkit's bin folders come first
     proc = subprocess.run([tc.cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, env=tc.subprocess_env())
     if proc.returncode != 0:
@@ -135,7 +136,8 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
             t_nvcc = time.perf_counter() - t0
             ptxas_text = proc.stdout + proc.stderr
             if proc.returncode != 0:
-                raise BuildError(f"nvcc failed for {name} (exit {proc.returncode}):\n{ptxas_text.strip()[-3000:]}\ncommand: {' '.join(cmd)}")
+                raise BuildError(f"nvcc failed for {name} (exit {proc.returncode}):\n{ptxas_text.strip()[-3000:]}\n"
+                                 f"command: {' '.join(cmd)}")
             (work / "ptxas.txt").write_text(ptxas_text)
             ptxas = parse_ptxas(ptxas_text, f"{name}_kernel")
             sass = sass_census(cubin)

@@ -157,7 +157,8 @@ def find(environ=None, pip_home=None) -> Toolchain:
         if home:
             nvcc = Path(home) / "bin" / "nvcc"
             if not nvcc.is_file():
-                raise ToolchainError(f"{var}={home} holds no bin/nvcc: point {var} at a CUDA toolkit, or unset it to use nvcc on PATH or the pip wheels")
+                raise ToolchainError(f"{var}={home} holds no bin/nvcc: point {var} at a CUDA toolkit, "
+                                     "or unset it to use nvcc on PATH or the pip wheels")
             found_by = "pip" if home == _handed_home else var
             return Toolchain(found_by, str(nvcc), str(Path(home)), path, pip_home)
     on_path = shutil.which("nvcc", path=path)

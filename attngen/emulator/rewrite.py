@@ -45,7 +45,8 @@ def _call(name: str, args, node) -> ast.Call:
 
 
 def _thunk(expr) -> ast.Lambda:
-    lam = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]), body=expr)
+    no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
+    lam = ast.Lambda(args=no_args, body=expr)
     return _at(lam, expr)
 
 

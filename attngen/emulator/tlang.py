@@ -666,7 +666,6 @@ class TLang:
             raise UnsupportedConstruct(f"T.atomic_add(memory_order={memory_order!r}): atomics that order other "
                                        "memory accesses are not modeled (relaxed, the default, is)")
         tracker = rt.cta.tracker
-        agent = rt.agent
         if isinstance(dst, ElementRef):
             if use_tma:
                 raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global "

@@ -17,8 +17,8 @@ largest reference output (2**-10 for float16, 2**-7 for bfloat16, times max|ref|
 output (an average of many values) is held to its own scale. Non-finite values: a position
 where the reference is NaN (or +-inf) must be NaN (or the same inf) in `out`; every other
 position must be finite. A reference that is NaN or inf although every input is finite is a
-FAIL whatever `out` holds (`Check.note` says why): the spec's own arithmetic is undefined there. docs/emulator.md, "The tolerance rule", has the reasoning and the
-measured numbers.
+FAIL whatever `out` holds (`Check.note` says why): the spec's own arithmetic is undefined there.
+docs/emulator.md, "The tolerance rule", has the reasoning and the measured numbers.
 """
 
 from __future__ import annotations
@@ -65,11 +65,13 @@ def check_scale(value, head_dim: int, argument: str = "softmax_scale") -> float:
     if value is None:
         return default_scale(head_dim)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InputError(argument, type(value).__name__, f"a finite positive float (omitted: 1/sqrt(head_dim) = {default_scale(head_dim):.6g})")
+        raise InputError(argument, type(value).__name__,
+                         f"a finite positive float (omitted: 1/sqrt(head_dim) = {default_scale(head_dim):.6g})")
     x = float(value)
     f32 = np.finfo(np.float32)
     if not float(f32.tiny) <= x <= float(f32.max):  # NaN fails too; a subnormal would flush to 0 under the kernel's fast math
-        raise InputError(argument, repr(value), f"a positive float from {f32.tiny:.3g} to {f32.max:.3g} (a normal float32, the kernel's type); "
+        raise InputError(argument, repr(value),
+                         f"a positive float from {f32.tiny:.3g} to {f32.max:.3g} (a normal float32, the kernel's type); "
                          f"omitted: 1/sqrt(head_dim) = {default_scale(head_dim):.6g}")
     return x
 
@@ -146,7 +148,8 @@ def _check_shapes(q, k, v):
         raise ValueError(f"expected 4-d BSHD tensors, got q {q.shape}, k {k.shape}, v {v.shape}")
     b, _, h, d = q.shape
     if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:  # v's head dim may differ (head_dim_v)
-        raise ValueError(f"k and v must be [B, Skv, HKV, D] and [B, Skv, HKV, DV] matching q [B, Sq, H, D]: q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(f"k and v must be [B, Skv, HKV, D] and [B, Skv, HKV, DV] matching q [B, Sq, H, D]: "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
     hkv = k.shape[2]
     if hkv == 0 or h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of KV heads {hkv}")

@@ -170,7 +170,8 @@ def run_stamped(plan, args, block, repeats: int = 20):
     t_stamped = timed(lambda: jit(q, k, v, out, stamps))
     rows = stamps.cpu().tolist()
     counts = [sum(1 for x in r if x) for r in rows]
-    overhead = f"{100 * (t_stamped / t_plain - 1):+.1f}% (plain {t_plain * 1000:.1f} us, stamped {t_stamped * 1000:.1f} us, median of {repeats})"
+    overhead = (f"{100 * (t_stamped / t_plain - 1):+.1f}% "
+                f"(plain {t_plain * 1000:.1f} us, stamped {t_stamped * 1000:.1f} us, median of {repeats})")
     return [r[:c] for r, c in zip(rows, counts)], overhead
 
 
