@@ -22,7 +22,7 @@ from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, make_plan  # noqa: E402
 from attngen.kernels.fwd.render import generate, render_source  # noqa: E402
 from attngen.emulator import emulate, emulate_backward  # noqa: E402
-from attngen.run.runtime import compile_kernel  # noqa: E402
+from attngen.run.forward import compile_kernel  # noqa: E402
 
 
 def __getattr__(name):

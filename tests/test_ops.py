@@ -582,12 +582,12 @@ def test_a_long_cpu_run_is_refused_with_its_estimate(monkeypatch):
 @GPU_ONLY[0]
 @GPU_ONLY[1]
 def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
-    from attngen.run import runtime
+    from attngen.run import forward
 
     q, k, v = (t.cuda() for t in qkv(300, 517, heads=4, kv_heads=4, head_dim=128))  # the default preset's kernel
     out = attngen.attention(q, k, v, causal=True)
     plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
-    assert torch.equal(out, runtime.compile_kernel(plan)(q, k, v))
+    assert torch.equal(out, forward.compile_kernel(plan)(q, k, v))
 
     def f(q, k, v):
         return attngen.attention(q, k, v, causal=True)

@@ -742,14 +742,14 @@ from compile_count import count_compiles
 
 calls = count_compiles()
 from attngen import Spec
-from attngen.run import runtime
+from attngen.run import backward, runtime
 
 spec = Spec(head_dim=64, causal=True, gqa_group=2)
 if sys.argv[1] == "precompile":
-    done = runtime.precompile_backward(spec)
+    done = backward.precompile_backward(spec)
     print(json.dumps({"calls": calls, "path": str(done.path), "cached": done.cached}))
 else:
-    kernel = runtime.compile_backward(spec)
+    kernel = backward.compile_backward(spec)
     print(json.dumps({"calls": calls, "path": kernel.cache_path, "origin": kernel.origin, "parts": sorted(kernel.jits)}))
 """
 

@@ -762,7 +762,7 @@ def kernel_block_mask(bm, bshape, head_dim: int, dtype, head_dim_v: int, kw: dic
     largest block_n that plan and divide or are divided by its blocks (BlockMask.retiled). `fields`:
     the call's block_m/block_n (kernel_options), the only tiles then tried."""
     from attngen.kernels.fwd.plan import BLOCK_N_CANDIDATES, make_plan
-    from attngen.run.runtime import spec_dtype
+    from attngen.run.checks import spec_dtype
     from attngen.spec import Spec, SpecError
 
     if not isinstance(bm, BlockMask):

@@ -37,9 +37,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from attngen import expr
-from attngen.run import runtime
-from attngen.run import serving
-from attngen.run import tuning_table
+from attngen.run import append, backward, checks, forward, inputs, runtime
+from attngen.run import serving, tuning_table
 from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
@@ -273,12 +272,12 @@ def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
     """Every check of runtime's launch path but the device's (the serving call, or None, and the
     extra tensors in kernel order)."""
     if serving_of(plan).uses_serving or any(x is not None for x in keywords.values()):
-        ints = {n: keywords[n] for n in runtime.INT_TENSORS}
+        ints = {n: keywords[n] for n in checks.INT_TENSORS}
         call = serving.check_serving(plan, q, k, v, **keywords)
-        runtime.check_serving_tensors(plan, call, q, k, v, None, ints)
-        return call, runtime.check_extra(plan, runtime.extra_dims(call), tensors)
-    dims = runtime.check_tensors(plan, q, k, v)
-    return None, runtime.check_extra(plan, dims, tensors)
+        inputs.check_serving_tensors(plan, call, q, k, v, None, ints)
+        return call, inputs.check_extra(plan, inputs.extra_dims(call), tensors)
+    dims = inputs.check_tensors(plan, q, k, v)
+    return None, inputs.check_extra(plan, dims, tensors)
 
 
 def _one_device(given: dict) -> None:
@@ -348,7 +347,7 @@ def check_attention(q, k, v, **kwargs) -> None:
     args, _ = fwd_arguments(q, k, v, **kwargs)
     *_, devices = _checked(*args)
     if q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
+        checks.check_device(devices)  # one sm_90 device
     elif q.device.type != "cpu":
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
@@ -361,8 +360,8 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     if q.device.type == "cpu":
         result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
-        kernel = runtime.compile_kernel(plan)
+        checks.check_device(devices)  # one sm_90 device
+        kernel = forward.compile_kernel(plan)
         if call is not None:
             result = kernel._launch_serving(call, q, k, v, None, extra, scale)
         else:
@@ -377,7 +376,7 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
 
 def _packed(t):
     """t with the packed strides the fake promises (an empty array from numpy has strides 0)."""
-    if tuple(t.stride()) == runtime.packed_strides(t.shape):
+    if tuple(t.stride()) == inputs.packed_strides(t.shape):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
@@ -401,7 +400,7 @@ def out_metadata(q, v, fields: str, cu_seqlens_q) -> tuple[list, list]:
 @fwd.register_fake
 def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
               cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
-    if runtime.spec_dtype(q.dtype) is None:
+    if checks.spec_dtype(q.dtype) is None:
         raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() != rank or v.dim() != k.dim():
@@ -417,7 +416,7 @@ def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:
     The fakes check that they share a device: a meta tensor among CPU or CUDA ones sends the call
     to the fake (Meta outranks both in the dispatcher), whose empty output would be returned."""
     return {"q": q, "k": k, "v": v} | dict(zip(_names(tensor_names), tensors)) | {
-        n: t for n, t in zip(runtime.INT_TENSORS, serving_tensors) if t is not None}
+        n: t for n, t in zip(checks.INT_TENSORS, serving_tensors) if t is not None}
 
 
 # -- the backward op ---------------------------------------------------------------------------------
@@ -438,7 +437,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     if q.device.type == "cpu":
         _one_device(devices)
     elif q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
+        checks.check_device(devices)  # one sm_90 device
     else:
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     if call is not None and call.empty:  # no query row (as the forward): nothing to launch, every gradient 0
@@ -449,7 +448,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
         grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, dlse=dlse, softmax_scale=scale, **named,
                                  **serving_given)
     else:
-        grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
+        grads = backward.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
                                                    softmax_scale=scale, dlse=dlse)
     dq, dk, dv, *rest = grads
     dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
@@ -467,7 +466,7 @@ def _check_saved(plan: Plan, dout, out, lse, dlse=None) -> None:
         raise InputError("lse", f"shape {list(lse.shape)}", "the forward's LSE: the backward reads it (call the "
                                                             "forward with lse true, as autograd does)")
     for name, t in (("dout", dout), ("out", out)):  # the kernels' layout rules (TMA, packed), on CPU too
-        runtime.check_layout(name, t)
+        inputs.check_layout(name, t)
     if dlse is not None and (tuple(dlse.shape) != tuple(lse.shape) or dlse.dtype != torch.float32):
         raise InputError("dlse", f"{dlse.dtype} {list(dlse.shape)}", f"a torch.float32 tensor of shape "
                                                                      f"{list(lse.shape)}, the LSE's")
@@ -550,7 +549,7 @@ APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, T
 
 def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
     """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
-    compiled append kernel (runtime.append_kv); on CPU the same emitted kernel on the CPU model,
+    compiled append kernel (append.append_kv); on CPU the same emitted kernel on the CPU model,
     whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
     ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
@@ -571,7 +570,7 @@ def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
             k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
             v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
     elif k_cache.device.type == "cuda":
-        runtime.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        append.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
     else:
         raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
