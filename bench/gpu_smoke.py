@@ -126,7 +126,8 @@ def launch_serving_once(plan, kernel) -> str:
 
     from attngen.emulator.driver import serving_lengths
     from attngen.run.checks import check_written
-    from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+    from attngen.reference.serving import check_serving_close, random_serving_inputs
+    from attngen.run.serving import check_serving
 
     spec = plan.spec
     lq, lk = serving_lengths(spec.layout, 200, 333, paged=spec.paged_kv)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from attngen.run import checks, forward, runtime
-from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.reference.serving import check_serving_close, random_serving_inputs
+from attngen.run.serving import check_serving
 from gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
 from attngen.interfaces import ops
+from attngen.reference.serving import random_serving_inputs
 from attngen.run import serving
 from attngen.emulator import driver
 from attngen.emulator.driver import variant_inputs
@@ -281,7 +282,7 @@ def test_dynamic_compile_serves_three_varlen_batches_with_one_compilation():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
     for lq, lk in (([5, 33], [40, 70]), ([17, 2, 9], [17, 30, 100]), ([64, 1], [64, 129])):
-        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=1)
+        x = random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=1)
         args = (as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16),
                 as_torch(x.cu_seqlens_q), as_torch(x.cu_seqlens_k), x.max_seqlen_q)
         assert torch.equal(compiled(*args), f(*args))
@@ -446,7 +447,7 @@ def opcheck_cases():
     yield "dense", ops.fwd_arguments(q, k, v, causal=True)[0]
     yield "lse, sinks, softcap", ops.fwd_arguments(q, k, v, return_lse=True, sinks=torch.ones(4), softcap=10.0,
                                                    softmax_scale=0.3)[0]
-    x = serving.random_serving_inputs("varlen", True, 64, "float16", 64, None, [5, 0, 33], [70, 3, 1], 4, 2, seed=1)
+    x = random_serving_inputs("varlen", True, 64, "float16", 64, None, [5, 0, 33], [70, 3, 1], 4, 2, seed=1)
     yield "varlen paged split", ops.fwd_arguments(
         as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16), causal=True,
         return_lse=True, cu_seqlens_q=as_torch(x.cu_seqlens_q), max_seqlen_q=x.max_seqlen_q,
@@ -474,7 +475,7 @@ def preset_call(path):
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
     if f.uses_serving:
         lq = [17, 1] if f.varlen else [9, 9]
-        x = serving.random_serving_inputs(spec.layout, f.paged, f.page_size, spec.dtype, spec.head_dim, f.head_dim_v,
+        x = random_serving_inputs(spec.layout, f.paged, f.page_size, spec.dtype, spec.head_dim, f.head_dim_v,
                                           lq, [70, 5], heads, kv_heads, seed=2)
         keywords = {n: as_torch(a) for n, a in x.keywords.items()}
         return (as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype)), {**kw, **keywords}
@@ -512,7 +513,7 @@ def test_fake_matches_the_real_outputs_for_drawn_specs_and_shapes(spec, data):
 @settings(max_examples=10)
 @given(batch=ragged_batches(block_m=128, block_n=128, max_tiles=1, groups=(1, 2)), lse=st.booleans())
 def test_fake_matches_the_real_outputs_for_drawn_serving_calls(batch, lse):
-    x = serving.random_serving_inputs(**batch["inputs"])
+    x = random_serving_inputs(**batch["inputs"])
     dtype = getattr(torch, batch["inputs"]["dtype"])
     keywords = {n: as_torch(a) for n, a in x.keywords.items()}
     args, _ = ops.fwd_arguments(as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype), causal=True,
@@ -554,7 +555,7 @@ def test_the_estimate_counts_a_serving_call(preset, lq, lk, splits):
     plan = make_plan(load(ROOT / "examples" / f"{preset}.toml"))
     f = serving.serving_fields(plan)
     kv_heads = 1 if plan.spec.gqa_group > 1 else 2
-    x = serving.random_serving_inputs(plan.spec.layout, f.paged, f.page_size, plan.spec.dtype, plan.spec.head_dim, None,
+    x = random_serving_inputs(plan.spec.layout, f.paged, f.page_size, plan.spec.dtype, plan.spec.head_dim, None,
                                       lq, lk, plan.spec.gqa_group * kv_heads, kv_heads, seed=3)
     keywords = dict(x.keywords, num_splits=splits)
     _, stats = driver.emulate_stats(plan, x.q, x.k, x.v, serving=keywords)
@@ -601,7 +602,7 @@ def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
 def test_cuda_op_runs_a_varlen_call_like_the_runtime():
     from attngen.run import runtime
 
-    x = serving.random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
+    x = random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
     q, k, v = (as_torch(a, torch.bfloat16).cuda() for a in (x.q, x.k, x.v))
     keywords = dict(cu_seqlens_q=as_torch(x.cu_seqlens_q).cuda(), cu_seqlens_k=as_torch(x.cu_seqlens_k).cuda(),
                     max_seqlen_q=x.max_seqlen_q)

@@ -336,9 +336,9 @@ def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypa
     """A paged cache, and deterministic varlen GQA with ALiBi (plan_backward's refusals), were run
     forward and refused only at backward() (issue 25): a call that needs a gradient is refused
     first, with the same one-line SpecError; without one (no_grad, or nothing requires grad) it runs."""
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
-    x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
+    x = random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
     q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
     k, v = (torch.from_numpy(np.array(t)).half() for t in (x.k, x.v))
     paged = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
@@ -458,7 +458,7 @@ def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_and_scales
 def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_one_compilation():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
     def loss(q, k, v, cu_q, cu_k, max_q):
         return attngen.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -468,7 +468,7 @@ def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_on
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend=counter)
     for lq, lk in (([5, 17], [20, 30]), ([9, 2, 12], [9, 30, 25]), ([24, 1], [24, 40])):
-        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=len(lq))
+        x = random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=len(lq))
         q, k, v = (torch.from_numpy(np.array(t)).half().requires_grad_() for t in (x.q, x.k, x.v))
         ints = [torch.from_numpy(np.array(x.cu_seqlens_q)), torch.from_numpy(np.array(x.cu_seqlens_k))]
         compiled(q, k, v, *ints, x.max_seqlen_q).backward()
@@ -533,7 +533,7 @@ def backward_presets():
 
 @pytest.mark.parametrize("path", list(backward_presets()), ids=lambda p: p.stem)
 def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path):
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
     spec = load(path)
     plan = make_plan(spec)
@@ -541,7 +541,7 @@ def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
     dtype = getattr(torch, spec.dtype)
     if plan.varlen:  # packed sequences, one of them a single row
-        x = serving.random_serving_inputs("varlen", False, None, spec.dtype, spec.head_dim, None, [17, 1], [30, 5],
+        x = random_serving_inputs("varlen", False, None, spec.dtype, spec.head_dim, None, [17, 1], [30, 5],
                                           heads, kv_heads, seed=2)
         q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (x.q, x.k, x.v))
         named = {n: (torch.from_numpy(np.array(a)) if not isinstance(a, int) else a) for n, a in x.keywords.items()}

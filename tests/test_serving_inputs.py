@@ -18,9 +18,8 @@ from hypothesis import given, settings, strategies as st
 from attngen import hw
 from attngen.run import checks, forward, runtime, serving
 from attngen.reference.forward import InputError, attention, attention_lowprec
-from attngen.run.serving import (
-    check_serving, check_serving_close, choose_splits, random_serving_inputs, serving_fields, serving_reference,
-)
+from attngen.reference.serving import check_serving_close, random_serving_inputs, serving_reference
+from attngen.run.serving import check_serving, choose_splits, serving_fields
 from attngen.spec import Spec
 from strategies import ragged_batches
 

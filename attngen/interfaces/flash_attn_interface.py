@@ -261,7 +261,7 @@ def _check_batch_idx(cache_batch_idx, batch: int, batch_cache: int) -> None:
 
 def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch: int) -> None:
     """The append's checks in FA3's names (k, v against the cache and q's batch, the dense cache's
-    capacity); serving.check_append then checks the page view the kernel writes (a paged cache's
+    capacity); run.append.check_append then checks the page view the kernel writes (a paged cache's
     capacity and pages, rows no two sequences share)."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

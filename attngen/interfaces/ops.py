@@ -556,7 +556,7 @@ def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
              "cache_seqlens": cache_seqlens}
     if k_cache.device.type == "cpu":
         _one_device(given)
-        call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        call = append.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
         est = SECONDS_PER_RUN + SECONDS_PER_CTA * math.prod(call.grid)
         if est > cpu_max_seconds():
             raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "

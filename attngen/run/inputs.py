@@ -395,7 +395,7 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
 
 
 def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
-    """The tensor side of a KV-cache append that serving.check_append (shapes and values) leaves:
+    """The tensor side of a KV-cache append that append.check_append (shapes and values) leaves:
     a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
     declare no strides, and the caches are written in place: a copy would lose the append), int32
     tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
