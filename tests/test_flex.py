@@ -122,14 +122,14 @@ def test_captures_helpers_and_locals_become_expression_parts():
 
 
 def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monkeypatch):
-    from attngen.interfaces import ops
+    from attngen.interfaces import op_arguments
     global doc_ids
     saved = doc_ids
     q = rand(1, 2, 100, D, seed=30)
     calls = []
-    real = ops._resolve
-    monkeypatch.setattr(ops, "_resolve", lambda *a: calls.append(1) or real(*a))
-    ops._plans.clear()
+    real = op_arguments._resolve
+    monkeypatch.setattr(op_arguments, "_resolve", lambda *a: calls.append(1) or real(*a))
+    op_arguments._plans.clear()
     block = flex.create_block_mask(document, None, None, 100, 100)
     first = flex.flex_attention(q, q, q, block_mask=block)
     assert torch.equal(flex.flex_attention(q, q, q, block_mask=block), first) and len(calls) == 1

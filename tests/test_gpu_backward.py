@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
 from attngen.run import backward, checks, forward
 from attngen.cli import BACKWARD_PRESETS
 from attngen.cli.backward import draw_inputs, varlen_checks
@@ -105,7 +105,7 @@ def op_grads(spec, leaves, named, keywords, dout):
     if "sinks" in named:
         grads["dsinks"] = named["sinks"].grad
     args = ops.fwd_arguments(*leaves, **kw, **named, **keywords)[0]
-    plan = ops.resolve(*leaves, args[3], args[4:6], args[6], args[8], args[10], args[13])
+    plan = op_arguments.resolve(*leaves, args[3], args[4:6], args[6], args[8], args[10], args[13])
     assert plan_backward(plan.spec).name == plan_backward(spec).name  # the preset's backward module (prebuilt)
     return grads
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
 from attngen.emulator.driver import variant_inputs
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.fwd.plan import make_plan
@@ -97,7 +97,7 @@ def test_backward_gives_the_reference_gradients(name):
     assert set(checks) == {"dq", "dk", "dv"} | ({"dsinks"} if sinks is not None else set())
     assert not failures(checks), failures(checks)
     if name == "non-causal":  # the op's gradients are the emitted kernels' own, schedule seed 0
-        plan = ops.resolve(q, k, v, ops.encode_fields({"causal": False, "lse": True}))
+        plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": False, "lse": True}))
         direct = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout)
         assert all(torch.equal(a, b) for a, b in zip(direct, got.values()))
 
@@ -362,7 +362,7 @@ def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypa
 def test_the_cpu_time_refusal_covers_the_backward(monkeypatch):
     q, k, v = qkv(70, 90)
     args = ops.fwd_arguments(q, k, v, causal=True)[0]
-    plan = ops.resolve(q, k, v, args[3])
+    plan = op_arguments.resolve(q, k, v, args[3])
     from attngen.emulator.driver import estimate_seconds
 
     forward = estimate_seconds(plan, 1, 2, 2, [70], [90]).seconds
@@ -551,7 +551,7 @@ def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path
         q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (q, k, v))
         named = {t: torch.from_numpy(np.array(x)) for t, x in tensors.items()}
     args = bwd_arguments(q, k, v, **kw, **named)
-    resolved = ops.resolve(q, k, v, args[6], args[7:9], args[9], args[11], args[13], args[16])
+    resolved = op_arguments.resolve(q, k, v, args[6], args[7:9], args[9], args[11], args[13], args[16])
     with_lse = make_plan(Spec(**{**spec.to_dict(), "lse": True}))
     assert resolved.name == with_lse.name  # the preset's own kernel, with the LSE the backward reads
     dq, dk, dv, dsinks = check_bwd_fake(args)
@@ -639,7 +639,7 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
     out = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (with sinks: CASES' deterministic case)
     dout = cotangent(out)
     out.backward(dout)
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "deterministic": True, "lse": True}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "deterministic": True, "lse": True}))
     assert plan.spec.deterministic
     other = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout, seed=5, policy="producer-first")
     assert all(torch.equal(a, b) for a, b in zip(other, (q.grad, k.grad, v.grad)))

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from attngen import expr, tiles
-from attngen.interfaces.ops import attention, compiling
+from attngen.interfaces.op_arguments import compiling
+from attngen.interfaces.ops import attention
 from attngen.reference.forward import InputError
 from attngen.spec import FIELDS
 
