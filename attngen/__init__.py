@@ -6,7 +6,7 @@ Flow (each step a module; data flows one way, each entry point plans once):
 hw holds the target's facts beneath all of them; reference is the fp64 oracle.
 `attngen.attention` is attngen.interfaces.ops.attention (torch.ops.attngen.fwd), imported on first use:
 `import attngen` alone does not import torch. The front doors (docs/interfaces.md) load the same
-way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.interfaces.flex) and the module
+way: `attngen.flex_attention`, `attngen.create_block_mask` (attngen.interfaces.flex, flex_blocks) and the module
 `attngen.interfaces.flash_attn_interface` (FlashAttention-3's names), and `attngen.interfaces.distributed` (context
 parallelism over torch.distributed: ring and all-gather attention, docs/distributed.md).
 Errors: `attngen.SpecError` (a spec field that cannot become a kernel) and `attngen.InputError`
@@ -36,9 +36,10 @@ def __getattr__(name):
 
         return importlib.import_module("attngen.distributed")
     if name in ("flex_attention", "create_block_mask", "BlockMask"):
-        from attngen.interfaces import flex
+        import importlib
 
-        globals()[name] = getattr(flex, name)
+        module = importlib.import_module("attngen.interfaces.flex" if name == "flex_attention" else "attngen.interfaces.flex_blocks")
+        globals()[name] = getattr(module, name)
         return globals()[name]
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
 
