@@ -519,7 +519,8 @@ def translate(fn, kind: str) -> Translated:
     source is parsed once per function (_function_node) and the expression once per text
     (_parsed)."""
     if not callable(fn):
-        raise InputError(kind, type(fn).__name__, f"a Python function {'(score, b, h, q_idx, kv_idx)' if kind == 'score_mod' else '(b, h, q_idx, kv_idx)'}")
+        params = "(score, b, h, q_idx, kv_idx)" if kind == "score_mod" else "(b, h, q_idx, kv_idx)"
+        raise InputError(kind, type(fn).__name__, f"a Python function {params}")
     tr = _Translator(kind)
     names = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
     tree = tr.function(fn, [ast.Name(n, ast.Load()) for n in names])

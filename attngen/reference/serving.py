@@ -56,9 +56,9 @@ def serving_reference(q, k, v, call, causal: bool = False, scale: float | None =
         qb, kb, vb, rows = sequence(q, k, v, call, b)
         if qb.shape[1] == 0 or kb.shape[1] == 0:
             continue  # no row, or no key: out 0, lse -inf
-        o, l = attention(qb, kb, vb, causal, scale, batch_offset=b, **variant)
+        o, lse_b = attention(qb, kb, vb, causal, scale, batch_offset=b, **variant)
         out[rows] = o[0]
-        _put_lse(lse, call, b, rows, l[0])
+        _put_lse(lse, call, b, rows, lse_b[0])
     return out, lse
 
 

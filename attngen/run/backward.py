@@ -57,7 +57,7 @@ class BackwardKernel:
                              "a varlen call's checked ServingCall for a varlen spec, else none")
         names = [t.name for t in bp.forward.extra if not t.output]
         tensors = dict(zip(names, extra))
-        h, d = int(q.shape[-2]), int(q.shape[-1])
+        h = int(q.shape[-2])
         f32 = dict(dtype=torch.float32, device=q.device)
         rows = (h, int(q.shape[0])) if varlen else (int(q.shape[0]), h, int(q.shape[1]))  # render_bwd.rows_shape
         seq = []
