@@ -49,15 +49,6 @@ def serving_overrides(q, k, *, cu_seqlens_q=None, block_table=None, num_splits=N
     return fields
 
 
-# -- compile and run ------------------------------------------------------------
-
-
-# -- the backward kernels (docs/backward.md): preprocess, main, postprocess --------------------------
-
-
-# -- the KV-cache append (flash_attn_with_kvcache's k=, v=; docs/interfaces.md) -------------------
-
-
 def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None, **overrides) -> Spec:
     """The spec a call needs: head_dim, dtype and gqa_group from the tensors, plus overrides.
 
