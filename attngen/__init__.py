@@ -25,7 +25,7 @@ from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, make_plan  # noqa: E402
 from attngen.kernels.fwd.render import generate, render_source  # noqa: E402
 from attngen.emulator import emulate, emulate_backward  # noqa: E402
-from attngen.run.runtime import compile_kernel  # noqa: E402
+from attngen.run.forward import compile_kernel  # noqa: E402
 
 
 def __getattr__(name):
@@ -39,9 +39,10 @@ def __getattr__(name):
 
         return importlib.import_module("attngen.distributed")
     if name in ("flex_attention", "create_block_mask", "BlockMask"):
-        from attngen.interfaces import flex
+        import importlib
 
-        globals()[name] = getattr(flex, name)
+        module = importlib.import_module("attngen.interfaces.flex" if name == "flex_attention" else "attngen.interfaces.flex_blocks")
+        globals()[name] = getattr(module, name)
         return globals()[name]
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
 

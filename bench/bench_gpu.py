@@ -164,7 +164,8 @@ def plan_backward_rows(seqlens, tokens) -> list[Config]:
 
 def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
     """The compiled kernel of a kernel_key: the emitted text, or a variant of it."""
-    from attngen.run.runtime import compile_backward, compile_kernel
+    from attngen.run.backward import compile_backward
+    from attngen.run.forward import compile_kernel
 
     if variant == BACKWARD:
         return compile_backward(spec)
@@ -259,7 +260,7 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
 def make_sets(cfg: Config, n: int, seed: int = 0):
     import torch
 
-    from attngen.run.runtime import torch_dtype
+    from attngen.run.checks import torch_dtype
 
     s, d = cfg.shape, cfg.spec.head_dim
     dtype = torch_dtype(cfg.spec.dtype)
@@ -341,7 +342,7 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from attngen.run.runtime import check_written
+    from attngen.run.checks import check_written
 
     row = {"label": cfg.label, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
            "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
@@ -391,7 +392,7 @@ def run_backward(cfg: Config, args, l2: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attngen.reference.forward import default_scale
-    from attngen.run.runtime import check_written
+    from attngen.run.checks import check_written
 
     row = {"label": cfg.label, "pass": BACKWARD, "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
            "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name}
@@ -554,7 +555,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from attngen.run.runtime import check_layout, check_tensors, torch_dtype
+    from attngen.run.checks import torch_dtype
+    from attngen.run.inputs import check_layout, check_tensors
 
     rows = []
     out = Path(args.out)

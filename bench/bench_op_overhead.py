@@ -23,7 +23,7 @@ import time
 import torch
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
 
 
 def timed(fn, repeat: int, inner: int) -> float:
@@ -47,7 +47,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 16, 2, 64, generator=g).half() for _ in range(3))
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": False}))
     print(f"torch {torch.__version__}, q {list(q.shape)} causal, kernel {plan.name}")
 
     op = timed(lambda: attngen.attention(q, k, v, causal=True), args.repeat, 3)
@@ -95,7 +95,7 @@ def training(b: int, h: int, s: int, d: int, rounds: int = 3) -> None:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(b, s, h, d, generator=g).half() for _ in range(3))
     dout = torch.randn(q.shape, generator=g).half()
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": True}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": True}))
     best = {}
 
     def clock(name, fn):

@@ -129,7 +129,7 @@ def each_row(rows, args, measure) -> list[dict]:
 def run_decode(rows, args, l2) -> list[dict]:
     import torch
 
-    from attngen.run.runtime import compile_kernel
+    from attngen.run.forward import compile_kernel
 
     plan = make_plan(load(DECODE_PRESET))
     kernel = compile_kernel(plan)
@@ -160,7 +160,7 @@ def run_prefill(rows, args, l2) -> list[dict]:
 
     import torch
 
-    from attngen.run.runtime import compile_kernel
+    from attngen.run.forward import compile_kernel
 
     varlen = make_plan(load(PREFILL_PRESET))
     dense = make_plan(dataclasses.replace(load(PREFILL_PRESET), layout="bshd"))

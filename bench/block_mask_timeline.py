@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from attngen.interfaces import flex
+from attngen.interfaces import flex_blocks, flex_mods
 from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import Spec
 from attngen.timeline.html import estimate_kernel
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     def documents(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
     causal = make_plan(Spec(head_dim=args.head_dim, causal=True))
-    masked = make_plan(Spec(head_dim=args.head_dim, mask_mod=flex.translate(documents, "mask_mod").text, block_mask=True))
-    bm = flex.create_block_mask(documents, None, None, args.seq, args.seq,
+    masked = make_plan(Spec(head_dim=args.head_dim, mask_mod=flex_mods.translate(documents, "mask_mod").text, block_mask=True))
+    bm = flex_blocks.create_block_mask(documents, None, None, args.seq, args.seq,
                                 BLOCK_SIZE=(masked.spec.block_m, masked.spec.block_n))
     tensors = {**bm.mask_tensors, **{n: getattr(bm, n) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                                                                    "full_kv_indices")}}

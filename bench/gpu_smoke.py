@@ -40,7 +40,8 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     """Compile (from the disk cache when warm), launch once into a NaN-poisoned output, compare."""
     from attngen.kernels.fwd.plan import make_plan
     from attngen.reference.forward import check_close
-    from attngen.run.runtime import check_written, compile_kernel, torch_dtype
+    from attngen.run.checks import check_written, torch_dtype
+    from attngen.run.forward import compile_kernel
     from attngen.spec import load
 
     plan = make_plan(load(preset))
@@ -79,7 +80,8 @@ def backward_kernels(preset: str):
     import dataclasses
 
     from attngen.cli import BACKWARD_PRESETS
-    from attngen.run.runtime import compile_backward, compile_kernel
+    from attngen.run.backward import compile_backward
+    from attngen.run.forward import compile_kernel
     from attngen.spec import load
 
     if Path(preset).stem not in BACKWARD_PRESETS:
@@ -97,7 +99,7 @@ def backward_once(spec, q, k, v) -> str:
     import attngen
     from attngen.emulator.driver import variant_inputs
     from attngen.kernels.fwd.plan import make_plan
-    from attngen.run.runtime import check_written
+    from attngen.run.checks import check_written
 
     # every spec field as a keyword but those attngen.attention derives from the tensors
     fields = {n: x for n, x in spec.to_dict().items() if n not in DERIVED}
@@ -123,8 +125,9 @@ def launch_serving_once(plan, kernel) -> str:
     import torch
 
     from attngen.emulator.driver import serving_lengths
-    from attngen.run.runtime import check_written
-    from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+    from attngen.run.checks import check_written
+    from attngen.reference.serving import check_serving_close, random_serving_inputs
+    from attngen.run.serving import check_serving
 
     spec = plan.spec
     lq, lk = serving_lengths(spec.layout, 200, 333, paged=spec.paged_kv)

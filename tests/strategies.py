@@ -53,7 +53,7 @@ def _special_lengths(block_m: int, block_n: int, page_size: int | None) -> list:
 def ragged_batches(draw, block_m: int = 128, block_n: int = 64, max_batch: int = 4, max_tiles: int = 3,
                    layouts=("varlen", "bshd"), paged=(False, True), head_dims=(64,), dtypes=("float16", "bfloat16"),
                    groups=(1, 2, 4), kv_heads=(1, 2)):
-    """One serving call's batch: a dict with `inputs` (attngen.run.serving.random_serving_inputs's
+    """One serving call's batch: a dict with `inputs` (attngen.reference.serving.random_serving_inputs's
     keywords), `block_m`, `block_n` and a `num_splits` from 1 to two more than the KV tiles.
 
     Lengths mix 0 (an empty sequence; varlen queries, any paged or varlen key length), 1, the

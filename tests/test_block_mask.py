@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import tiles
-from attngen.interfaces import flex
+from attngen.interfaces import flex, flex_blocks, flex_mods
 from attngen.emulator.driver import emulate_stats
 from attngen.emulator.errors import DeadlockError, EmulationError
 from attngen.kernels.fwd.plan import make_plan
@@ -58,7 +58,7 @@ def mask_of(kind: str, q_len: int, kv_len: int, draw):
 
 def run_both(fn, batch, heads, q_len, kv_len, consumers, block_n, lse, seed=0, source=None, sinks=False):
     """(dense out, block-mask out, the block-mask run's Stats, the BlockMask)."""
-    bm = flex.create_block_mask(fn, None, None, q_len, kv_len, BLOCK_SIZE=(64 * consumers, block_n))
+    bm = flex_blocks.create_block_mask(fn, None, None, q_len, kv_len, BLOCK_SIZE=(64 * consumers, block_n))
     fields = dict(head_dim=D, consumers=consumers, block_n=block_n, mask_mod=bm.mask_text, lse=lse, sinks=sinks)
     dense, sparse = make_plan(Spec(**fields)), make_plan(Spec(**fields, block_mask=True))
     q, k, v = random_inputs("float16", D, batch, heads, heads, q_len, kv_len, seed)
@@ -125,7 +125,7 @@ MUTANTS = {
 def test_each_mutant_of_the_kernel_text_is_caught(name):
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
-    bm = flex.create_block_mask(causal, None, None, 384, 384, BLOCK_SIZE=(128, 64))
+    bm = flex_blocks.create_block_mask(causal, None, None, 384, 384, BLOCK_SIZE=(128, 64))
     text = render_source(make_plan(Spec(head_dim=D, block_n=64, mask_mod=bm.mask_text, block_mask=True)))
     mutated = text
     for old, new in MUTANTS[name]:
@@ -175,7 +175,7 @@ ZERO_VISIT_MUTANTS = {
 @pytest.mark.parametrize("name", sorted(ZERO_VISIT_MUTANTS))
 def test_each_zero_visit_mutant_is_caught(name):
     fn = sparse_with_empty_rows(384, 256, 128, 7, 0.5, [0, 2])
-    text = render_source(make_plan(Spec(head_dim=D, block_n=64, mask_mod=flex.create_block_mask(
+    text = render_source(make_plan(Spec(head_dim=D, block_n=64, mask_mod=flex_blocks.create_block_mask(
         fn, None, None, 384, 256, BLOCK_SIZE=(128, 64)).mask_text, block_mask=True, lse=True)))
     mutated = text
     for old, new in ZERO_VISIT_MUTANTS[name]:
@@ -225,11 +225,11 @@ def test_flex_attention_runs_the_block_mask_kernel_and_retiles_flex_block_sizes(
     q, k, v = (rand(1, 2, 200, D, seed=s) for s in (1, 2, 3))
     bshd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     for size in (128, 32):  # 32: retiled to the kernel's 128-row Q tiles
-        out = flex.flex_attention(q, k, v, block_mask=flex.create_block_mask(documents, None, None, 200, 200, BLOCK_SIZE=size))
+        out = flex.flex_attention(q, k, v, block_mask=flex_blocks.create_block_mask(documents, None, None, 200, 200, BLOCK_SIZE=size))
         plan, kw = seen[-1]
         assert plan.spec.block_mask and plan.spec.block_m in (64, 128, 192)
         assert kw["kv_indices"].shape[2] == -(-200 // plan.spec.block_m)
-        tr = flex.translate(documents, "mask_mod")
+        tr = flex_mods.translate(documents, "mask_mod")
         dense = attngen.attention(*bshd, mask_mod=tr.text, **tr.tensors, consumers=plan.spec.consumers,
                                   block_n=plan.spec.block_n)
         assert torch.equal(out.transpose(1, 2), dense)
@@ -240,7 +240,7 @@ def test_attention_takes_a_block_mask_and_refuses_one_that_disagrees_with_the_ca
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
     q = rand(1, 130, 2, D)
-    bm = flex.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=(128, 64))
+    bm = flex_blocks.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=(128, 64))
     out = attngen.attention(q, q, q, block_mask=bm)
     assert torch.equal(out, attngen.attention(q, q, q, mask_mod="q_idx >= kv_idx", block_n=64))
     with pytest.raises(InputError, match="mask_mod.*block mask's own mask_mod"):
@@ -250,7 +250,7 @@ def test_attention_takes_a_block_mask_and_refuses_one_that_disagrees_with_the_ca
     with pytest.raises(InputError, match=r"consumers.*2, the block mask's Q block"):
         attngen.attention(q, q, q, block_mask=bm, consumers=1)
     with pytest.raises(InputError, match=r"block_mask.BLOCK_SIZE.*64, 128 or 192"):
-        attngen.attention(q, q, q, block_mask=flex.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=32))
+        attngen.attention(q, q, q, block_mask=flex_blocks.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=32))
     with pytest.raises(InputError, match="block_mask.seq_lengths"):
         attngen.attention(q[:, :129], q, q, block_mask=bm)
     with pytest.raises(SpecError, match="causal"):
@@ -260,7 +260,7 @@ def test_attention_takes_a_block_mask_and_refuses_one_that_disagrees_with_the_ca
 def test_the_kernels_inputs_name_a_wrong_block_mask_tensor():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
-    bm = flex.create_block_mask(causal, None, None, 200, 200, BLOCK_SIZE=(128, 128))
+    bm = flex_blocks.create_block_mask(causal, None, None, 200, 200, BLOCK_SIZE=(128, 128))
     plan = make_plan(Spec(head_dim=D, mask_mod=bm.mask_text, block_mask=True))
     q, k, v = random_inputs("float16", D, 1, 1, 1, 200, 200, 0)
     lists = {n: getattr(bm, n) for n in BM_NAMES}
@@ -301,7 +301,7 @@ def test_the_cli_emulates_a_block_mask_spec_with_the_lists_of_its_own_mask(tmp_p
     assert "PASS" in capsys.readouterr().out
     plan = make_plan(attngen.load_spec(spec))
     lists = block_mask_lists(plan, 1, 1, 300, 300, {})
-    ours = flex.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), None, None,
+    ours = flex_blocks.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), None, None,
                                   300, 300, BLOCK_SIZE=(plan.spec.block_m, plan.spec.block_n))
     for name in BM_NAMES:  # the CLI's lists are create_block_mask's
         assert np.array_equal(lists[name], getattr(ours, name).numpy()), name
@@ -323,7 +323,7 @@ def test_block_mask_true_as_a_spec_field_takes_the_four_lists_by_name():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
     q = rand(1, 130, 1, D, seed=4)
-    bm = flex.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=(128, 64))
+    bm = flex_blocks.create_block_mask(causal, None, None, 130, 130, BLOCK_SIZE=(128, 64))
     lists = {n: getattr(bm, n) for n in BM_NAMES}
     out = attngen.attention(q, q, q, block_mask=True, mask_mod="q_idx >= kv_idx", block_n=64, **lists)
     assert torch.equal(out, attngen.attention(q, q, q, block_mask=bm))
@@ -367,7 +367,7 @@ def test_hand_written_block_mask_lists_are_checked_on_the_host_and_padding_is_fr
     output off by 0.5 on the CPU model; out-of-bounds reads on a GPU) are refused, naming the list,
     the entry and the valid range; entries past a row's count are never read and may be anything."""
     q, k, v = (rand(1, 128, 1, D, seed=i) for i in range(3))
-    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
+    bm = flex_blocks.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
     kw = dict(block_mask=True, mask_mod=bm.mask_text, consumers=1, block_n=64)
     good = {n: getattr(bm, n).clone() for n in BM_NAMES}  # Q tile 1: tile 1 partial, tile 0 full
 
@@ -395,7 +395,7 @@ def test_hand_written_block_mask_lists_are_checked_on_the_host_and_padding_is_fr
     with pytest.raises(InputError, match=cases[0][1]):  # the backward's lists come from the same four (was an IndexError)
         attngen.emulate_backward(spec, q, k, v, q, out=q, lse=torch.zeros(1, 1, 128), **cases[0][0])
     # keys past kv_len: the last KV tile must be masked (partial); listed full it was off by 0.1
-    short = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 100, 100, BLOCK_SIZE=(64, 64))
+    short = flex_blocks.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 100, 100, BLOCK_SIZE=(64, 64))
     all_full = dict(kv_num_blocks=torch.zeros_like(short.kv_num_blocks), kv_indices=short.kv_indices,
                     full_kv_num_blocks=short.kv_num_blocks + short.full_kv_num_blocks,
                     full_kv_indices=torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32))
@@ -409,7 +409,7 @@ def test_a_reused_block_mask_is_checked_once_and_an_edit_to_it_again(monkeypatch
     moved) and new tensors, even ones that reuse a dead tensor's id, are checked again."""
     from attngen.run import inputs
 
-    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
+    bm = flex_blocks.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 128, 128, BLOCK_SIZE=(64, 64))
     lists = {n: getattr(bm, n).clone() for n in BM_NAMES}
     calls = []
     real = inputs.check_lists_values

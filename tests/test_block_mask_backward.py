@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attngen import tiles
-from attngen.interfaces import flex
+from attngen.interfaces import flex_blocks, flex_mods
 from attngen.emulator import emulate_backward
 from attngen.emulator.driver import Stats
 from attngen.kernels.bwd.plan import plan_backward
@@ -51,7 +51,7 @@ def inputs(heads, q_len, kv_len, seed):
 
 def run(fn, heads, q_len, kv_len, det, seed=0, source=None):
     """(block-mask grads, dense grads, the block-mask run's Stats, the BlockMask, inputs, specs)."""
-    bm = flex.create_block_mask(fn, None, None, q_len, kv_len, BLOCK_SIZE=TILE)
+    bm = flex_blocks.create_block_mask(fn, None, None, q_len, kv_len, BLOCK_SIZE=TILE)
     sparse, dense = specs(bm.mask_text, det)
     q, k, v, do = inputs(heads, q_len, kv_len, seed)
     mod = {n: t.numpy() for n, t in bm.mask_tensors.items()}
@@ -103,7 +103,7 @@ def _document(b, h, q_idx, kv_idx):
     return (q_idx // 256 == kv_idx // 256) & (q_idx >= kv_idx)  # full tiles, diagonal ones and empty ones
 
 
-DOC_TEXT = flex.translate(_document, "mask_mod").text
+DOC_TEXT = flex_mods.translate(_document, "mask_mod").text
 MUTANTS = {  # (what, the emitted text, its mutant)
     "a full tile treated as empty": ("bm_full_n = Full_q_num_blocks[bm_b, bm_h, kv_block]",
                                      "bm_full_n = 0 * Full_q_num_blocks[bm_b, bm_h, kv_block]"),

@@ -262,10 +262,10 @@ def test_precompile_backward_builds_what_training_loads_and_notes_a_refused_spec
     """`attngen precompile --backward`: the spec's kernel, then the forward with its LSE (what autograd
     runs) and the backward module; a spec the backward refuses keeps its forward and says so in one
     line (exit 0); without the flag nothing of the backward is built."""
-    from attngen.run import runtime
+    from attngen.run import backward, forward
     from attngen.kernels.bwd.plan import plan_backward
     from attngen.kernels.fwd.plan import Plan
-    from attngen.run.runtime import Precompiled
+    from attngen.run.entries import Precompiled
     from attngen.spec import load
 
     calls = []
@@ -277,8 +277,8 @@ def test_precompile_backward_builds_what_training_loads_and_notes_a_refused_spec
             return Precompiled(tmp_path / f"{kind}-{len(calls)}", False, 0.0)
         return build
 
-    monkeypatch.setattr(runtime, "precompile", fake("fwd"))
-    monkeypatch.setattr(runtime, "precompile_backward", fake("bwd"))
+    monkeypatch.setattr(forward, "precompile", fake("fwd"))
+    monkeypatch.setattr(backward, "precompile_backward", fake("bwd"))
     default = str(ROOT / "examples" / "default.toml")
     rc, out, _ = run_main(capsys, "precompile", "--backward", default)
     assert rc == 0 and [k for k, _ in calls] == ["fwd", "fwd", "bwd"], calls

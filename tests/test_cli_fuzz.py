@@ -167,7 +167,7 @@ def no_nvcc(monkeypatch):
     monkeypatch.setattr(attngen.build.nvcc, "build", stub)
     monkeypatch.setattr(attngen.build.nvcc, "build_backward", stub)  # build --backward's kernels
     monkeypatch.setattr("attngen.run.tune.build", stub)  # tune's candidates too
-    monkeypatch.setattr("attngen.run.runtime.precompile", stub)  # and precompile's TileLang build
+    monkeypatch.setattr("attngen.run.forward.precompile", stub)  # and precompile's TileLang build
 
 
 # 8x the profile's examples: 160 with the ci profile, 2400 with dev

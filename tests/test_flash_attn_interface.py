@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments
 from attngen.interfaces import flash_attn_interface as fa
 from attngen.reference.forward import InputError, check_close, check_lse
 from attngen.spec import SpecError
@@ -251,9 +251,9 @@ def test_the_varlen_door_compiles_fullgraph_and_matches_eager():
 
 def test_a_repeated_call_plans_once(monkeypatch):
     calls = []
-    real = ops._resolve
-    monkeypatch.setattr(ops, "_resolve", lambda *a: calls.append(1) or real(*a))
-    ops._plans.clear()
+    real = op_arguments._resolve
+    monkeypatch.setattr(op_arguments, "_resolve", lambda *a: calls.append(1) or real(*a))
+    op_arguments._plans.clear()
     q, k, v = rand(1, 21, 2, D, seed=20), rand(1, 33, 2, D, seed=21), rand(1, 33, 2, D, seed=22)
     first = fa.flash_attn_func(q, k, v, causal=True, window_size=(8, 0))
     second = fa.flash_attn_func(q, k, v, causal=True, window_size=(8, 0))

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import attngen
 from attngen import expr, tiles
-from attngen.interfaces import flex
+from attngen.interfaces import flex, flex_blocks, flex_mods, flex_source
 from attngen.reference.forward import InputError, check_close, check_lse
 
 D = 64
@@ -39,7 +39,7 @@ def dense_mask(mask_mod, B, H, Q, KV) -> np.ndarray:
 
 
 def translated_mask(mask_mod, B, H, Q, KV) -> np.ndarray:
-    tr = flex.translate(mask_mod, "mask_mod")
+    tr = flex_mods.translate(mask_mod, "mask_mod")
     b, h, qi, kj = (x.numpy() for x in grid(B, H, Q, KV))
     env = {"b": b, "h": h, "q_idx": qi, "kv_idx": kj}
     vis = expr.evaluate(expr.parse(tr.text, "mask_mod"), env, {n: t.numpy() for n, t in tr.tensors.items()})
@@ -102,7 +102,7 @@ def test_a_mask_mod_translates_to_what_the_function_computes(name):
 
 @pytest.mark.parametrize("fn", [bias_mod, alibi_like])
 def test_a_score_mod_translates_to_what_the_function_computes(fn):
-    tr = flex.translate(fn, "score_mod")
+    tr = flex_mods.translate(fn, "score_mod")
     b, h, qi, kj = grid(1, 4, 50, 60)
     score = torch.randn(1, 4, 50, 60, dtype=torch.float64) * 5
     want = fn(score, b, h, qi, kj).numpy()
@@ -112,25 +112,25 @@ def test_a_score_mod_translates_to_what_the_function_computes(fn):
 
 
 def test_captures_helpers_and_locals_become_expression_parts():
-    tr = flex.translate(sliding, "mask_mod")
+    tr = flex_mods.translate(sliding, "mask_mod")
     assert tr.text == "q_idx >= kv_idx and q_idx - kv_idx <= 9" and tr.tensors == {}
-    tr = flex.translate(document, "mask_mod")
+    tr = flex_mods.translate(document, "mask_mod")
     assert tr.text == "doc_ids.int32[q_idx] == doc_ids.int32[kv_idx] and q_idx >= kv_idx"  # integers stay exact
     assert tr.tensors["doc_ids"].dtype == torch.int32 and torch.equal(tr.tensors["doc_ids"], doc_ids.int())
     q = torch.zeros(3)  # a captured tensor under a reserved name gets another
-    assert flex.translate(lambda b, h, i, j: q[i] > 0, "mask_mod").text == "t_q[q_idx] > 0"
+    assert flex_mods.translate(lambda b, h, i, j: q[i] > 0, "mask_mod").text == "t_q[q_idx] > 0"
 
 
 def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monkeypatch):
-    from attngen.interfaces import ops
+    from attngen.interfaces import op_arguments
     global doc_ids
     saved = doc_ids
     q = rand(1, 2, 100, D, seed=30)
     calls = []
-    real = ops._resolve
-    monkeypatch.setattr(ops, "_resolve", lambda *a: calls.append(1) or real(*a))
-    ops._plans.clear()
-    block = flex.create_block_mask(document, None, None, 100, 100)
+    real = op_arguments._resolve
+    monkeypatch.setattr(op_arguments, "_resolve", lambda *a: calls.append(1) or real(*a))
+    op_arguments._plans.clear()
+    block = flex_blocks.create_block_mask(document, None, None, 100, 100)
     first = flex.flex_attention(q, q, q, block_mask=block)
     assert torch.equal(flex.flex_attention(q, q, q, block_mask=block), first) and len(calls) == 1
     try:
@@ -146,8 +146,8 @@ def test_a_rebound_capture_is_seen_by_the_next_call_which_plans_nothing_new(monk
 
 
 def test_a_wrong_translation_is_caught_by_the_check(monkeypatch):
-    monkeypatch.setitem(flex.TORCH_FUNCS, "minimum", "max")  # a deliberately broken mapping
-    tr = flex.translate(alibi_like, "score_mod")
+    monkeypatch.setitem(flex_mods.TORCH_FUNCS, "minimum", "max")  # a deliberately broken mapping
+    tr = flex_mods.translate(alibi_like, "score_mod")
     b, h, qi, kj = grid(1, 4, 8, 8)
     score = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     env = {"score": score.numpy(), "b": b.numpy(), "h": h.numpy(), "q_idx": qi.numpy(), "kv_idx": kj.numpy()}
@@ -211,8 +211,8 @@ def _line(fn, offset):
     (huge_id_mask, "mask_mod", 1, "holds values beyond int32"),
 ])
 def test_an_untranslatable_construct_names_the_function_the_line_and_the_construct(fn, kind, offset, construct):
-    with pytest.raises(flex.FlexTranslationError) as info:
-        flex.translate(fn, kind)
+    with pytest.raises(flex_source.FlexTranslationError) as info:
+        flex_mods.translate(fn, kind)
     msg = str(info.value)
     assert msg.startswith(f"{fn.__qualname__} (") and f"line {_line(fn, offset)})" in msg and construct in msg, msg
     assert isinstance(info.value, InputError) and "\n" not in msg
@@ -220,8 +220,8 @@ def test_an_untranslatable_construct_names_the_function_the_line_and_the_constru
 
 def test_a_lambda_and_a_nested_def_report_their_own_lines():
     bad = lambda b, h, q, kv: q ^ kv  # noqa: E731
-    with pytest.raises(flex.FlexTranslationError, match=rf"<lambda> \(.*line {inspect.getsourcelines(bad)[1]}\).*\^"):
-        flex.translate(bad, "mask_mod")
+    with pytest.raises(flex_source.FlexTranslationError, match=rf"<lambda> \(.*line {inspect.getsourcelines(bad)[1]}\).*\^"):
+        flex_mods.translate(bad, "mask_mod")
 
     def outer():
         n = 3
@@ -230,8 +230,8 @@ def test_a_lambda_and_a_nested_def_report_their_own_lines():
             return q @ kv + n
         return inner
     fn = outer()
-    with pytest.raises(flex.FlexTranslationError, match=rf"outer.<locals>.inner \(.*line {_line(fn, 1)}\).*@"):
-        flex.translate(fn, "mask_mod")
+    with pytest.raises(flex_source.FlexTranslationError, match=rf"outer.<locals>.inner \(.*line {_line(fn, 1)}\).*@"):
+        flex_mods.translate(fn, "mask_mod")
 
 
 # -- the integer % and // of the expression language ----------------------------------------------------------
@@ -344,7 +344,7 @@ def test_block_mask_tiles_match_a_dense_evaluation(q_len, kv_len, block, data):
     else:
         fn = MASKS[kind]
     bm, bn = (block, block) if isinstance(block, int) else block
-    bmask = flex.create_block_mask(fn, 1, 1, q_len, kv_len, BLOCK_SIZE=block)
+    bmask = flex_blocks.create_block_mask(fn, 1, 1, q_len, kv_len, BLOCK_SIZE=block)
     dense = dense_mask(fn, 1, 1, q_len, kv_len)
     states = expected_states(dense, bm, bn)
     assert np.array_equal(bmask.states, states)
@@ -353,22 +353,22 @@ def test_block_mask_tiles_match_a_dense_evaluation(q_len, kv_len, block, data):
 
 
 def test_the_tile_check_catches_a_full_tile_counted_empty_and_an_index_row_off_by_one():
-    bmask = flex.create_block_mask(causal, 1, 2, 100, 100, BLOCK_SIZE=16)
+    bmask = flex_blocks.create_block_mask(causal, 1, 2, 100, 100, BLOCK_SIZE=16)
     states = expected_states(dense_mask(causal, 1, 2, 100, 100), 16, 16)
     assert check_lists(bmask, states) is None and (states == tiles.FULL).any()
     broken = states.copy()
     broken[0, 0, 3, 0] = tiles.EMPTY  # a full tile treated as empty
     assert check_lists(bmask, broken) is not None
-    shifted = flex.BlockMask(**{**bmask.__dict__, "kv_indices": torch.roll(bmask.kv_indices, 1, dims=2)})
+    shifted = flex_blocks.BlockMask(**{**bmask.__dict__, "kv_indices": torch.roll(bmask.kv_indices, 1, dims=2)})
     assert check_lists(shifted, states) is not None  # kv_indices read one row off
 
 
 def test_block_mask_per_batch_and_head():
     heads_mask = lambda b, h, q, kv: (kv <= q + h * 20) & (kv >= b * 10)  # noqa: E731
-    bmask = flex.create_block_mask(heads_mask, 2, 3, 70, 90, BLOCK_SIZE=32)
+    bmask = flex_blocks.create_block_mask(heads_mask, 2, 3, 70, 90, BLOCK_SIZE=32)
     assert np.array_equal(bmask.states, expected_states(dense_mask(heads_mask, 2, 3, 70, 90), 32, 32))
     with pytest.raises(InputError, match="Q_LEN"):
-        flex.create_block_mask(causal, 1, 1, 0, 10)
+        flex_blocks.create_block_mask(causal, 1, 1, 0, 10)
 
 
 # -- flex_attention ----------------------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def test_flex_attention_matches_the_reference(batch, sq, skv, heads, score, mask
     score_mod = {"bias": bias_mod, "alibi_like": alibi_like}.get(score)
     if score_mod is not None and h != 4:  # rel_bias[h] must have one entry per head: the same code over h entries
         score_mod = with_heads(score_mod, h)
-    block_mask = None if mask is None else flex.create_block_mask(MASKS[mask], None, None, sq, skv, BLOCK_SIZE=32)
+    block_mask = None if mask is None else flex_blocks.create_block_mask(MASKS[mask], None, None, sq, skv, BLOCK_SIZE=32)
     result = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=h != hk,
                                  return_lse=lse)
     out, got_lse = result if lse else (result, None)
@@ -392,7 +392,7 @@ def test_flex_attention_matches_the_reference(batch, sq, skv, heads, score, mask
     variant = {"tensors": {}}
     for fn, kind in ((score_mod, "score_mod"), (block_mask and block_mask.mask_mod, "mask_mod")):
         if fn is not None:
-            tr = flex.translate(fn, kind)
+            tr = flex_mods.translate(fn, kind)
             variant[kind] = tr.text
             variant["tensors"].update(tr.tensors)
     bshd = [t.transpose(1, 2) for t in (q, k, v)]
@@ -433,7 +433,7 @@ def test_a_flash_layout_tensor_is_a_layout_error():
         flex.flex_attention(rand(1, 4, 9, D), rand(1, 2, 9, D), rand(1, 2, 9, D))
     with pytest.raises(InputError, match="block_mask.seq_lengths"):
         flex.flex_attention(rand(1, 2, 9, D), rand(1, 2, 9, D), rand(1, 2, 9, D),
-                            block_mask=flex.create_block_mask(causal, 1, 1, 9, 10))
+                            block_mask=flex_blocks.create_block_mask(causal, 1, 1, 9, 10))
 
 
 def _scale_accepted() -> bool:
@@ -473,7 +473,7 @@ def test_next_to_torchs_flex_attention(sq, skv, mask, block):
         theirs = torch_flex.create_block_mask(fn, None, None, sq, skv, device="cpu", BLOCK_SIZE=block)
         ref, ref_lse = torch_flex.flex_attention(q.double(), k.double(), v.double(), score_mod=bias_mod,
                                                  block_mask=theirs, return_lse=True)
-    ours = flex.create_block_mask(fn, None, None, sq, skv, BLOCK_SIZE=block)
+    ours = flex_blocks.create_block_mask(fn, None, None, sq, skv, BLOCK_SIZE=block)
     for n_name, i_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
         n_ours, n_theirs = getattr(ours, n_name), getattr(theirs, n_name)
         assert torch.equal(n_ours, n_theirs.to(torch.int32)), n_name
@@ -482,7 +482,7 @@ def test_next_to_torchs_flex_attention(sq, skv, mask, block):
             assert torch.equal(getattr(ours, i_name)[0, 0, r, :c], getattr(theirs, i_name)[0, 0, r, :c].to(torch.int32))
     for bm in (ours, theirs):  # torch's BlockMask is read the same way (its mask_mod, its lengths)
         out, lse = flex.flex_attention(q, k, v, score_mod=bias_mod, block_mask=bm, return_lse=True)
-        tr_s, tr_m = flex.translate(bias_mod, "score_mod"), flex.translate(fn, "mask_mod")
+        tr_s, tr_m = flex_mods.translate(bias_mod, "score_mod"), flex_mods.translate(fn, "mask_mod")
         bound = check_close(out.transpose(1, 2), *[t.transpose(1, 2) for t in (q, k, v)], False, score_mod=tr_s.text,
                             mask_mod=tr_m.text, tensors={**tr_s.tensors, **tr_m.tensors}).bound
         seen = ~torch.isneginf(ref_lse)  # torch gives NaN-free zeros for rows that see no key as well

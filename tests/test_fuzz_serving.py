@@ -27,7 +27,8 @@ from hypothesis import event, example, given, note, settings, strategies as st
 import attngen
 from attngen.emulator import POLICIES
 from attngen.emulator.driver import emulate_stats
-from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.reference.serving import check_serving_close, random_serving_inputs
+from attngen.run.serving import check_serving
 from strategies import ragged_batches, softmax_scales
 
 EXAMPLES = 4 * settings().max_examples

@@ -18,12 +18,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from attngen.run import runtime
+from attngen.run import forward, runtime
 from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.emulator.driver import variant_inputs
 from attngen.reference.forward import check_close, check_lse, variant_of
-from attngen.run.runtime import InputError, check_written, torch_dtype
+from attngen.run.checks import check_written, torch_dtype
+from attngen.run.runtime import InputError
 from attngen.spec import load
 from gpu_marks import GPU_ONLY
 
@@ -86,7 +87,7 @@ def run_and_check(kernel, q, k, v, scale=None):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_matches_reference(preset):
     spec = spec_of(preset)
-    kernel = runtime.compile_kernel(spec)
+    kernel = forward.compile_kernel(spec)
     hkv = 1 if spec.gqa_group >= 4 else 2  # at most 8 query heads: the fp64 reference runs on the CPU
     h = hkv * spec.gqa_group
     if spec.aligned:
@@ -101,17 +102,17 @@ def test_preset_matches_reference(preset):
                                     "hd128_f16_relbias_score_mod", "hd128_bf16_gqa8_sinks"])
 def test_one_kernel_serves_every_softmax_scale(preset):
     spec = spec_of(preset)
-    kernel = runtime.compile_kernel(spec)
+    kernel = forward.compile_kernel(spec)
     hkv = 1 if spec.gqa_group >= 4 else 2
     q, k, v = inputs(spec, 1, hkv * spec.gqa_group, hkv, 777, 1100, seed=7)
     for scale in (None, 1.0, 0.01, 0.3):
         run_and_check(kernel, q, k, v, scale=scale)
-    assert runtime.compile_kernel(spec) is kernel  # no rebuild per scale
+    assert forward.compile_kernel(spec) is kernel  # no rebuild per scale
 
 
 def test_seed_parity_static_shape():
     spec = spec_of("seed_parity")
-    kernel = runtime.compile_kernel(spec, SEED_SHAPE)
+    kernel = forward.compile_kernel(spec, SEED_SHAPE)
     s = SEED_SHAPE
     run_and_check(kernel, *inputs(spec, s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, seed=7))
     q, k, v = inputs(spec, 1, 8, 8, 512, 1024, seed=8)
@@ -159,7 +160,7 @@ def test_shapes_match_reference(p):
     if p["preset"] not in PRESETS:  # an @example naming a preset that has since been renamed
         pytest.skip(f"no preset {p['preset']}")
     spec = spec_of(p["preset"])
-    kernel = runtime.compile_kernel(spec)
+    kernel = forward.compile_kernel(spec)
     h = p["hkv"] * spec.gqa_group
     run_and_check(kernel, *inputs(spec, p["b"], h, p["hkv"], p["sq"], p["skv"], p["seed"]))
 
@@ -172,7 +173,7 @@ def test_repeated_runs_bit_identical(preset):
     if preset not in PRESETS:
         pytest.skip(f"no preset {preset}")
     spec = spec_of(preset)
-    kernel = runtime.compile_kernel(spec)
+    kernel = forward.compile_kernel(spec)
     h = 16 if spec.gqa_group <= 16 else spec.gqa_group
     q, k, v = inputs(spec, 2, h, h // spec.gqa_group, 2047 if not spec.aligned else 2048, 2049 if not spec.aligned else 2048, seed=11)
     # every element written; correctness at this size is left to the tests above (the
@@ -196,7 +197,7 @@ def test_attention_picks_the_preset_spec_and_memoizes():
     q, k, v = inputs(spec, 2, 4, 4, 300, 500, seed=3)
     out = runtime.attention(q, k, v, causal=True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    assert runtime.compile_kernel(runtime.spec_for(q, k, causal=True)) is runtime.compile_kernel(spec)
+    assert forward.compile_kernel(runtime.spec_for(q, k, causal=True)) is forward.compile_kernel(spec)
     assert check_close(out, q, k, v, True, dtype=spec.dtype).ok
 
     gqa = spec_of("hd64_bf16_gqa4_c3")
@@ -211,7 +212,7 @@ def test_attention_picks_the_preset_spec_and_memoizes():
 
 def test_bad_inputs_rejected_on_the_gpu_before_launch():
     spec = spec_of("default")
-    kernel = runtime.compile_kernel(spec)
+    kernel = forward.compile_kernel(spec)
     q, k, v = inputs(spec, 1, 4, 4, 256, 256, seed=5)
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
     with pytest.raises(InputError, match=r"q.data_ptr\(\).*16-byte aligned"):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import attngen
-from attngen.interfaces import ops
-from attngen.run import runtime
+from attngen.interfaces import op_arguments, ops
+from attngen.run import backward, checks, forward
 from attngen.cli import BACKWARD_PRESETS
 from attngen.cli.backward import draw_inputs, varlen_checks
 from attngen.kernels.bwd.plan import plan_backward
@@ -66,7 +66,7 @@ class PoisonedTorch:
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    monkeypatch.setattr(runtime, "_torch", lambda: PoisonedTorch(torch))
+    monkeypatch.setattr(backward, "_torch", lambda: PoisonedTorch(torch))
 
 
 def heads_of(spec) -> tuple[int, int]:
@@ -105,7 +105,7 @@ def op_grads(spec, leaves, named, keywords, dout):
     if "sinks" in named:
         grads["dsinks"] = named["sinks"].grad
     args = ops.fwd_arguments(*leaves, **kw, **named, **keywords)[0]
-    plan = ops.resolve(*leaves, args[3], args[4:6], args[6], args[8], args[10], args[13])
+    plan = op_arguments.resolve(*leaves, args[3], args[4:6], args[6], args[8], args[10], args[13])
     assert plan_backward(plan.spec).name == plan_backward(spec).name  # the preset's backward module (prebuilt)
     return grads
 
@@ -114,10 +114,10 @@ def direct_grads(spec, leaves, named, dout):
     """The forward kernel (with lse, as autograd runs it) and BackwardKernel.run, no torch op."""
     q, k, v = (t.detach() for t in leaves)
     consts = {n: x.detach() for n, x in named.items()}
-    fwd = runtime.compile_kernel(make_plan(dataclasses.replace(spec, lse=True)))
+    fwd = forward.compile_kernel(make_plan(dataclasses.replace(spec, lse=True)))
     out, lse = fwd(q, k, v, **consts)
     extra = [consts[t.name] for t in fwd.plan.extra if not t.output]
-    grads = runtime.compile_backward(spec).run(q, k, v, out, lse, dout, extra=extra, softmax_scale=default_scale(spec.head_dim))
+    grads = backward.compile_backward(spec).run(q, k, v, out, lse, dout, extra=extra, softmax_scale=default_scale(spec.head_dim))
     torch.cuda.synchronize()
     return dict(zip(GRADS, grads))
 
@@ -143,7 +143,7 @@ def test_backward_preset_matches_fp64_gradients_with_poisoned_buffers(preset, sh
     grads = op_grads(spec, leaves, named, keywords, dout)
     for name, g in grads.items():
         assert g is not None, name
-        runtime.check_written(g)  # NaN: an element of a poisoned buffer no kernel wrote
+        checks.check_written(g)  # NaN: an element of a poisoned buffer no kernel wrote
     failures = reference_failures(spec, drawn, grads)
     assert not failures, f"{preset} B,Sq,Skv={shape}: {failures}"
 

@@ -220,7 +220,7 @@ def fake_backward(broken: str = ""):
     """A BackwardKernel of an MHA spec whose 'kernels' are torch functions writing what the real
     ones own (run's argument order), one of them `broken`: it leaves an element unwritten."""
     from attngen.kernels.bwd.plan import plan_backward
-    from attngen.run.runtime import BackwardKernel
+    from attngen.run.backward import BackwardKernel
     from attngen.spec import Spec
 
     bp = plan_backward(Spec(head_dim=64, causal=True))
@@ -250,14 +250,14 @@ def test_poisoned_backward_buffers_show_an_unwritten_element(monkeypatch, broken
     here, and the dQ accumulator) with NaN: an element no kernel writes shows up in a gradient."""
     import torch
 
-    from attngen.run import runtime
+    from attngen.run import backward, checks
 
     module = gpu_backward(monkeypatch)
 
     class CpuPoisoned(module.PoisonedTorch):
         cuda = _NoCuda
 
-    monkeypatch.setattr(runtime, "_torch", lambda: CpuPoisoned(torch))
+    monkeypatch.setattr(backward, "_torch", lambda: CpuPoisoned(torch))
     g = torch.Generator().manual_seed(0)
     q, k, v, out, dout = (torch.randn(1, 20, 2, 64, generator=g).half() for _ in range(5))
     lse = torch.randn(1, 2, 20, generator=g)
@@ -266,7 +266,7 @@ def test_poisoned_backward_buffers_show_an_unwritten_element(monkeypatch, broken
     assert bad == ([] if unwritten is None else [unwritten])
     if unwritten is not None:
         with pytest.raises(AssertionError, match="NaN"):
-            runtime.check_written(grads[unwritten])
+            checks.check_written(grads[unwritten])
 
 
 def test_gpu_backward_checks_pass_the_emitted_kernels_on_the_cpu_model_and_catch_a_wrong_gradient(monkeypatch):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngen.run import runtime
-from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.run import checks, forward, runtime
+from attngen.reference.serving import check_serving_close, random_serving_inputs
+from attngen.run.serving import check_serving
 from gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY
@@ -41,8 +42,8 @@ def test_serving_call_matches_the_reference_per_sequence(layout, paged, hd, grou
     out = torch.full((*q.shape[:-1], hd), float("nan"), dtype=q.dtype, device="cuda")
     res_out, lse = runtime.attention(q, k, v, causal=causal, out=out, return_lse=True, num_splits=num_splits, **kw)
     torch.cuda.synchronize()
-    runtime.check_written(res_out)
-    plan = runtime.compile_kernel(runtime.spec_for(q, k, causal=causal, lse=True, num_splits=num_splits,
+    checks.check_written(res_out)
+    plan = forward.compile_kernel(runtime.spec_for(q, k, causal=causal, lse=True, num_splits=num_splits,
                                                    cu_seqlens_q=kw.get("cu_seqlens_q"), block_table=kw.get("block_table")))
     call = check_serving(plan.plan, x.q, x.k, x.v, num_splits=num_splits if plan.serving.split else None, **x.keywords)
     res = check_serving_close(res_out.cpu(), x.q, x.k, x.v, call, causal, "bfloat16", lse=lse.cpu())

@@ -25,7 +25,7 @@ DRIVER = textwrap.dedent(
     import os, subprocess, sys
 
     import attngen.build.nvcc
-    import attngen.run.runtime
+    import attngen.run.forward
     import attngen.run.tune
 
 
@@ -39,7 +39,7 @@ DRIVER = textwrap.dedent(
 
     attngen.build.nvcc.build = slow_build
     attngen.run.tune._build_report = slow_build
-    attngen.run.runtime.precompile = slow_build
+    attngen.run.forward.precompile = slow_build
 
     if __name__ == "__main__":
         from attngen.cli import main

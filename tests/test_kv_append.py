@@ -414,9 +414,9 @@ def test_the_append_kernel_builds_for_sm90a_without_spills(args):
 
 @NEEDS_TOOLKIT
 def test_the_runtime_builds_the_append_kernel_entry():
-    from attngen.run import runtime
+    from attngen.run import append
 
-    kernel = runtime.compile_append(append_plan("bfloat16", 128, 128, 128))
+    kernel = append.compile_append(append_plan("bfloat16", 128, 128, 128))
     assert kernel.jit is not None and kernel.cache_path and "fa3_kvappend_hd128_bf16_page128" in kernel.cache_path
 
 

@@ -20,7 +20,8 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
+from attngen.reference.serving import random_serving_inputs
 from attngen.run import serving
 from attngen.emulator import driver
 from attngen.emulator.driver import variant_inputs
@@ -78,7 +79,7 @@ def check_fake_matches_real(args):
 def test_attention_on_cpu_tensors_runs_the_emitted_kernel_on_the_cpu_model():
     q, k, v = qkv(70, 90)
     out = attngen.attention(q, k, v, causal=True)
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": False}))
     assert torch.equal(out, attngen.emulate(plan, q, k, v))  # the same kernel, the same schedule seed
     assert (out.dtype, out.shape) == (torch.float16, (1, 70, 2, 64))
     assert check_close(out, q, k, v, True).ok
@@ -106,7 +107,7 @@ def test_lse_gqa_and_variant_tensors_through_the_op():
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     out, lse = attngen.attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True, softcap=20)
     assert lse.shape == (1, 4, 33) and lse.dtype == torch.float32
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": True}), softcap=20.0,
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": True}), softcap=20.0,
                        tensor_names="alibi_slopes")
     assert (plan.spec.alibi, plan.spec.softcap, plan.spec.gqa_group) == (True, 20.0, 2)
     want_out, want_lse = attngen.emulate(plan, q, k, v, alibi_slopes=slopes)
@@ -136,20 +137,20 @@ def test_a_non_default_scale_through_the_op_matches_the_reference():
     assert float(args[7]) == 0.3 and ops.fwd_arguments(q, k, v)[0][7] is None  # the op's slot; None: the op's default
     assert args[7].dim() == 0 and args[7].dtype == torch.float64  # a 0-d tensor: symbolic under torch.compile
     assert torch.equal(attngen.attention(q, k, v, causal=True, softmax_scale=torch.tensor(0.3)), out)  # a 0-d tensor too
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": False}))
     assert torch.equal(attngen.attention(q, k, v, causal=True, softmax_scale=1.0),
                        attngen.emulate(plan, q, k, v, softmax_scale=1.0))
 
 
 def test_resolve_is_memoized_on_what_selects_the_kernel():
     q, k, v = qkv(20)
-    plain = ops.encode_fields({"causal": False, "lse": False})
-    first = ops.resolve(q, k, v, plain)
-    assert ops.resolve(*qkv(21, 30, seed=1), plain) is first  # another length, the same kernel: no new plan
-    assert ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False})).spec.causal
-    assert ops.resolve(q, k, v, plain, softcap=5.0).spec.softcap == 5.0
-    assert ops.resolve(q.bfloat16(), k.bfloat16(), v.bfloat16(), plain).spec.dtype == "bfloat16"
-    assert ops.resolve(q, k, v[..., :32].repeat(1, 1, 1, 4).contiguous(), plain).spec.head_dim_v == 128
+    plain = op_arguments.encode_fields({"causal": False, "lse": False})
+    first = op_arguments.resolve(q, k, v, plain)
+    assert op_arguments.resolve(*qkv(21, 30, seed=1), plain) is first  # another length, the same kernel: no new plan
+    assert op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": False})).spec.causal
+    assert op_arguments.resolve(q, k, v, plain, softcap=5.0).spec.softcap == 5.0
+    assert op_arguments.resolve(q.bfloat16(), k.bfloat16(), v.bfloat16(), plain).spec.dtype == "bfloat16"
+    assert op_arguments.resolve(q, k, v[..., :32].repeat(1, 1, 1, 4).contiguous(), plain).spec.head_dim_v == 128
 
 
 def test_out_buffer_receives_the_result():
@@ -281,7 +282,7 @@ def test_dynamic_compile_serves_three_varlen_batches_with_one_compilation():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
     for lq, lk in (([5, 33], [40, 70]), ([17, 2, 9], [17, 30, 100]), ([64, 1], [64, 129])):
-        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=1)
+        x = random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=1)
         args = (as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16),
                 as_torch(x.cu_seqlens_q), as_torch(x.cu_seqlens_k), x.max_seqlen_q)
         assert torch.equal(compiled(*args), f(*args))
@@ -337,7 +338,7 @@ def test_a_call_that_needs_a_gradient_asks_the_forward_for_its_lse():
         assert '"lse": false' in ops.fwd_arguments(q, k, v)[0][3]
     out = attngen.attention(q, k, v, causal=True)
     assert isinstance(out, torch.Tensor) and out.grad_fn is not None
-    plan = ops.resolve(q, k, v, args[3])
+    plan = op_arguments.resolve(q, k, v, args[3])
     want_out, _ = attngen.emulate(plan, q.detach(), k.detach(), v.detach())
     assert torch.equal(out.detach(), want_out)
 
@@ -446,7 +447,7 @@ def opcheck_cases():
     yield "dense", ops.fwd_arguments(q, k, v, causal=True)[0]
     yield "lse, sinks, softcap", ops.fwd_arguments(q, k, v, return_lse=True, sinks=torch.ones(4), softcap=10.0,
                                                    softmax_scale=0.3)[0]
-    x = serving.random_serving_inputs("varlen", True, 64, "float16", 64, None, [5, 0, 33], [70, 3, 1], 4, 2, seed=1)
+    x = random_serving_inputs("varlen", True, 64, "float16", 64, None, [5, 0, 33], [70, 3, 1], 4, 2, seed=1)
     yield "varlen paged split", ops.fwd_arguments(
         as_torch(x.q, torch.float16), as_torch(x.k, torch.float16), as_torch(x.v, torch.float16), causal=True,
         return_lse=True, cu_seqlens_q=as_torch(x.cu_seqlens_q), max_seqlen_q=x.max_seqlen_q,
@@ -474,7 +475,7 @@ def preset_call(path):
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
     if f.uses_serving:
         lq = [17, 1] if f.varlen else [9, 9]
-        x = serving.random_serving_inputs(spec.layout, f.paged, f.page_size, spec.dtype, spec.head_dim, f.head_dim_v,
+        x = random_serving_inputs(spec.layout, f.paged, f.page_size, spec.dtype, spec.head_dim, f.head_dim_v,
                                           lq, [70, 5], heads, kv_heads, seed=2)
         keywords = {n: as_torch(a) for n, a in x.keywords.items()}
         return (as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype)), {**kw, **keywords}
@@ -488,7 +489,7 @@ def preset_call(path):
 def test_fake_matches_the_real_outputs_for_every_preset(path):
     (q, k, v), kw = preset_call(path)
     args, _ = ops.fwd_arguments(q, k, v, **kw)
-    plan = ops.resolve(q, k, v, args[3], args[4:6], args[6], args[8], args[10], args[13], args[15])
+    plan = op_arguments.resolve(q, k, v, args[3], args[4:6], args[6], args[8], args[10], args[13], args[15])
     assert plan.name == make_plan(load(path)).name  # the preset's own kernel ran
     out, lse = check_fake_matches_real(args)
     assert (lse.numel() > 0) == plan.spec.lse
@@ -512,7 +513,7 @@ def test_fake_matches_the_real_outputs_for_drawn_specs_and_shapes(spec, data):
 @settings(max_examples=10)
 @given(batch=ragged_batches(block_m=128, block_n=128, max_tiles=1, groups=(1, 2)), lse=st.booleans())
 def test_fake_matches_the_real_outputs_for_drawn_serving_calls(batch, lse):
-    x = serving.random_serving_inputs(**batch["inputs"])
+    x = random_serving_inputs(**batch["inputs"])
     dtype = getattr(torch, batch["inputs"]["dtype"])
     keywords = {n: as_torch(a) for n, a in x.keywords.items()}
     args, _ = ops.fwd_arguments(as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype), causal=True,
@@ -554,7 +555,7 @@ def test_the_estimate_counts_a_serving_call(preset, lq, lk, splits):
     plan = make_plan(load(ROOT / "examples" / f"{preset}.toml"))
     f = serving.serving_fields(plan)
     kv_heads = 1 if plan.spec.gqa_group > 1 else 2
-    x = serving.random_serving_inputs(plan.spec.layout, f.paged, f.page_size, plan.spec.dtype, plan.spec.head_dim, None,
+    x = random_serving_inputs(plan.spec.layout, f.paged, f.page_size, plan.spec.dtype, plan.spec.head_dim, None,
                                       lq, lk, plan.spec.gqa_group * kv_heads, kv_heads, seed=3)
     keywords = dict(x.keywords, num_splits=splits)
     _, stats = driver.emulate_stats(plan, x.q, x.k, x.v, serving=keywords)
@@ -582,12 +583,12 @@ def test_a_long_cpu_run_is_refused_with_its_estimate(monkeypatch):
 @GPU_ONLY[0]
 @GPU_ONLY[1]
 def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
-    from attngen.run import runtime
+    from attngen.run import forward
 
     q, k, v = (t.cuda() for t in qkv(300, 517, heads=4, kv_heads=4, head_dim=128))  # the default preset's kernel
     out = attngen.attention(q, k, v, causal=True)
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "lse": False}))
-    assert torch.equal(out, runtime.compile_kernel(plan)(q, k, v))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "lse": False}))
+    assert torch.equal(out, forward.compile_kernel(plan)(q, k, v))
 
     def f(q, k, v):
         return attngen.attention(q, k, v, causal=True)
@@ -601,7 +602,7 @@ def test_cuda_op_matches_the_kernel_and_compiles_without_a_break():
 def test_cuda_op_runs_a_varlen_call_like_the_runtime():
     from attngen.run import runtime
 
-    x = serving.random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
+    x = random_serving_inputs("varlen", False, None, "bfloat16", 128, None, [70, 1, 300], [90, 5, 300], 2, 2)
     q, k, v = (as_torch(a, torch.bfloat16).cuda() for a in (x.q, x.k, x.v))
     keywords = dict(cu_seqlens_q=as_torch(x.cu_seqlens_q).cuda(), cu_seqlens_k=as_torch(x.cu_seqlens_k).cuda(),
                     max_seqlen_q=x.max_seqlen_q)

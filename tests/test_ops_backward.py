@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
 from attngen.emulator.driver import variant_inputs
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.fwd.plan import make_plan
@@ -97,7 +97,7 @@ def test_backward_gives_the_reference_gradients(name):
     assert set(checks) == {"dq", "dk", "dv"} | ({"dsinks"} if sinks is not None else set())
     assert not failures(checks), failures(checks)
     if name == "non-causal":  # the op's gradients are the emitted kernels' own, schedule seed 0
-        plan = ops.resolve(q, k, v, ops.encode_fields({"causal": False, "lse": True}))
+        plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": False, "lse": True}))
         direct = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout)
         assert all(torch.equal(a, b) for a, b in zip(direct, got.values()))
 
@@ -336,9 +336,9 @@ def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypa
     """A paged cache, and deterministic varlen GQA with ALiBi (plan_backward's refusals), were run
     forward and refused only at backward() (issue 25): a call that needs a gradient is refused
     first, with the same one-line SpecError; without one (no_grad, or nothing requires grad) it runs."""
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
-    x = serving.random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
+    x = random_serving_inputs("bshd", True, 64, "float16", 64, None, [5], [70], 2, 2, seed=1)
     q = torch.from_numpy(np.array(x.q)).half().requires_grad_()
     k, v = (torch.from_numpy(np.array(t)).half() for t in (x.k, x.v))
     paged = {n: torch.from_numpy(np.array(a)) for n, a in x.keywords.items()}
@@ -362,7 +362,7 @@ def test_a_backward_the_plan_refuses_is_refused_before_the_forward_runs(monkeypa
 def test_the_cpu_time_refusal_covers_the_backward(monkeypatch):
     q, k, v = qkv(70, 90)
     args = ops.fwd_arguments(q, k, v, causal=True)[0]
-    plan = ops.resolve(q, k, v, args[3])
+    plan = op_arguments.resolve(q, k, v, args[3])
     from attngen.emulator.driver import estimate_seconds
 
     forward = estimate_seconds(plan, 1, 2, 2, [70], [90]).seconds
@@ -458,7 +458,7 @@ def test_dynamic_compile_of_forward_and_backward_serves_three_lengths_and_scales
 def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_one_compilation():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
     def loss(q, k, v, cu_q, cu_k, max_q):
         return attngen.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -468,7 +468,7 @@ def test_dynamic_compile_of_a_packed_batch_backward_serves_three_batches_with_on
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend=counter)
     for lq, lk in (([5, 17], [20, 30]), ([9, 2, 12], [9, 30, 25]), ([24, 1], [24, 40])):
-        x = serving.random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=len(lq))
+        x = random_serving_inputs("varlen", False, None, "float16", 64, None, lq, lk, 2, 2, seed=len(lq))
         q, k, v = (torch.from_numpy(np.array(t)).half().requires_grad_() for t in (x.q, x.k, x.v))
         ints = [torch.from_numpy(np.array(x.cu_seqlens_q)), torch.from_numpy(np.array(x.cu_seqlens_k))]
         compiled(q, k, v, *ints, x.max_seqlen_q).backward()
@@ -533,7 +533,7 @@ def backward_presets():
 
 @pytest.mark.parametrize("path", list(backward_presets()), ids=lambda p: p.stem)
 def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path):
-    from attngen.run import serving
+    from attngen.reference.serving import random_serving_inputs
 
     spec = load(path)
     plan = make_plan(spec)
@@ -541,7 +541,7 @@ def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
     dtype = getattr(torch, spec.dtype)
     if plan.varlen:  # packed sequences, one of them a single row
-        x = serving.random_serving_inputs("varlen", False, None, spec.dtype, spec.head_dim, None, [17, 1], [30, 5],
+        x = random_serving_inputs("varlen", False, None, spec.dtype, spec.head_dim, None, [17, 1], [30, 5],
                                           heads, kv_heads, seed=2)
         q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (x.q, x.k, x.v))
         named = {n: (torch.from_numpy(np.array(a)) if not isinstance(a, int) else a) for n, a in x.keywords.items()}
@@ -551,7 +551,7 @@ def test_backward_fake_matches_the_real_gradients_for_every_preset_it_takes(path
         q, k, v = (torch.from_numpy(np.array(t)).to(dtype).requires_grad_() for t in (q, k, v))
         named = {t: torch.from_numpy(np.array(x)) for t, x in tensors.items()}
     args = bwd_arguments(q, k, v, **kw, **named)
-    resolved = ops.resolve(q, k, v, args[6], args[7:9], args[9], args[11], args[13], args[16])
+    resolved = op_arguments.resolve(q, k, v, args[6], args[7:9], args[9], args[11], args[13], args[16])
     with_lse = make_plan(Spec(**{**spec.to_dict(), "lse": True}))
     assert resolved.name == with_lse.name  # the preset's own kernel, with the LSE the backward reads
     dq, dk, dv, dsinks = check_bwd_fake(args)
@@ -639,7 +639,7 @@ def test_flash_attn_func_deterministic_runs_the_deterministic_backward():
     out = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (with sinks: CASES' deterministic case)
     dout = cotangent(out)
     out.backward(dout)
-    plan = ops.resolve(q, k, v, ops.encode_fields({"causal": True, "deterministic": True, "lse": True}))
+    plan = op_arguments.resolve(q, k, v, op_arguments.encode_fields({"causal": True, "deterministic": True, "lse": True}))
     assert plan.spec.deterministic
     other = attngen.emulate_backward(plan, q.detach(), k.detach(), v.detach(), dout, seed=5, policy="producer-first")
     assert all(torch.equal(a, b) for a, b in zip(other, (q.grad, k.grad, v.grad)))
@@ -742,14 +742,14 @@ from compile_count import count_compiles
 
 calls = count_compiles()
 from attngen import Spec
-from attngen.run import runtime
+from attngen.run import backward, runtime
 
 spec = Spec(head_dim=64, causal=True, gqa_group=2)
 if sys.argv[1] == "precompile":
-    done = runtime.precompile_backward(spec)
+    done = backward.precompile_backward(spec)
     print(json.dumps({"calls": calls, "path": str(done.path), "cached": done.cached}))
 else:
-    kernel = runtime.compile_backward(spec)
+    kernel = backward.compile_backward(spec)
     print(json.dumps({"calls": calls, "path": kernel.cache_path, "origin": kernel.origin, "parts": sorted(kernel.jits)}))
 """
 

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from attngen.run import runtime
+from attngen.run import entries, forward
 from attngen.build.cache import RUNTIME
+from attngen.kernels.common.plan import Shape
+from attngen.kernels.fwd.plan import as_plan
 from attngen.cli import main
 from attngen.spec import Spec
 from compile_count import child_env
@@ -35,16 +37,16 @@ CHILD = textwrap.dedent(
 
     calls = count_compiles()
     import torch
-    from attngen.run import runtime
+    from attngen.run import forward, runtime
 
     q = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
     k = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
     spec = runtime.spec_for(q, k, causal=True)  # the spec attngen.attention picks for these tensors
     if sys.argv[1] == "precompile":
-        done = runtime.precompile(spec)
+        done = forward.precompile(spec)
         print(json.dumps({"calls": calls, "path": str(done.path), "cached": done.cached}))
     else:
-        kernel = runtime.compile_kernel(spec)
+        kernel = forward.compile_kernel(spec)
         print(json.dumps({"calls": calls, "path": kernel.cache_path, "origin": kernel.origin,
                           "seconds": kernel.compile_seconds}))
     """
@@ -90,13 +92,13 @@ def test_the_runtime_key_needs_no_toolkit_and_starts_no_process(monkeypatch):
     monkeypatch.setattr(toolchain, "current", no_toolkit)
     monkeypatch.setattr(subprocess.Popen, "__init__", lambda *a, **k: pytest.fail("started a process"))
     spec = Spec(head_dim=64, causal=True)
-    a = runtime.runtime_entry(runtime.as_plan(spec), cache_dir="/shipped")
-    b = runtime.runtime_entry(runtime.as_plan(Spec(head_dim=64, causal=False)), cache_dir="/shipped")
-    assert a.parent == Path("/shipped") / RUNTIME and a.name.startswith(runtime.as_plan(spec).name + "-") and a != b
-    static = runtime.runtime_entry(runtime.as_plan(spec, runtime.Shape(1, 2, 2, 256, 256)), cache_dir="/shipped")
-    assert static.name.startswith(runtime.as_plan(spec).name + "_static-") and static != a
+    a = entries.runtime_entry(as_plan(spec), cache_dir="/shipped")
+    b = entries.runtime_entry(as_plan(Spec(head_dim=64, causal=False)), cache_dir="/shipped")
+    assert a.parent == Path("/shipped") / RUNTIME and a.name.startswith(as_plan(spec).name + "-") and a != b
+    static = entries.runtime_entry(as_plan(spec, Shape(1, 2, 2, 256, 256)), cache_dir="/shipped")
+    assert static.name.startswith(as_plan(spec).name + "_static-") and static != a
     monkeypatch.setenv("ATTNGEN_CACHE", "/elsewhere")
-    assert runtime.runtime_entry(runtime.as_plan(spec)) == Path("/elsewhere") / RUNTIME / a.name
+    assert entries.runtime_entry(as_plan(spec)) == Path("/elsewhere") / RUNTIME / a.name
 
 
 def fake_precompile(built: list, fail: str | None = None):
@@ -104,17 +106,17 @@ def fake_precompile(built: list, fail: str | None = None):
     def precompile(plan, shape=None, *, cache_dir=None):
         if fail and fail in plan.name:
             raise RuntimeError("TileLang could not lower it\n(the rest of a long message)")
-        entry = runtime.runtime_entry(plan, cache_dir=cache_dir)
+        entry = entries.runtime_entry(plan, cache_dir=cache_dir)
         cached = entry.exists()
         entry.mkdir(parents=True, exist_ok=True)
         built.append(plan.name)
-        return runtime.Precompiled(entry, cached, 0.0 if cached else 12.5)
+        return entries.Precompiled(entry, cached, 0.0 if cached else 12.5)
     return precompile
 
 
 def test_cli_precompiles_each_spec_with_progress_then_finds_them(tmp_path, capsys, monkeypatch):
     built = []
-    monkeypatch.setattr(runtime, "precompile", fake_precompile(built))
+    monkeypatch.setattr(forward, "precompile", fake_precompile(built))
     specs = [str(EXAMPLES / "default.toml"), str(EXAMPLES / "hd64_bf16_alibi.toml")]
     assert main(["precompile", *specs, "-j", "1", "--cache-dir", str(tmp_path)]) == 0
     cap = capsys.readouterr()
@@ -130,7 +132,7 @@ def test_cli_precompiles_each_spec_with_progress_then_finds_them(tmp_path, capsy
 
 def test_cli_precompile_presets_and_one_line_errors(tmp_path, capsys, monkeypatch):
     built = []
-    monkeypatch.setattr(runtime, "precompile", fake_precompile(built, fail="hd96"))
+    monkeypatch.setattr(forward, "precompile", fake_precompile(built, fail="hd96"))
     rc = main(["precompile", "--presets", "-j", "1", "--cache-dir", str(tmp_path)])
     cap = capsys.readouterr()
     presets = sorted(EXAMPLES.glob("*.toml"))
@@ -152,7 +154,7 @@ def test_cli_precompile_presets_and_one_line_errors(tmp_path, capsys, monkeypatc
 
 def test_cli_precompile_of_one_spec_runs_here_and_fails_in_one_line(tmp_path, capsys, monkeypatch):
     built = []
-    monkeypatch.setattr(runtime, "precompile", fake_precompile(built, fail="hd96"))
+    monkeypatch.setattr(forward, "precompile", fake_precompile(built, fail="hd96"))
     assert main(["precompile", str(EXAMPLES / "default.toml"), "--cache-dir", str(tmp_path)]) == 0
     cap = capsys.readouterr()
     assert cap.err == "" and cap.out.splitlines()[0].startswith("precompiling fa3_fwd_hd128_f16_causal")

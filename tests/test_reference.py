@@ -8,7 +8,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import attngen
-from attngen.run import serving
+from attngen.reference import serving
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import (EPS, TINY, attention, attention_lowprec, causal_visible, check_close, check_lse,

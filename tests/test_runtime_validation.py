@@ -20,10 +20,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import attngen
-from attngen.run import runtime
+from attngen.run import checks, entries, forward, inputs, runtime
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import make_plan
-from attngen.run.runtime import InputError, check_device, check_tensors, check_written, spec_for
+from attngen.run.checks import check_device, check_written
+from attngen.run.inputs import check_tensors
+from attngen.run.runtime import InputError, spec_for
 from attngen.spec import Spec
 from gpu_marks import NEEDS_TOOLKIT
 
@@ -240,7 +242,7 @@ def test_mixed_devices_rejected():
 
 def test_kernel_call_validates_before_launch():
     launched = []
-    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+    kernel = forward.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
                             compile_seconds=0.0)
     q, k, v = tensors()
     with raises("q.device", "cpu"):
@@ -301,7 +303,7 @@ def problems(draw):
 
 
 def meta(shape, dtype):
-    return torch.empty(*shape, dtype=runtime.torch_dtype(dtype), device="meta")
+    return torch.empty(*shape, dtype=checks.torch_dtype(dtype), device="meta")
 
 
 @settings(max_examples=60, derandomize=True, database=None, deadline=None)
@@ -337,7 +339,8 @@ CHILD = textwrap.dedent(
     import json, sys, time
     t0 = time.time()
     import torch
-    from attngen.run.runtime import compile_kernel, InputError
+    from attngen.run.forward import compile_kernel
+    from attngen.run.runtime import InputError
     from attngen.spec import Spec
     kernel = compile_kernel(Spec(head_dim=64, causal=True))
     again = compile_kernel(Spec(head_dim=64, causal=True))
@@ -385,15 +388,15 @@ def test_failed_build_is_remembered_and_shown_as_a_tail(monkeypatch, tmp_path):
         calls.append(plan.name)
         raise RuntimeError("TileLang error\n" + "// CUDA source line\n" * 5000 + "the real cause: ptxas died")
 
-    monkeypatch.setattr(runtime, "_build", broken_build)
-    monkeypatch.setattr(runtime, "_failed", {})
+    monkeypatch.setattr(forward, "_build", broken_build)
+    monkeypatch.setattr(forward, "_failed", {})
     monkeypatch.setenv("ATTNGEN_LOG_DIR", str(tmp_path))
     spec = Spec(head_dim=96, consumers=1)
     for _ in range(2):
-        with pytest.raises(runtime.KernelBuildError) as info:
-            runtime.compile_kernel(spec)
+        with pytest.raises(entries.KernelBuildError) as info:
+            forward.compile_kernel(spec)
         message = str(info.value)
-        assert "the real cause: ptxas died" in message and len(message) < runtime.ERROR_TAIL + 400
+        assert "the real cause: ptxas died" in message and len(message) < entries.ERROR_TAIL + 400
         assert str(tmp_path) in message
     assert len(calls) == 1  # the second call did not build again
     (log,) = tmp_path.glob("*.log")
@@ -407,13 +410,13 @@ def test_an_edited_source_is_built_and_memoized_apart_from_the_emitted_one(monke
         built.append(source)
         return ("kernel", source)
 
-    monkeypatch.setattr(runtime, "_build", fake_build)
-    monkeypatch.setattr(runtime, "_memo", {})
+    monkeypatch.setattr(forward, "_build", fake_build)
+    monkeypatch.setattr(forward, "_memo", {})
     spec = Spec(head_dim=96, consumers=1)
-    assert runtime.compile_kernel(spec) == ("kernel", None)
-    assert runtime.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
-    assert runtime.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
-    assert runtime.compile_kernel(spec) == ("kernel", None)
+    assert forward.compile_kernel(spec) == ("kernel", None)
+    assert forward.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
+    assert forward.compile_kernel(spec, source="# edited") == ("kernel", "# edited")
+    assert forward.compile_kernel(spec) == ("kernel", None)
     assert built == [None, "# edited"]  # each text built once, neither served for the other
 
 
@@ -538,7 +541,7 @@ def test_the_cpu_model_and_the_runtime_refuse_a_call_with_one_error(change):
     change(qkv, tensors)
     plan = make_plan(SINKS_MOD)
     with pytest.raises(InputError) as gpu:
-        runtime.check_extra(plan, runtime.check_tensors(plan, *qkv), tensors)
+        inputs.check_extra(plan, inputs.check_tensors(plan, *qkv), tensors)
     with pytest.raises(InputError) as cpu:
         attngen.emulate(plan, *qkv, **tensors)
     assert cpu.value.argument == gpu.value.argument and str(cpu.value.value) == str(gpu.value.value), (cpu.value, gpu.value)
@@ -565,7 +568,7 @@ def test_a_bad_scale_is_one_named_error_everywhere_before_any_launch(monkeypatch
 
     monkeypatch.setattr(runtime, "compile_kernel", lambda *a, **k: pytest.fail("compiled before checking the scale"))
     launched = []
-    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+    kernel = forward.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
                             compile_seconds=0.0)
     q, k, v = tensors()
     for name in ("softmax_scale", "scale"):
@@ -600,7 +603,7 @@ def test_the_kernel_is_launched_with_the_scale_last(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
     launched = []
-    kernel = runtime.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
+    kernel = forward.Kernel(plan=make_plan(SPEC), jit=lambda *a: launched.append(a), cache_path=None, origin="compiled",
                             compile_seconds=0.0)
     q, k, v = tensors()
     kernel(q, k, v, check=False)

@@ -16,7 +16,8 @@ from attngen.emulator.driver import check_emulated, emulate_stats, serving_lengt
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import InputError
 from attngen.kernels.fwd.render import render_source
-from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+from attngen.reference.serving import check_serving_close, random_serving_inputs
+from attngen.run.serving import check_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 VARLEN = make_plan(attngen.load_spec(ROOT / "examples" / "varlen_hd128_bf16_causal.toml"))

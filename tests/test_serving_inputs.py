@@ -16,12 +16,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attngen import hw
-from attngen.run import runtime
-from attngen.run import serving
+from attngen.run import checks, forward, runtime, serving
 from attngen.reference.forward import InputError, attention, attention_lowprec
-from attngen.run.serving import (
-    check_serving, check_serving_close, choose_splits, random_serving_inputs, serving_fields, serving_reference,
-)
+from attngen.reference.serving import check_serving_close, random_serving_inputs, serving_reference
+from attngen.run.serving import check_serving, choose_splits, serving_fields
 from attngen.spec import Spec
 from strategies import ragged_batches
 
@@ -699,10 +697,10 @@ def cpu_call(layout, paged, splits=1, lse=False, **kw):
 def test_launch_arguments_follow_the_abi(splits, lse):
     spec, q, k, v, kw = cpu_call("varlen", True, splits=splits, lse=lse)
     call = check_serving(spec, q, k, v, **kw)
-    bufs = runtime.serving_outputs(spec, call, q)
+    bufs = checks.serving_outputs(spec, call, q)
     assert bufs["out"].shape == call.out_shape and bufs["out"].dtype == torch.float16
     assert (bufs["lse"] is not None) == lse and (not lse or bufs["lse"].shape == call.lse_shape)
-    main, combine = runtime.launch_arguments(spec, call, q, k, v, extra=["alibi"], softmax_scale=0.25, **bufs)
+    main, combine = checks.launch_arguments(spec, call, q, k, v, extra=["alibi"], softmax_scale=0.25, **bufs)
     ints = [kw["cu_seqlens_q"], kw["block_table"], kw["seqused_k"], call.max_seqlen_q, 0.25]  # the scale comes last
     if splits == 1:
         assert bufs["o_partial"] is None and combine is None
@@ -716,14 +714,14 @@ def test_launch_arguments_follow_the_abi(splits, lse):
     assert len(main) == len(want) and all(a is b for a, b in zip(main[:-2], want[:-2])) and main[-2:] == want[-2:]
     if lse:
         with pytest.raises(ValueError, match="lse buffer"):
-            runtime.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "lse": None})
+            checks.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "lse": None})
     if splits != 1:
         with pytest.raises(ValueError, match="O_partial and LSE_partial"):
-            runtime.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "o_partial": None})
+            checks.launch_arguments(spec, call, q, k, v, softmax_scale=0.25, **{**bufs, "o_partial": None})
 
 
 def kernel_for(plan, launched):
-    return runtime.Kernel(plan=plan, jit=lambda *a: launched.append(("main", a)), cache_path=None, origin="compiled",
+    return forward.Kernel(plan=plan, jit=lambda *a: launched.append(("main", a)), cache_path=None, origin="compiled",
                           compile_seconds=0.0, combine_jit=lambda *a: launched.append(("combine", a)))
 
 

@@ -14,7 +14,8 @@ from attngen.emulator import POLICIES, emulate
 from attngen.emulator.driver import check_emulated, variant_inputs
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import attention, check_lse, random_inputs, variant_of
-from attngen.run.runtime import InputError, check_extra, check_tensors
+from attngen.run.inputs import check_extra, check_tensors
+from attngen.run.runtime import InputError
 from attngen.spec import Spec, SpecError
 from strategies import window_edge_kv_lens
 

@@ -145,9 +145,10 @@ def backward_preset_files() -> list:
 
 def _precompile_one(plan, cache_dir, backward: bool) -> tuple[list, str | None]:
     """Precompile a plan's kernel and, with --backward, what training with it loads too (the forward
-    with its LSE and the backward module: runtime.precompile_training). Returns the entries done and,
+    with its LSE and the backward module: backward.precompile_training). Returns the entries done and,
     for a spec the backward refuses, that one line (the forward is still precompiled)."""
-    from attngen.run.runtime import precompile, precompile_training
+    from attngen.run.backward import precompile_training
+    from attngen.run.forward import precompile
 
     done = [precompile(plan, cache_dir=cache_dir)]
     if not backward:

@@ -368,9 +368,9 @@ def combine_ownership(facts: ServingLayout, dims: dict, rows_per_block: int, ser
 def append_ownership(call, rows_per_block: int):
     """The ownership rule of the KV-cache append kernel: block (x, y, z) owns, in K_cache and V_cache,
     the cache rows of new keys [x R, x R + R) (below seqlen_new) of sequence z at KV head y, found
-    through the block table at positions cache_seqlens[z] + those rows (serving.cache_slots). It may
+    through the block table at positions cache_seqlens[z] + those rows (append.cache_slots). It may
     write nothing else: not another row, head or page, not K_new, V_new or the int tensors."""
-    from attngen.run.serving import cache_slots
+    from attngen.run.append import cache_slots
 
     shape = (call.dims["num_pages"], call.page_size, call.kv_heads, 1)
 
@@ -394,10 +394,10 @@ def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: 
     at cache_seqlens[b] through block_table. Returns the caches as the kernel left them (float32
     numpy arrays holding the cache dtype's values; the caller copies them back for in-place
     semantics). Every store is held to append_ownership: a write outside the block's appended rows
-    is a KernelError. Inputs are checked first (serving.check_append, inputs.check_append_tensors)."""
+    is a KernelError. Inputs are checked first (append.check_append, inputs.check_append_tensors)."""
     from attngen.kernels.append.plan import append_plan
     from attngen.kernels.append.render import render_append_source
-    from attngen.run.serving import check_append
+    from attngen.run.append import check_append
 
     seed = check_schedule(seed, policy)
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
@@ -702,7 +702,8 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
     pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
     when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
     from attngen.reference.forward import variant_of
-    from attngen.run.serving import check_serving, check_serving_close, random_serving_inputs
+    from attngen.reference.serving import check_serving_close, random_serving_inputs
+    from attngen.run.serving import check_serving
 
     spec = plan.spec
     lq, lk = serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv, batch=batch)

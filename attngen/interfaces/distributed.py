@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from attngen import expr
-from attngen.interfaces import ops
+from attngen.interfaces import op_arguments, ops
 from attngen.reference.forward import InputError
 from attngen.spec import FIELDS, SpecError
 
@@ -561,7 +561,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not (q.shape[1] == k.shape[1] == v.shape[1]):
         raise InputError("k.shape[1]", int(k.shape[1]), f"{int(q.shape[1])}, q's local length (context parallelism "
                                                         f"shards one sequence: q, k and v alike)")
-    left, right = ops.window_arguments(window_size)
+    left, right = op_arguments.window_arguments(window_size)
     if any(int(x) < -1 for x in (left, right)):
         raise InputError("window_size", tuple(window_size), "(left, right), integers >= -1 (-1: unbounded)")
     per_rank = len(chunk_ids(rank, world, load_balance))

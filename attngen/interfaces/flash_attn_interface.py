@@ -5,7 +5,7 @@ layouts and return conventions) on attngen's kernels:
 
 Tensors are [B, S, H, D] (varlen: [total, H, D]) as in FA3. Each function maps its arguments to
 attngen.attention's keywords (docs/interfaces.md has the table); the op resolves and memoizes
-the spec per call signature (attngen.interfaces.ops.resolve) and the runtime memoizes the compiled kernel
+the spec per call signature (attngen.interfaces.op_arguments.resolve) and the runtime memoizes the compiled kernel
 per spec, so a repeated call plans nothing new. An FA3 argument attngen cannot serve raises an
 InputError naming it and why, unless it has FA3's default; none is silently ignored.
 flash_attn_with_kvcache's k=, v= are written into the cache in place by a generated append
@@ -25,7 +25,8 @@ import re
 import torch
 
 from attngen.run.inputs import check_tma_layout
-from attngen.interfaces.ops import append_kv, attention, check_attention, compiling, plain_argument
+from attngen.interfaces.op_arguments import compiling, plain_argument
+from attngen.interfaces.ops import append_kv, attention, check_attention
 from attngen.kernels.fwd.plan import BLOCK_N_CANDIDATES
 from attngen.reference.forward import InputError
 from attngen.spec import SpecError
@@ -261,7 +262,7 @@ def _check_batch_idx(cache_batch_idx, batch: int, batch_cache: int) -> None:
 
 def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch: int) -> None:
     """The append's checks in FA3's names (k, v against the cache and q's batch, the dense cache's
-    capacity); serving.check_append then checks the page view the kernel writes (a paged cache's
+    capacity); run.append.check_append then checks the page view the kernel writes (a paged cache's
     capacity and pages, rows no two sequences share)."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

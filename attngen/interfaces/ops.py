@@ -23,36 +23,30 @@ call as graph inputs, which a traced function cannot turn into text); and the te
 themselves (head_dim, dtype, gqa_group, head_dim_v, which variant and serving tensors are
 present, the page size). The op resolves the Spec from both at run time, so the tuned schedule per sequence length (attngen/tuned) is picked per
 call and one graph serves every length. The fakes read only metadata: no value, no guard on
-a sequence length.
+a sequence length. That encoding, the plan it resolves to and the op's checks are
+interfaces/op_arguments.py's.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from attngen import expr
-from attngen.run import runtime
-from attngen.run import serving
-from attngen.run import tuning_table
-from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append, estimate_seconds
+from attngen.interfaces.op_arguments import (MAX_PLANS, _check, _names, _one_device, _scale_value, check_cpu_time,
+                                              compiling, cpu_max_seconds, encode_fields, encode_splits, resolve,
+                                              scale_argument, serving_keywords, softcap_argument, window_arguments)
+from attngen.run import append, backward, checks, forward, inputs
+from attngen.emulator.driver import SECONDS_PER_CTA, SECONDS_PER_RUN, emulate, emulate_append
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
-from attngen.kernels.fwd.plan import Plan, as_plan
-from attngen.reference.forward import InputError, check_scale, resolve_scale
-from attngen.spec import FIELDS, SpecError, check_keys, check_softcap, check_window, plain_value
+from attngen.kernels.fwd.plan import Plan
+from attngen.reference.forward import InputError
+from attngen.spec import FIELDS, SpecError, check_keys, plain_value
 
 NAMESPACE = "attngen"
-# num_splits travels as an int: the spec's own choice (None), "auto", or a count >= 1
-SPLITS_SPEC, SPLITS_AUTO = -1, 0
-# A CPU-model run estimated past this many seconds is refused (an InputError with the estimate);
-# ATTNGEN_CPU_MAX_SECONDS moves the limit for one who will wait.
-CPU_MAX_SECONDS = 60.0
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, str fields, int window_left, int window_right, float softcap, "
          "Tensor? softmax_scale, str tensor_names, Tensor[] tensors, "
@@ -64,260 +58,6 @@ FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] wh
 BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor)"
 # the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
 BACKWARD_WORK = 2.5
-
-
-# -- from the op's arguments to a plan -------------------------------------------------------------
-
-
-def encode_splits(num_splits) -> int:
-    num_splits = plain_value("splits", num_splits)
-    serving._check_num_splits(num_splits)  # None, "auto" or an int >= 1; anything else is an InputError
-    if num_splits is None:
-        return SPLITS_SPEC
-    return SPLITS_AUTO if num_splits == "auto" else int(num_splits)
-
-
-def _json(field: str, x) -> str:
-    """One field's value as JSON text, by hand: torch.compile traces this (json.dumps it cannot)."""
-    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
-        # a compiled function's argument is symbolic once its value changed (dynamo's automatic dynamic),
-        # and str() of it cannot be traced; a spec field picks the kernel: each value is its graph's constant
-        x = guard_scalar(x)
-    if isinstance(x, bool):
-        return "true" if x else "false"
-    if x is None:
-        return "null"
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if x != x:
-            return "NaN"
-        return repr(x) if abs(x) != float("inf") else ("Infinity" if x > 0 else "-Infinity")
-    if isinstance(x, str):
-        chars = [c if c not in '"\\' and ord(c) >= 0x20 else f"\\u{ord(c):04x}" for c in x]
-        return '"' + "".join(chars) + '"'
-    if isinstance(x, (list, tuple)):
-        return "[" + ", ".join(_json(field, e) for e in x) + "]"
-    raise SpecError(field, x, "a Python bool, int, float or string (or a list of them); under torch.compile a "
-                              "constant, not a value computed from a tensor")
-
-
-def scale_argument(softmax_scale, scale, head_dim: int):
-    """The op's softmax_scale from attngen.attention's two names for it (FlashAttention-3's and
-    SDPA's): None when neither is given (the op then uses 1/sqrt(head_dim)), else a 0-d float64
-    CPU tensor. A tensor, not a float: dynamo specializes a custom op's float argument (a guard
-    `s == 0.3` per value, so one graph per scale), where a tensor made by arithmetic on the
-    number (`ones * s`, which dynamo's tensorify pass keeps symbolic) is a graph input like q.
-    A number is checked here (reference.resolve_scale); a SymFloat (a graph input under
-    torch.compile) and a 0-d tensor when the op runs."""
-    if softmax_scale is None and scale is None:
-        return None
-    symbolic = (torch.SymFloat, torch.Tensor)
-    if isinstance(softmax_scale, symbolic) or isinstance(scale, symbolic):
-        if softmax_scale is not None and scale is not None:
-            raise InputError("softmax_scale, scale", f"{softmax_scale!r}, {scale!r}",
-                             "one of them (they name the same argument)")
-        value, name = (softmax_scale, "softmax_scale") if scale is None else (scale, "scale")
-        if isinstance(value, torch.Tensor):
-            if value.dim() != 0 or not value.is_floating_point():
-                raise InputError(name, f"a {value.dtype} tensor of shape {list(value.shape)}",
-                                 "a number, or a 0-d floating tensor")
-            if value.requires_grad:
-                raise InputError(name, "a tensor that requires grad",
-                                 "a constant: the kernels have no gradient for the softmax scale")
-            return value.detach().to(device="cpu", dtype=torch.float64)
-    elif compiling() and (softmax_scale is None or scale is None) and _number(softmax_scale if scale is None else scale):
-        # checked where the op runs (_scale_value): a refusal raised while dynamo traces is dynamo's error
-        # (fullgraph: "Observed exception", or one about the message's repr), not attngen's line
-        value = softmax_scale if scale is None else scale
-    else:
-        value = resolve_scale(softmax_scale, scale, head_dim=head_dim)
-    if not compiling():
-        return torch.full((), value, dtype=torch.float64)  # eager: the cheapest 0-d tensor (a third of ones * s)
-    return torch.ones((), dtype=torch.float64) * value  # dynamo specializes torch.full's and torch.tensor's number
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _scale_value(softmax_scale, head_dim: int) -> float:
-    """The op's softmax_scale slot as the kernel's float (None: 1/sqrt(head_dim)), checked."""
-    return check_scale(None if softmax_scale is None else float(softmax_scale), head_dim)
-
-
-def plain_argument(field: str, x):
-    """spec.plain_value, but a SymInt or SymFloat (a graph input under torch.compile) stays symbolic."""
-    return x if isinstance(x, (torch.SymInt, torch.SymFloat)) else plain_value(field, x)
-
-
-def window_arguments(window) -> tuple:
-    """(left, right) of a window= keyword (NumPy scalars and 0-d CPU tensors as ints, as the Spec
-    takes them; a SymInt stays symbolic); the Spec checks the values."""
-    if isinstance(window, (tuple, list)):
-        window = tuple(plain_argument("window", x) for x in window)
-    if not isinstance(window, tuple) or len(window) != 2 or any(
-            isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)) for x in window):
-        check_window(window)  # raises: the Spec's message, naming what was given
-    return window[0], window[1]
-
-
-def softcap_argument(softcap):
-    softcap = plain_argument("softcap", softcap)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymInt, torch.SymFloat)):
-        check_softcap(softcap)  # raises: the Spec's message, naming what was given
-    return softcap if isinstance(softcap, (float, torch.SymFloat)) else float(softcap)
-
-
-def encode_fields(chosen: dict) -> str:
-    """The op's `fields` argument: a JSON object of spec fields, keys sorted (one text per choice)."""
-    return "{" + ", ".join(f'"{n}": {_json(n, x)}' for n, x in ((n, chosen[n]) for n in sorted(chosen))) + "}"
-
-
-def decode_splits(code: int):
-    return None if code == SPLITS_SPEC else ("auto" if code == SPLITS_AUTO else code)
-
-
-def _names(tensor_names: str) -> list[str]:
-    return tensor_names.split(",") if tensor_names else []
-
-
-NUMERIC = ("window", "softcap")  # spec fields that travel as op arguments of their own, not in `fields`
-
-
-def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0, tensor_names: str = "",
-            cu_seqlens_q=None, block_table=None, num_splits: int = SPLITS_SPEC) -> Plan:
-    """The plan of one call: the caller's fields, then what the tensors say (runtime.spec_for:
-    head_dim, dtype, gqa_group, serving layout, page size, the tuned schedule); alibi, sinks and
-    head_dim_v follow from the tensors given, as attngen.attention derives them.
-
-    Memoized on what spec_for reads (ranks, heads, head dims, the page size, the tuned table's
-    sequence bucket and its file's stamp), so a call pays a dict lookup, not a Spec and a plan."""
-    key = (fields, tuple(window), softcap, tensor_names, str(q.dtype), q.dim(), int(q.shape[-2]), int(q.shape[-1]),
-           k.dim(), int(k.shape[-2]), int(v.shape[-1]), cu_seqlens_q is not None,
-           None if block_table is None else int(k.shape[1]), num_splits,
-           tuning_table.seq_bucket(max(int(q.shape[1]), int(k.shape[1]))), _table_stamp())
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        plan = _plans[key] = _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block_table,
-                                      num_splits)
-    return plan
-
-
-_plans: dict[tuple, Plan] = {}
-MAX_PLANS = 1024
-
-
-def _table_stamp():
-    """The tuned table file's mtime, looked at no more than every STAMP_SECONDS (a stat per call
-    was a tenth of the op's own Python time): an edit of the table is seen within that."""
-    now, table = time.monotonic(), tuning_table.TABLE
-    if now - _stamp[0] >= STAMP_SECONDS or table is not _stamp[2]:  # another table file is looked at at once
-        try:
-            _stamp[1] = table.stat().st_mtime_ns
-        except OSError:
-            _stamp[1] = None
-        _stamp[0], _stamp[2] = now, table
-    return _stamp[1]
-
-
-STAMP_SECONDS = 1.0
-_stamp = [float("-inf"), None, None]  # (when looked at, the mtime seen, the table's path)
-
-
-def serving_of(plan: Plan) -> serving.Serving:
-    """serving.serving_fields(plan), memoized per plan object (the op asks twice per call)."""
-    hit = _serving.get(id(plan))
-    if hit is None or hit[0] is not plan:
-        if len(_serving) >= MAX_PLANS:
-            _serving.clear()
-        hit = _serving[id(plan)] = (plan, serving.serving_fields(plan))
-    return hit[1]
-
-
-_serving: dict[int, tuple] = {}
-
-
-def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block_table, num_splits) -> Plan:
-    try:
-        chosen = json.loads(fields) if fields else {}
-    except ValueError as e:
-        raise InputError("fields", repr(fields), f"a JSON object of spec fields ({e})") from None
-    if not isinstance(chosen, dict):
-        raise InputError("fields", repr(fields), "a JSON object of spec fields")
-    check_keys(chosen, "attngen::fwd(fields=...)")
-    for name in NUMERIC:
-        if name in chosen:
-            raise InputError(f"fields[{name!r}]", chosen[name], f"no {name} here: it is an argument of its own")
-    names = _names(tensor_names)
-    derived = {"alibi": "alibi_slopes" in names, "sinks": "sinks" in names, "window": tuple(window),
-               "softcap": softcap}
-    if v.shape[-1] != q.shape[-1]:
-        derived["head_dim_v"] = int(v.shape[-1])
-    return as_plan(runtime.spec_for(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
-                                    num_splits=decode_splits(num_splits), **{**derived, **chosen}))
-
-
-def serving_keywords(plan: Plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits) -> dict:
-    """The op's serving arguments as the runtime's and the CPU model's keywords."""
-    splits = decode_splits(num_splits)
-    if not serving_of(plan).split and splits == 1:
-        splits = None  # one split is the kernel without splits
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                block_table=block_table, seqused_k=seqused_k, num_splits=splits)
-
-
-def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
-    """Every check of runtime's launch path but the device's (the serving call, or None, and the
-    extra tensors in kernel order)."""
-    if serving_of(plan).uses_serving or any(x is not None for x in keywords.values()):
-        ints = {n: keywords[n] for n in runtime.INT_TENSORS}
-        call = serving.check_serving(plan, q, k, v, **keywords)
-        runtime.check_serving_tensors(plan, call, q, k, v, None, ints)
-        return call, runtime.check_extra(plan, runtime.extra_dims(call), tensors)
-    dims = runtime.check_tensors(plan, q, k, v)
-    return None, runtime.check_extra(plan, dims, tensors)
-
-
-def _one_device(given: dict) -> None:
-    first_name, first = next(iter(given.items()))
-    for name, t in given.items():
-        if t.device != first.device:
-            raise InputError(f"{name}.device", str(t.device), f"{first.device}, the device of {first_name}")
-
-
-def cpu_max_seconds() -> float:
-    text = os.environ.get("ATTNGEN_CPU_MAX_SECONDS")
-    if not text:
-        return CPU_MAX_SECONDS
-    try:
-        return float(text)
-    except ValueError:
-        raise InputError("ATTNGEN_CPU_MAX_SECONDS", repr(text), "a number of seconds") from None
-
-
-def check_cpu_time(plan: Plan, call, q, k, *, work: float = 1.0, what: str = "") -> None:
-    """Refuse a CPU-model run estimated past cpu_max_seconds(), naming the estimate. `work`: the
-    run's cost in forwards (the forward alone 1; its backward BACKWARD_WORK; a forward whose
-    backward will follow 1 + BACKWARD_WORK, refused before either starts)."""
-    if call is None:
-        batch, q_len, heads, _ = q.shape
-        _, kv_len, kv_heads, _ = k.shape
-        est = estimate_seconds(plan, batch, heads, kv_heads, [q_len] * batch, [kv_len] * batch)
-    else:
-        est = estimate_seconds(plan, call.batch, call.heads, call.kv_heads, call.q_lens, call.kv_lens,
-                               call.num_splits, max_seqlen_q=call.max_seqlen_q, total_q=call.total_q)
-    seconds = est.seconds * work
-    limit = cpu_max_seconds()
-    if seconds > limit:
-        scaled = "" if work == 1.0 else f" {work:g}x a forward's"
-        raise InputError(
-            "q.shape", list(q.shape),
-            f"a problem the CPU model runs within {limit:g} s: this {what or 'one'} would take about {seconds:.0f} s "
-            f"({scaled.strip() + ' ' if scaled else ''}{est.wgmma} wgmma in {est.ctas} blocks); run it on a CUDA tensor, "
-            f"shrink it, or raise ATTNGEN_CPU_MAX_SECONDS")
 
 
 # -- the forward op --------------------------------------------------------------------------------
@@ -348,7 +88,7 @@ def check_attention(q, k, v, **kwargs) -> None:
     args, _ = fwd_arguments(q, k, v, **kwargs)
     *_, devices = _checked(*args)
     if q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
+        checks.check_device(devices)  # one sm_90 device
     elif q.device.type != "cpu":
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
@@ -361,8 +101,8 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
     if q.device.type == "cpu":
         result = emulate(plan, q, k, v, softmax_scale=scale, **named, **keywords)
     elif q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
-        kernel = runtime.compile_kernel(plan)
+        checks.check_device(devices)  # one sm_90 device
+        kernel = forward.compile_kernel(plan)
         if call is not None:
             result = kernel._launch_serving(call, q, k, v, None, extra, scale)
         else:
@@ -377,7 +117,7 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
 
 def _packed(t):
     """t with the packed strides the fake promises (an empty array from numpy has strides 0)."""
-    if tuple(t.stride()) == runtime.packed_strides(t.shape):
+    if tuple(t.stride()) == inputs.packed_strides(t.shape):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
@@ -401,7 +141,7 @@ def out_metadata(q, v, fields: str, cu_seqlens_q) -> tuple[list, list]:
 @fwd.register_fake
 def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
               cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
-    if runtime.spec_dtype(q.dtype) is None:
+    if checks.spec_dtype(q.dtype) is None:
         raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() != rank or v.dim() != k.dim():
@@ -417,7 +157,7 @@ def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:
     The fakes check that they share a device: a meta tensor among CPU or CUDA ones sends the call
     to the fake (Meta outranks both in the dispatcher), whose empty output would be returned."""
     return {"q": q, "k": k, "v": v} | dict(zip(_names(tensor_names), tensors)) | {
-        n: t for n, t in zip(runtime.INT_TENSORS, serving_tensors) if t is not None}
+        n: t for n, t in zip(checks.INT_TENSORS, serving_tensors) if t is not None}
 
 
 # -- the backward op ---------------------------------------------------------------------------------
@@ -438,7 +178,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     if q.device.type == "cpu":
         _one_device(devices)
     elif q.device.type == "cuda":
-        runtime.check_device(devices)  # one sm_90 device
+        checks.check_device(devices)  # one sm_90 device
     else:
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     if call is not None and call.empty:  # no query row (as the forward): nothing to launch, every gradient 0
@@ -449,7 +189,7 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
         grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, dlse=dlse, softmax_scale=scale, **named,
                                  **serving_given)
     else:
-        grads = runtime.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
+        grads = backward.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
                                                    softmax_scale=scale, dlse=dlse)
     dq, dk, dv, *rest = grads
     dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
@@ -467,7 +207,7 @@ def _check_saved(plan: Plan, dout, out, lse, dlse=None) -> None:
         raise InputError("lse", f"shape {list(lse.shape)}", "the forward's LSE: the backward reads it (call the "
                                                             "forward with lse true, as autograd does)")
     for name, t in (("dout", dout), ("out", out)):  # the kernels' layout rules (TMA, packed), on CPU too
-        runtime.check_layout(name, t)
+        inputs.check_layout(name, t)
     if dlse is not None and (tuple(dlse.shape) != tuple(lse.shape) or dlse.dtype != torch.float32):
         raise InputError("dlse", f"{dlse.dtype} {list(dlse.shape)}", f"a torch.float32 tensor of shape "
                                                                      f"{list(lse.shape)}, the LSE's")
@@ -550,14 +290,14 @@ APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, T
 
 def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
     """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
-    compiled append kernel (runtime.append_kv); on CPU the same emitted kernel on the CPU model,
+    compiled append kernel (append.append_kv); on CPU the same emitted kernel on the CPU model,
     whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
     ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
              "cache_seqlens": cache_seqlens}
     if k_cache.device.type == "cpu":
         _one_device(given)
-        call = serving.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        call = append.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
         est = SECONDS_PER_RUN + SECONDS_PER_CTA * math.prod(call.grid)
         if est > cpu_max_seconds():
             raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "
@@ -571,7 +311,7 @@ def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
             k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
             v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
     elif k_cache.device.type == "cuda":
-        runtime.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        append.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
     else:
         raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
@@ -629,12 +369,6 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
             raise InputError("out", got, f"a {result.dtype} tensor of shape {list(result.shape)}")
         result = out.copy_(result)
     return (result, lse) if asked_lse else result
-
-
-def compiling() -> bool:
-    """Whether torch.compile is tracing: a check that reads tensor values on the host runs eagerly only."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def check_training(args: tuple) -> None:
@@ -744,4 +478,4 @@ def block_mask_arguments(bm, q, k, overrides: dict, tensors: dict) -> None:
         tensors[name] = getattr(bm, name).to(q.device)
 
 
-__all__ = ["BACKWARD_WORK", "CPU_MAX_SECONDS", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata", "resolve"]
+__all__ = ["BACKWARD_WORK", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata"]

@@ -8,7 +8,7 @@ InputError (one line: the argument, the value, what is expected). What differs i
 - numpy arrays as well as torch tensors, on any device with values (a meta tensor has none);
 - float32 or float64 tensors holding values to round (q, k, v to the spec's dtype, the
   call-time tensors to float32); a 16-bit dtype other than the kernel's is refused;
-- no `out` buffer and no device rule (runtime.check_device is the GPU's).
+- no `out` buffer and no device rule (checks.check_device is the GPU's).
 
 Shapes, lengths, heads, limits, layouts (TMA's strides and base, the packed ABI), the call-time
 tensors (presence, dtype, shape, contiguity, finite sinks) are the same rules on both paths.
@@ -370,7 +370,7 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
                           int_tensors: dict | None = None, *, cpu: bool = False) -> None:
     """The tensor side of a serving call that serving.check_serving (shapes and values) leaves:
     tensor types, the spec's dtype, out's shape, TMA layouts, contiguous int32 tensors, and an
-    `out` that shares no memory with q, k or v. Device not checked (runtime.check_device)."""
+    `out` that shares no memory with q, k or v. Device not checked (checks.check_device)."""
     spec = plan.spec
     given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
     for name, t in given.items():
@@ -395,11 +395,11 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
 
 
 def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
-    """The tensor side of a KV-cache append that serving.check_append (shapes and values) leaves:
+    """The tensor side of a KV-cache append that append.check_append (shapes and values) leaves:
     a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
     declare no strides, and the caches are written in place: a copy would lose the append), int32
     tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
-    Device not checked (runtime.check_device). `cpu`: numpy arrays too."""
+    Device not checked (checks.check_device). `cpu`: numpy arrays too."""
     from attngen.hw import DTYPES
 
     if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):

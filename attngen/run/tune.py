@@ -135,7 +135,8 @@ def time_on_gpu(cands: list[Candidate], shape: Shape, warmup: int = 10, reps: in
 
     from attngen.run.gputime import n_sets, time_launches
     from attngen.kernels.common.plan import tflops
-    from attngen.run.runtime import compile_kernel, torch_dtype
+    from attngen.run.checks import torch_dtype
+    from attngen.run.forward import compile_kernel
 
     spec = cands[0].plan.spec
     dt = torch_dtype(spec.dtype)

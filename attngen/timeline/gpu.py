@@ -133,12 +133,12 @@ def run_stamped(plan, args, block, repeats: int = 20):
     from attngen.build.lower import TARGET, load_module
     from attngen.reference.forward import random_inputs
     from attngen.kernels.fwd.render import render_source
-    from attngen.run.runtime import compile_kernel
+    from attngen.run.forward import compile_kernel
     from attngen.timeline.instrument import SLOTS, instrument
 
     spec = plan.spec
     heads = args.kv_heads * spec.gqa_group
-    from attngen.run.runtime import torch_dtype
+    from attngen.run.checks import torch_dtype
 
     q, k, v = (torch.from_numpy(x).to(torch_dtype(spec.dtype)).cuda()  # random_inputs gives float32 numpy arrays
                for x in random_inputs(spec.dtype, spec.head_dim, args.batch, heads, args.kv_heads,

@@ -18,7 +18,7 @@ def cache_slot(key: str, batch: str = "batch_idx") -> str:
     """The paged cache row (page, row in page) of key position `key` of sequence `batch`: the
     serving ABI's rule, key t of sequence b is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE]
     (docs/serving.md). The forward's kv_tile_setup is its tile form (a K tile is BLOCK_N keys of one
-    page); serving.cache_slots is its host side."""
+    page); run.append.cache_slots is its host side."""
     return f"block_table[{batch}, ({key}) // PAGE_SIZE], ({key}) % PAGE_SIZE"
 
 

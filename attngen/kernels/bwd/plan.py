@@ -146,7 +146,7 @@ def dq_smem_layout(spec: Spec, block_m: int, block_n: int, stages: int) -> dict:
 
 def autograd_spec(spec: Spec) -> Spec:
     """The forward attngen.attention runs when a gradient is wanted: the spec with its LSE, which the
-    backward reads (ops.fwd_arguments asks for it; runtime.precompile_training builds it)."""
+    backward reads (ops.fwd_arguments asks for it; backward.precompile_training builds it)."""
     return dataclasses.replace(spec, lse=True)
 
 
