@@ -85,6 +85,14 @@ class Dense:
         """A block's sequence or split may have no key (kv_len >= 0; a bshd kernel's is >= 1)."""
         return self.per_sequence or self.split_kv
 
+    def query_row(self, row: str) -> str:
+        """The query position of a tile's row `row` (kernel text): a packed row's is row // GQA_GROUP."""
+        return f"({row}) // GQA_GROUP" if self.pack_gqa else row
+
+    def query_head(self) -> str:
+        """The query head of a consumer's row i: the block's, or a packed row's place in the group."""
+        return "(head + (q0 + row0 + i) % GQA_GROUP)" if self.pack_gqa else "head"
+
     def query_position(self, row: tiles.Expr) -> tiles.Expr:
         """The query position of a tile's row (tile-range algebra): a packed row's is row // GQA_GROUP."""
         return tiles.rowdiv(row, tiles.Sym("GQA_GROUP", 1)) if self.pack_gqa else row

@@ -34,18 +34,18 @@ def windowed(plan: Plan) -> bool:
 
 def has_first_tile(plan: Plan) -> bool:
     """The block's first visited K tile is not 0 (the window has a left edge, or the block takes a split)."""
-    return plan.window_left is not None or plan.split_kv
+    return plan.window_left is not None or layout_of(plan).split_kv
 
 
 def row_pos(plan: Plan, row: str = "q0 + row0 + i") -> str:
     """The query position of a block's packed row: the row itself, or row // GQA_GROUP when the
     query heads of one KV head are packed into the tile's rows."""
-    return f"({row}) // GQA_GROUP" if plan.pack_gqa else row
+    return layout_of(plan).query_row(row)
 
 
 def row_head(plan: Plan) -> str:
     """The query head of row i: the block's head, or (packed GQA) the row's place in the group."""
-    return "(head + (q0 + row0 + i) % GQA_GROUP)" if plan.pack_gqa else "head"
+    return layout_of(plan).query_head()
 
 
 def key_tile(plan: Plan, tile: str) -> str:
@@ -74,7 +74,7 @@ def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
     window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
     off a row-independent part.
     """
-    if plan.pack_gqa or (plan.window_left is None and plan.window_right is None):
+    if layout_of(plan).pack_gqa or (plan.window_left is None and plan.window_right is None):
         return None
     t = key_tile(plan, tile)
     value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
@@ -385,9 +385,7 @@ def visit_comments(plan: Plan) -> tuple[str, str]:
 
 
 def split_exprs(plan: Plan) -> dict:
-    """A split's share of the block's n_block_tiles visits (names the template binds)."""
-    if not plan.split_kv:
-        return {}
+    """A split's share of the block's n_block_tiles visits (names the template binds under layout.split_kv)."""
     n, per = tiles.Sym("n_block_tiles", 1), tiles.Sym("tiles_per_split", 1)
     return {"split_tiles_per": tiles.text(tiles.split_tiles_per(n, tiles.Sym("num_splits", 1))),
             "split_first": tiles.text(tiles.split_first(tiles.Sym("split_idx", 0), per)),
@@ -406,7 +404,7 @@ def normalize_stmt(plan: Plan) -> str:
 
 def lse_expr(plan: Plan) -> str:
     """Natural-log log-sum-exp of a row: (m * scale_log2 + log2(row sum)) * ln 2; -inf for a row with no key."""
-    if not (plan.spec.lse or plan.split_kv):  # a split always writes its LSE: the combine weighs by it
+    if not (plan.spec.lse or layout_of(plan).split_kv):  # a split always writes its LSE: the combine weighs by it
         return ""
     value = f"({scaled(plan, 'm_cur[i]')} + T.log2(row_sum[i])) * LN2"
     if plan.guard_empty_rows and not plan.spec.sinks:
@@ -430,7 +428,7 @@ def variant_constants(plan: Plan) -> list[str]:
         lines.append(f"HEAD_DIM_V = {plan.head_dim_v}  # V and O head dim")
     if spec.softcap:
         lines.append(f"SOFTCAP = {spec.softcap!r}  # score = SOFTCAP * tanh(score / SOFTCAP)")
-    if spec.lse or plan.split_kv:
+    if spec.lse or layout_of(plan).split_kv:
         lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
     return lines + layout_of(plan).constants()
 
