@@ -120,7 +120,7 @@ class Dense:
 
     def q_slice(self, rows: str, head: str = "head") -> str:
         """Q-like tensors at the sequence's rows `rows` ("a:b"): a TMA box."""
-        return self.q_index(rows, head)
+        return self.q_index(self._rows(rows), head)
 
     def q_box(self, a: str, b: str, head: str = "head") -> str:
         return self.q_slice(f"{a}:{b}", head)
@@ -133,6 +133,7 @@ class Dense:
         return self.stat_index(self._rows(f"{a}:{b}"))
 
     def _rows(self, rows: str) -> str:
+        """The sequence's rows "a:b" as rows of q."""
         return rows
 
     def q_clamped(self, r: str) -> str:
@@ -340,7 +341,7 @@ class Dense:
 
     @property
     def flat_batch_var(self) -> str:
-        return "batch_idx"
+        return "batch_idx" if self.flat_batch else ""
 
     def flat_rows(self) -> str:
         """The rows a flat walk writes."""
@@ -389,9 +390,6 @@ class Varlen(Dense):
     def q_last(self) -> str:
         return "total_q - 1"
 
-    def q_slice(self, rows: str, head: str = "head") -> str:
-        return self.q_index(self._rows(rows), head)
-
     def _rows(self, rows: str) -> str:
         return _seq_slice(rows, "q_start")
 
@@ -437,10 +435,6 @@ class Varlen(Dense):
 
     @property
     def flat_batch(self) -> str:
-        return ""
-
-    @property
-    def flat_batch_var(self) -> str:
         return ""
 
     def flat_rows(self) -> str:
@@ -504,7 +498,7 @@ class PagedVarlen(Paged, Varlen):
 
 def layout_of(plan) -> Dense:
     """The plan's layout (a forward Plan; the backward passes its forward plan)."""
-    options = dict(split_kv=plan.split_kv, pack_gqa=plan.pack_gqa)
+    options = {"split_kv": plan.split_kv, "pack_gqa": plan.pack_gqa}
     if plan.page_size:
         paged = PagedVarlen if plan.varlen else Paged
         return paged(**options, page_size=plan.page_size, block_n=plan.spec.block_n)
