@@ -16,7 +16,9 @@ from attngen import expr, hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
 from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
-from attngen.kernels.fwd.render import has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
+from attngen.kernels.common.layouts import layout_of
+from attngen.kernels.common.schedulers import schedule_of
+from attngen.kernels.fwd.render import DIMS, has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
 
@@ -31,7 +33,7 @@ def frame(bp: BackwardPlan) -> tiles.Frame:
     """The backward's problem in the kernel's names (kv_len, q_len >= 1 in a bshd kernel; a packed
     sequence may have none)."""
     f = bp.forward
-    lo = 0 if f.varlen else 1
+    lo = 0 if layout_of(f).per_sequence else 1
     return tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
                        edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("BLOCK_M", 1),
                        block_n=tiles.Sym("BLOCK_N", 1))
@@ -47,10 +49,8 @@ def q_range(bp: BackwardPlan) -> dict:
     fr = frame(bp)
     first = fr.q_first(_KV_TILE)
     n_q = tiles.text(tiles.max_(tiles.sub(fr.q_stop(_KV_TILE), tiles.Sym("q_first", 0)), 0))
-    if bp.forward.varlen:  # the grid covers the longest sequence's keys: this one may have fewer
-        n_q = f"T.if_then_else(kv0 < kv_len, {n_q}, 0)"
     return {"q_first": tiles.text(first),
-            "n_q": n_q,
+            "n_q": layout_of(bp.forward).guard_count(n_q, "kv0", "kv_len"),
             "full_first": tiles.text(fr.q_full_first(_KV_TILE)),
             "full_stop": tiles.text(fr.q_full_stop(_KV_TILE))}
 
@@ -113,7 +113,8 @@ def dq_range(bp: BackwardPlan) -> dict:
     if f.block_mask:  # the listed KV tiles of the block's rows, ascending (block_mask_walk)
         return {"dq_kv_first": "0", "dq_n_kv": "bm_partial_n + bm_full_n", "dq_full_first": "", "dq_full_stop": "",
                 "dq_masked_visit": "partial"}
-    lo = 0 if f.varlen else 1
+    layout = layout_of(f)
+    lo = 0 if layout.per_sequence else 1
     fr = tiles.Frame(q_len=tiles.Sym("q_len", lo), kv_len=tiles.Sym("kv_len", lo), offset=tiles.Sym("causal_offset"),
                      edges=tiles.Edges(f.window_left, f.window_right), block_m=tiles.Sym("DQ_BLOCK_M", 1),
                      block_n=tiles.Sym("DQ_BLOCK_N", 1))
@@ -125,10 +126,8 @@ def dq_range(bp: BackwardPlan) -> dict:
     masked = "True" if f.mask_expr is not None else " or ".join(
         ([] if full_first == 0 else ["kv_tile < full_first"]) + ["kv_tile >= full_stop"])
     n_kv = tiles.text(tiles.max_(tiles.sub(fr.kv_stop(block), tiles.Sym("kv_first", 0)), 0))
-    if f.varlen:  # the grid covers the longest sequence's rows: this one may have fewer
-        n_kv = f"T.if_then_else(q0 < q_len, {n_kv}, 0)"
     return {"dq_kv_first": tiles.text(first),
-            "dq_n_kv": n_kv,
+            "dq_n_kv": layout.guard_count(n_kv, "q0", "q_len"),
             "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
             "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
             "dq_masked_visit": masked}
@@ -241,38 +240,13 @@ def block_mask_params(bp: BackwardPlan, dq: bool = False) -> list:
 
 
 # -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
+SEQUENCE_NOTES = {"q_note": "this sequence's rows of q, dO, dQ", "k_note": "... and of k, v, dK, dV"}
+
+
 def seq_names(bp: BackwardPlan) -> list:
     """The block's per-sequence values a macro needs (none for bshd, whose lengths are the kernel's)."""
-    if not bp.forward.varlen:
-        return []
-    return ["q_len", "kv_len"] + (["causal_offset"] if has_offset(bp.forward) else []) + ["q_start", "k_start"]
-
-
-def seq_setup(bp: BackwardPlan) -> list:
-    if not bp.forward.varlen:
-        return []
-    lines = ["q_start = cu_seqlens_q[batch_idx]  # this sequence's rows of q, dO, dQ", "q_len = cu_seqlens_q[batch_idx + 1] - q_start",
-             "k_start = cu_seqlens_k[batch_idx]  # ... and of k, v, dK, dV", "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
-    if has_offset(bp.forward):
-        lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
-    return lines
-
-
-def index_helpers(bp: BackwardPlan) -> dict:
-    """Index text of the global tensors: a row r (or rows a:b) of q-like [B, Sq, H, .] / [total_q, H, .],
-    of row-statistics [B, H, Sq] / [H, total_q], and of k-like tensors."""
-    if bp.forward.varlen:
-        return {"q_at": lambda r, h="head": f"q_start + {r}, {h}", "q_box": lambda a, b, h="head": f"q_start + {a}:q_start + {b}, {h}",
-                "row_at": lambda r: f"head, q_start + {r}", "row_box": lambda a, b: f"head, q_start + {a}:q_start + {b}",
-                "k_at": lambda r, h="kv_head": f"k_start + {r}, {h}", "k_box": lambda a, b, h="kv_head": f"k_start + {a}:k_start + {b}, {h}",
-                "q_rows": "max_seqlen_q", "kv_rows": "max_seqlen_k",
-                # the preprocess's loads of a row past the sequence (counted 0): clamped into the tensor
-                "pre_q_at": "T.min(q_start + r0 + i, total_q - 1), head", "pre_row_at": "head, T.min(q_start + r0 + i, total_q - 1)"}
-    return {"q_at": lambda r, h="head": f"batch_idx, {r}, {h}", "q_box": lambda a, b, h="head": f"batch_idx, {a}:{b}, {h}",
-            "row_at": lambda r: f"batch_idx, head, {r}", "row_box": lambda a, b: f"batch_idx, head, {a}:{b}",
-            "k_at": lambda r, h="kv_head": f"batch_idx, {r}, {h}", "k_box": lambda a, b, h="kv_head": f"batch_idx, {a}:{b}, {h}",
-            "q_rows": "q_len", "kv_rows": "kv_len",
-            "pre_q_at": "batch_idx, T.min(r0 + i, q_len - 1), head", "pre_row_at": "batch_idx, head, T.min(r0 + i, q_len - 1)"}
+    layout = layout_of(bp.forward)
+    return layout.sequence_args(has_offset(bp.forward)) + layout.key_start_args()
 
 
 def scale_setup(bp: BackwardPlan) -> list[str]:
@@ -284,68 +258,52 @@ def scale_setup(bp: BackwardPlan) -> list[str]:
     return []
 
 
-def q_shape(dim: str, varlen: bool) -> list:
-    return ["total_q", "heads", dim] if varlen else ["batch", "q_len", "heads", dim]
-
-
-def kv_shape(dim: str, varlen: bool) -> list:
-    return ["total_k", "kv_heads", dim] if varlen else ["batch", "kv_len", "kv_heads", dim]
-
-
 def call_tensors(bp: BackwardPlan) -> list:
     """The forward's call-time tensors (ALiBi slopes, score_mod/mask_mod tensors): the main kernel reads them too."""
     lists = {n for n, _, _ in BLOCK_MASK_TENSORS}  # the forward's own block-mask lists: the backward has its own
     return [t for t in bp.forward.extra if not t.output and t.name != "sinks" and t.name not in lists]
 
 
-def rows_shape(varlen: bool) -> list:
-    return ["heads", "total_q"] if varlen else ["batch", "heads", "q_len"]
-
-
 def params(bp: BackwardPlan, dv: str) -> dict:
     """Each kernel's prim_func parameter lines (docs/backward.md, "The kernels' parameters")."""
-    vl = bp.forward.varlen
-    seq = []
-    if vl:
-        seq = [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"),
-               tensor_param("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k, v, dK, dV"),
-               "max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grids over rows",
-               "max_seqlen_k: T.int32,  # the longest sequence's keys: sizes the main kernel's grid"]
+    layout = layout_of(bp.forward)
+    q_shape, kv_shape, rows_shape = layout.q_shape, layout.kv_shape, layout.lse_shape()
+    seq = layout.backward_params()
     kv_out = '"float32"' if bp.kv_accum else "DTYPE"
     kv_names = ("dK_accum", "dV_accum") if bp.kv_accum else ("dK", "dV")
-    pre = [tensor_param("O", q_shape(dv, vl), "DTYPE", "the forward's output"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
-           tensor_param("LSE", rows_shape(vl), '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
-           tensor_param("dLSE", rows_shape(vl), '"float32"', "the LSE output's gradient (zeros when the loss reads no LSE)"),
-           tensor_param("dPsum", rows_shape(vl), '"float32"', "output: rowsum(dO * O) - dLSE"),
-           tensor_param("LSE2", rows_shape(vl), '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
+    pre = [tensor_param("O", q_shape(dv), "DTYPE", "the forward's output"), tensor_param("dO", q_shape(dv), "DTYPE"),
+           tensor_param("LSE", rows_shape, '"float32"', "the forward's log-sum-exp, natural log (-inf: a row with no key)"),
+           tensor_param("dLSE", rows_shape, '"float32"', "the LSE output's gradient (zeros when the loss reads no LSE)"),
+           tensor_param("dPsum", rows_shape, '"float32"', "output: rowsum(dO * O) - dLSE"),
+           tensor_param("LSE2", rows_shape, '"float32"', "output: LSE * log2(e), 0 where LSE is -inf")]
     if not bp.deterministic:
-        pre.append(tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
+        pre.append(tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "output: zeroed (the main kernel reduce-adds into it)"))
     if bp.spec.sinks and not bp.deterministic:
         pre += [tensor_param("Sinks", ["heads"], '"float32"', "call time: sinks"),
                 tensor_param("dSinks", ["heads"], '"float32"', "in/out: zeroed by the caller; -= sum_rows exp(sink - LSE) dPsum")]
-    dsinks = [tensor_param("LSE", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"'),
+    dsinks = [tensor_param("LSE", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
               tensor_param("Sinks", ["heads"], '"float32"', "call time: sinks"),
               tensor_param("dSinks", ["heads"], '"float32"', "output: -sum_rows exp(sink - LSE) dPsum")] + seq
-    main = [tensor_param("Q", q_shape("HEAD_DIM", vl), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
-            tensor_param("V", kv_shape(dv, vl), "DTYPE"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
-            tensor_param("LSE2", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"')]
+    main = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
+            tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
+            tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"')]
     if not bp.deterministic:
-        main.append(tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"', "in/out: dS K reduce-added, unscaled"))
-    main += [tensor_param(kv_names[0], kv_shape("HEAD_DIM", vl), kv_out,
+        main.append(tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"', "in/out: dS K reduce-added, unscaled"))
+    main += [tensor_param(kv_names[0], kv_shape("HEAD_DIM"), kv_out,
                     "in/out: zeroed by the caller; dK of the group's query heads atomically added, scaled" if bp.kv_accum
                     else "output: dK, scaled"),
-            tensor_param(kv_names[1], kv_shape(dv, vl), kv_out,
+            tensor_param(kv_names[1], kv_shape(dv), kv_out,
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
     calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}") for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
     main += calls + block_mask_params(bp) + seq + [scale]
-    dq = [tensor_param("Q", q_shape("HEAD_DIM", vl), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM", vl), "DTYPE"),
-          tensor_param("V", kv_shape(dv, vl), "DTYPE"), tensor_param("dO", q_shape(dv, vl), "DTYPE"),
-          tensor_param("LSE2", rows_shape(vl), '"float32"'), tensor_param("dPsum", rows_shape(vl), '"float32"'),
-          tensor_param("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
-    post = [tensor_param("dQ_accum", q_shape("HEAD_DIM", vl), '"float32"'), tensor_param("dQ", q_shape("HEAD_DIM", vl), "DTYPE", "output")] + seq + [scale]
-    post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM", vl), '"float32"'), tensor_param("dV_accum", kv_shape(dv, vl), '"float32"'),
-               tensor_param("dK", kv_shape("HEAD_DIM", vl), "DTYPE", "output"), tensor_param("dV", kv_shape(dv, vl), "DTYPE", "output")]
+    dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
+          tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
+          tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
+          tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
+    post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'), tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output")] + seq + [scale]
+    post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), tensor_param("dV_accum", kv_shape(dv), '"float32"'),
+               tensor_param("dK", kv_shape("HEAD_DIM"), "DTYPE", "output"), tensor_param("dV", kv_shape(dv), "DTYPE", "output")]
     pre += seq
     post_kv += seq
     return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq,
@@ -390,12 +348,12 @@ def layout_context(bp: BackwardPlan, dv: str) -> dict:
     columns (each all 64 keys, 1/n of the head dims of dK, dV and dQ; S^T and dP^T summed over the
     column slices of K, Q, V and dO, every warpgroup computing them whole)."""
     n = bp.consumers
-    h = index_helpers(bp)
+    layout = layout_of(bp.forward)
     if not bp.columns:
         kv_loads = []
         for g in range(n):
             lo = f"kv0 + {g * bp.wg_keys}" if g else "kv0"
-            rows = h["k_box"](lo, f"kv0 + {(g + 1) * bp.wg_keys}")
+            rows = layout.k_box(lo, f"kv0 + {(g + 1) * bp.wg_keys}")
             kv_loads += [(f"K[{rows}, :]", f"K_shared[{g}, :, :]"), (f"V[{rows}, :]", f"V_shared[{g}, :, :]")]
         return {"columns": False, "wg_doc": "keys [key0, key0 + WG_KEYS) of the KV tile, every head-dim column",
                 "key0": "kv_block * BLOCK_N + g * WG_KEYS", "dk_w": "HEAD_DIM", "dv_w": dv,
@@ -405,7 +363,7 @@ def layout_context(bp: BackwardPlan, dv: str) -> dict:
                 "own_slice": "0", "dk_cols": ":", "dv_cols": ":", "dk_col": lambda d: d, "dv_col": lambda d: d,
                 "kv_slice_doc": "one slice of keys per MMA warpgroup", "q_slices": 1, "q_slice_doc": "",
                 "kv_loads": kv_loads, "slice_cols": lambda c, w: ":"}
-    rows = h["k_box"]("kv0", "kv0 + BLOCK_N")
+    rows = layout.k_box("kv0", "kv0 + BLOCK_N")
     cols = lambda c, w: f"{c} * {w}:{c + 1} * {w}" if c else f"0:{w}"  # noqa: E731
     kv_loads = []
     for c in range(n):
@@ -425,12 +383,14 @@ def template_context(bp: BackwardPlan) -> dict:
     f = bp.forward
     spec = bp.spec
     dv = "HEAD_DIM" if f.head_dim_v == spec.head_dim else "HEAD_DIM_V"
-    names = ("batch", "total_q", "total_k", "kv_heads") if f.varlen else ("batch", "q_len", "kv_len", "kv_heads")
-    dims = {d: (getattr(bp.shape, d) if bp.shape else None) for d in names}
+    layout = layout_of(f)
     free = [t.dim(a) for t in call_tensors(bp) for a in range(len(t.shape)) if t.shape[a] is None]
     if f.block_mask:
         free += list(BLOCK_MASK_AXES) + (["bm_dq_q_tiles", "bm_dq_kv_tiles"] if bp.deterministic else [])
     return {
+        "layout": layout,
+        "schedule": schedule_of(f),
+        "seq_setup": layout.sequence_setup(has_offset(f), **SEQUENCE_NOTES),
         "header": header_lines(bp),
         "kernel_name": bp.name,
         "spec_hash": bp.hash,
@@ -459,7 +419,7 @@ def template_context(bp: BackwardPlan) -> dict:
         "pre_cols": 0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
         "pre_threads": PRE_THREADS,
         "compile_flags": bp.compile_flags,
-        "dims": dims,
+        "dims": layout.kernel_dims(bp.shape, DIMS),
         "free_dims": free,
         "offset": has_offset(f),  # (varlen: per sequence, in seq_setup)
         "kv_accum": bp.kv_accum,
@@ -479,10 +439,7 @@ def template_context(bp: BackwardPlan) -> dict:
         "producer_tile_lines": tile_lines(bp, producer=True)[1],
         "consumer_args": consumer_args(bp),
         **layout_context(bp, dv),
-        "varlen": f.varlen,
-        "seq_setup": seq_setup(bp),
         "seq_args": "".join(f", {n}" for n in seq_names(bp)),
-        **index_helpers(bp),
         "deterministic": bp.deterministic,
         "grouped_visits": grouped_visits(bp),
         "main_grid_heads": "kv_heads" if grouped_visits(bp) else "heads",

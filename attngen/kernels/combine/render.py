@@ -7,7 +7,8 @@ from __future__ import annotations
 
 
 from attngen.kernels.common.emit import tensor_param
-from attngen.kernels.common.layouts import lse_shape, q_shape
+from attngen.kernels.common.layouts import layout_of
+from attngen.kernels.common.schedulers import schedule_of
 
 
 
@@ -22,36 +23,27 @@ def combine_context(plan, dv: str) -> dict:
     """Names of the combine kernel (fa3_combine.py.j2): it merges O_partial/LSE_partial per row.
     Varlen: the grid covers the packed rows (total_q), but only rows before cu_seqlens_q[batch]
     belong to a sequence; the rows after it are padding, which no kernel writes."""
-    rows = "total_q" if plan.varlen else "q_len"
-    dims = ["batch", "total_q"] if plan.varlen else ["batch", "q_len"]
-    params = [tensor_param("O_partial", ["num_splits"] + q_shape(plan, dv), '"float32"'),
-              tensor_param("LSE_partial", ["num_splits"] + lse_shape(plan), '"float32"'),
-              tensor_param("O", q_shape(plan, dv), "DTYPE")]
+    layout, schedule = layout_of(plan), schedule_of(plan)
+    rows = layout.q_total
+    params = [tensor_param("O_partial", ["num_splits"] + layout.q_shape(dv), '"float32"'),
+              tensor_param("LSE_partial", ["num_splits"] + layout.lse_shape(), '"float32"'),
+              tensor_param("O", layout.q_shape(dv), "DTYPE")]
     if plan.spec.lse:
-        params.append(tensor_param("LSE", lse_shape(plan), '"float32"', "output: log-sum-exp per row, natural log"))
-    setup = []
-    if plan.varlen:
-        params.append(tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"',
-                              "rows past cu_seqlens_q[batch] are padding: not written"))
-        setup.append("used_rows = cu_seqlens_q[batch]  # the packed rows the sequences own; the rest is padding")
+        params.append(tensor_param("LSE", layout.lse_shape(), '"float32"', "output: log-sum-exp per row, natural log"))
     row = "r0 + i"
     clamped = f"T.min(r0 + i, {rows} - 1)"
-    if plan.varlen:
-        o_idx, lse_idx = (lambda r: f"{r}, head, j"), (lambda r: f"head, {r}")
-    else:
-        o_idx, lse_idx = (lambda r: f"batch_idx, {r}, head, j"), (lambda r: f"batch_idx, head, {r}")
     return {
         "combine_name": f"{plan.name}_combine",
-        "combine_dims": dims + ["kv_heads", "num_splits"],
-        "combine_params": params,
-        "combine_grid": f"T.ceildiv({rows}, COMBINE_ROWS), heads" + ("" if plan.varlen else ", batch"),
-        "combine_vars": "row_block, head" + ("" if plan.varlen else ", batch_idx"),
-        "combine_rows": "used_rows" if plan.varlen else rows,
-        "combine_setup": setup,
+        "combine_dims": ["batch", rows, "kv_heads", "num_splits"],
+        "combine_params": params + layout.flat_params(),
+        "combine_grid": schedule.grid(rows, "COMBINE_ROWS", "heads", layout.flat_batch),
+        "combine_vars": schedule.block_vars("row_block", "head", layout.flat_batch_var),
+        "combine_rows": layout.flat_rows(),
+        "combine_setup": layout.flat_setup(),
         "combine_rows_per_block": COMBINE_ROWS,
         "combine_threads": COMBINE_THREADS,
-        "partial_o": f"O_partial[s, {o_idx(clamped)}]",
-        "partial_lse": f"LSE_partial[s, {lse_idx(clamped)}]",
-        "out_o": f"O[{o_idx(row)}]",
-        "out_lse": f"LSE[{lse_idx(row)}]" if plan.spec.lse else "",
+        "partial_o": f"O_partial[s, {layout.q_index(clamped)}, j]",
+        "partial_lse": f"LSE_partial[s, {layout.stat_index(clamped)}]",
+        "out_o": f"O[{layout.q_index(row)}, j]",
+        "out_lse": f"LSE[{layout.stat_index(row)}]" if plan.spec.lse else "",
     }

@@ -18,7 +18,8 @@ from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
-from attngen.kernels.common.layouts import kv_shape, lse_shape, q_shape
+from attngen.kernels.common.layouts import layout_of
+from attngen.kernels.common.schedulers import schedule_of
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
 DIMS = ("batch", "q_len", "kv_len", "kv_heads")
@@ -33,18 +34,18 @@ def windowed(plan: Plan) -> bool:
 
 def has_first_tile(plan: Plan) -> bool:
     """The block's first visited K tile is not 0 (the window has a left edge, or the block takes a split)."""
-    return plan.window_left is not None or plan.split_kv
+    return plan.window_left is not None or layout_of(plan).split_kv
 
 
 def row_pos(plan: Plan, row: str = "q0 + row0 + i") -> str:
     """The query position of a block's packed row: the row itself, or row // GQA_GROUP when the
     query heads of one KV head are packed into the tile's rows."""
-    return f"({row}) // GQA_GROUP" if plan.pack_gqa else row
+    return layout_of(plan).query_row(row)
 
 
 def row_head(plan: Plan) -> str:
     """The query head of row i: the block's head, or (packed GQA) the row's place in the group."""
-    return "(head + (q0 + row0 + i) % GQA_GROUP)" if plan.pack_gqa else "head"
+    return layout_of(plan).query_head()
 
 
 def key_tile(plan: Plan, tile: str) -> str:
@@ -73,7 +74,7 @@ def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
     window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
     off a row-independent part.
     """
-    if plan.pack_gqa or (plan.window_left is None and plan.window_right is None):
+    if layout_of(plan).pack_gqa or (plan.window_left is None and plan.window_right is None):
         return None
     t = key_tile(plan, tile)
     value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
@@ -193,8 +194,9 @@ def tile_frame(plan: Plan) -> tiles.Frame:
     """The plan's problem in the kernel's names, with what is known of each value: kv_len >= 1 in a
     bshd kernel (0 where a sequence or a split may have no key), and the offset's value for a static
     shape whose every row sees a key (the plan's guard_empty_rows is off)."""
-    static = plan.shape is not None and not per_sequence(plan)
-    kv_lo = 0 if per_sequence(plan) or plan.split_kv else (plan.shape.kv_len if static else 1)
+    layout = layout_of(plan)
+    static = plan.shape is not None and not layout.per_sequence
+    kv_lo = 0 if layout.may_see_no_key else (plan.shape.kv_len if static else 1)
     off_lo = plan.shape.kv_len - plan.shape.q_len if static and not plan.guard_empty_rows else None
     return tiles.Frame(q_len=tiles.Sym("q_len", 1), kv_len=tiles.Sym("kv_len", kv_lo),
                        offset=tiles.Sym("causal_offset", off_lo), edges=tiles.Edges(plan.window_left, plan.window_right),
@@ -205,7 +207,7 @@ _Q0, _ROW0, _FIRST = tiles.Sym("q0", 0), tiles.Sym("row0", 0), tiles.Sym("first_
 
 
 def _row(plan: Plan, x) -> tiles.Expr:
-    return tiles.rowdiv(x, tiles.Sym("GQA_GROUP", 1)) if plan.pack_gqa else x
+    return layout_of(plan).query_position(x)
 
 
 def block_rows(plan: Plan) -> tiles.Rows:
@@ -383,9 +385,7 @@ def visit_comments(plan: Plan) -> tuple[str, str]:
 
 
 def split_exprs(plan: Plan) -> dict:
-    """A split's share of the block's n_block_tiles visits (names the template binds)."""
-    if not plan.split_kv:
-        return {}
+    """A split's share of the block's n_block_tiles visits (names the template binds under layout.split_kv)."""
     n, per = tiles.Sym("n_block_tiles", 1), tiles.Sym("tiles_per_split", 1)
     return {"split_tiles_per": tiles.text(tiles.split_tiles_per(n, tiles.Sym("num_splits", 1))),
             "split_first": tiles.text(tiles.split_first(tiles.Sym("split_idx", 0), per)),
@@ -404,7 +404,7 @@ def normalize_stmt(plan: Plan) -> str:
 
 def lse_expr(plan: Plan) -> str:
     """Natural-log log-sum-exp of a row: (m * scale_log2 + log2(row sum)) * ln 2; -inf for a row with no key."""
-    if not (plan.spec.lse or plan.split_kv):  # a split always writes its LSE: the combine weighs by it
+    if not (plan.spec.lse or layout_of(plan).split_kv):  # a split always writes its LSE: the combine weighs by it
         return ""
     value = f"({scaled(plan, 'm_cur[i]')} + T.log2(row_sum[i])) * LN2"
     if plan.guard_empty_rows and not plan.spec.sinks:
@@ -428,184 +428,44 @@ def variant_constants(plan: Plan) -> list[str]:
         lines.append(f"HEAD_DIM_V = {plan.head_dim_v}  # V and O head dim")
     if spec.softcap:
         lines.append(f"SOFTCAP = {spec.softcap!r}  # score = SOFTCAP * tanh(score / SOFTCAP)")
-    if spec.lse or plan.split_kv:
+    if spec.lse or layout_of(plan).split_kv:
         lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
-    return lines + serving_constants(plan)
-
-
-def per_sequence(plan: Plan) -> bool:
-    """Lengths differ by sequence (packed q, or a paged cache's seqused_k): each block reads its own."""
-    return plan.varlen or plan.page_size > 0
-
-
-def kernel_dims(plan: Plan) -> dict:
-    """T.dynamic extents of the main kernel (name -> int for a static shape, else None)."""
-    if plan.shape is not None:
-        return {d: getattr(plan.shape, d) for d in DIMS}
-    names = ["batch"]
-    names += ["total_q"] if plan.varlen else ["q_len"]
-    if not plan.page_size:
-        names += ["total_k"] if plan.varlen else ["kv_len"]
-    names.append("kv_heads")
-    if plan.page_size:
-        names += ["num_pages", "max_pages"]
-    if plan.split_kv:
-        names.append("num_splits")
-    return {n: None for n in names}
+    return lines + layout_of(plan).constants()
 
 
 def kernel_params(plan: Plan, dv: str) -> list[str]:
     """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
-    lines = [tensor_param("Q", q_shape(plan), "DTYPE"), tensor_param("K", kv_shape(plan, "HEAD_DIM"), "DTYPE"),
-             tensor_param("V", kv_shape(plan, dv), "DTYPE")]
-    if plan.split_kv:
-        lines.append(tensor_param("O_partial", ["num_splits"] + q_shape(plan, dv), '"float32"',
-                             "output: each split's normalised partial O (the combine kernel merges them)"))
-        lines.append(tensor_param("LSE_partial", ["num_splits"] + lse_shape(plan), '"float32"',
-                             "output: each split's log-sum-exp per row, natural log (-inf: no key)"))
-    else:
-        lines.append(tensor_param("O", q_shape(plan, dv), "DTYPE"))
+    layout = layout_of(plan)
+    lines = layout.io_params(dv)
     for t in plan.extra:
-        if t.output and plan.split_kv:
+        if t.output and not layout.kernel_writes_lse:
             continue  # the combine kernel writes the LSE
         dims = [t.dim(a) for a in range(len(t.shape))]
         lines.append(tensor_param(t.param, dims, f'"{t.dtype}"',
                              "output: log-sum-exp per row, natural log" if t.output else f"call time: {t.name}"))
-    if plan.varlen:
-        lines.append(tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"))
-        if not plan.page_size:
-            lines.append(tensor_param("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k and v"))
-    if plan.page_size:
-        lines.append(tensor_param("block_table", ["batch", "max_pages"], '"int32"', "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"))
-        lines.append(tensor_param("seqused_k", ["batch"], '"int32"', "keys of sequence b"))
-    if plan.varlen:
-        lines.append("max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grid")
+    lines += layout.serving_params()
     lines.append("softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))")
     return lines
-
-
-def grid(plan: Plan) -> str:
-    rows = "max_seqlen_q" if plan.varlen else "q_len"
-    if plan.pack_gqa:
-        rows = f"{rows} * GQA_GROUP"
-    return ", ".join([f"T.ceildiv({rows}, BLOCK_M)", "kv_heads" if plan.pack_gqa else "heads",
-                      "batch * num_splits" if plan.split_kv else "batch"])
-
-
-def block_vars(plan: Plan) -> str:
-    return ", ".join(["q_block", "kv_head" if plan.pack_gqa else "head", "batch_split" if plan.split_kv else "batch_idx"])
-
-
-def block_setup(plan: Plan) -> list[str]:
-    """Lines that give a block its head, sequence and lengths (before q0)."""
-    if plan.pack_gqa:
-        lines = ["head = kv_head * GQA_GROUP  # packed GQA: row r is query r // GQA_GROUP of head head + r % GQA_GROUP"]
-    else:
-        lines = ["kv_head = head // GQA_GROUP"]
-    if plan.split_kv:
-        lines += ["batch_idx = T.truncdiv(batch_split, num_splits)  # truncdiv: both >= 0, no floor fix-up code",
-                  "split_idx = T.truncmod(batch_split, num_splits)  # which share of the K tiles this block visits"]
-    if plan.varlen:
-        lines += ["q_start = cu_seqlens_q[batch_idx]  # this sequence's first row of q and out",
-                  "q_len = cu_seqlens_q[batch_idx + 1] - q_start"]
-        if not plan.page_size:
-            lines += ["k_start = cu_seqlens_k[batch_idx]", "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
-    if plan.page_size:
-        lines += ["kv_len = seqused_k[batch_idx]",
-                  "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
-    if per_sequence(plan) and has_offset(plan):
-        lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
-    return lines + block_mask_setup(plan)
 
 
 def has_offset(plan: Plan) -> bool:
     return plan.spec.causal or windowed(plan) or plan.spec.alibi
 
 
-def q_box(plan: Plan, g: int) -> str:
-    """The TMA box of consumer g's Q rows."""
-    rows = q_rows(plan, g)
-    if plan.varlen:
-        lo, hi = rows.split(":")
-        return f"q_start + {lo}:q_start + {hi}, head, :"
-    return f"batch_idx, {rows}, head, :"
-
-
-def kv_tile_setup(plan: Plan, tile: str) -> list[str]:
-    if plan.block_mask:
-        return visit_lines(plan)
-    if not plan.page_size:
-        return []
-    t = key_tile(plan, tile)
-    return [f"page = block_table[batch_idx, T.min({t} // TILES_PER_PAGE, last_page)]  # the page holding this tile",
-            f"page_row = {t} % TILES_PER_PAGE * BLOCK_N"]
-
-
-def kv_box(plan: Plan, tile: str) -> str:
-    """The TMA box of visit `tile`'s K (or V) rows."""
-    if plan.page_size:
-        return "page, page_row:page_row + BLOCK_N, kv_head, :"
-    t = key_tile(plan, tile)
-    if plan.varlen:
-        return f"k_start + {t} * BLOCK_N:k_start + ({t} + 1) * BLOCK_N, kv_head, :"
-    return f"batch_idx, {t} * BLOCK_N:({t} + 1) * BLOCK_N, kv_head, :"
-
-
 def consumer_args(plan: Plan) -> str:
     """The consumer macro's parameters after (g, wait_bar, signal_bar); the call passes the same names."""
-    names = ["Q_shared", "K_shared", "V_shared"]
-    if not plan.split_kv:
-        names.append("O_shared")
-    names.append("O_partial" if plan.split_kv else "O")
-    if not plan.pack_gqa:
-        names.append("q_full")
+    layout = layout_of(plan)
+    names = ["Q_shared", "K_shared", "V_shared"] + layout.consumer_outputs() + layout.q_barrier_args()
     names += ["k_full", "k_empty", "v_full", "v_empty", "q0", "n_tiles", "head", "batch_idx"]
-    names += ["LSE_partial" if (t.output and plan.split_kv) else t.param for t in plan.extra]
-    if plan.split_kv and not plan.spec.lse:
-        names.append("LSE_partial")
+    names += [layout.lse_param if t.output else t.param for t in plan.extra]
+    names += layout.extra_output_args(plan.spec.lse)
     if has_first_tile(plan):
         names.append("first_tile")
-    if plan.pack_gqa:
-        names.append("Q")
-    if per_sequence(plan):
-        names += ["q_len", "kv_len"] + (["causal_offset"] if has_offset(plan) else [])
-    if plan.varlen:
-        names.append("q_start")
-    if plan.split_kv:
-        names.append("split_idx")
+    names += layout.q_load_args() + layout.sequence_args(has_offset(plan)) + layout.split_args()
     if plan.block_mask:
         names += ["q_block", "bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
     names.append("softmax_scale")
     return ", ".join(names)
-
-
-def row_valid(plan: Plan) -> str:
-    return f"{row_pos(plan)} < q_len"
-
-
-def out_index(plan: Plan, rows: str, head: str) -> str:
-    """Index of O (or a split's O_partial) at query position `rows`, head `head`, column j."""
-    idx = f"q_start + {rows}, {head}, j" if plan.varlen else f"batch_idx, {rows}, {head}, j"
-    return f"split_idx, {idx}" if plan.split_kv else idx
-
-
-def lse_index(plan: Plan, rows: str, head: str) -> str:
-    idx = f"{head}, q_start + {rows}" if plan.varlen else f"batch_idx, {head}, {rows}"
-    return f"split_idx, {idx}" if plan.split_kv else idx
-
-
-def q_pack_index(plan: Plan) -> str:
-    """Packed GQA: row r's query (clamped: rows past the sequence are computed, never stored)."""
-    pos = "(q0 + row0 + r) // GQA_GROUP"
-    row = f"T.min(q_start + {pos}, total_q - 1)" if plan.varlen else f"batch_idx, T.min({pos}, q_len - 1)"
-    return f"{row}, head + (q0 + row0 + r) % GQA_GROUP, d"
-
-
-def serving_constants(plan: Plan) -> list[str]:
-    if not plan.page_size:
-        return []
-    return [f"PAGE_SIZE = {plan.page_size}  # keys per page of the K/V cache",
-            f"TILES_PER_PAGE = {plan.page_size // plan.spec.block_n}  # a K/V tile is one TMA box inside one page"]
 
 
 def offset_comment(plan: Plan) -> str:
@@ -622,7 +482,7 @@ def q_rows(plan: Plan, g: int) -> str:
 
 def header_lines(plan: Plan) -> list[str]:
     spec = plan.spec
-    shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else f"dynamic: {', '.join(kernel_dims(plan))} are runtime values"
+    shape = f"static B,H,HKV,SQ,SKV = {plan.shape}" if plan.shape else f"dynamic: {', '.join(layout_of(plan).dims())} are runtime values"
     lines = [
         "=" * 78,
         "attngen auto-generated kernel: do not edit; regenerate with `attngen generate`.",
@@ -661,7 +521,13 @@ def template_context(plan: Plan) -> dict:
         free_dims += list(BLOCK_MASK_AXES)
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
+    layout = layout_of(plan)
     return {
+        "layout": layout,
+        "schedule": schedule_of(plan),
+        "row_pos": row_pos(plan),  # a row's query position and head, as the layout's indexes take them
+        "row_head": row_head(plan),
+        "block_setup": layout.block_setup(has_offset(plan)) + block_mask_setup(plan),
         "header": header_lines(plan),
         "kernel_name": plan.name,
         "spec_hash": plan.hash,
@@ -690,9 +556,9 @@ def template_context(plan: Plan) -> dict:
         "warpgroup_threads": plan.warpgroup_threads,
         "epilogue_bar": plan.epilogue_bar,
         "compile_flags": plan.compile_flags,
-        "dims": kernel_dims(plan),
+        "dims": layout.kernel_dims(plan.shape, DIMS),
         "free_dims": free_dims,
-        "offset": has_offset(plan) and not per_sequence(plan),
+        "offset": has_offset(plan) and not layout.per_sequence,
         "offset_comment": offset_comment(plan),
         "has_masked": has_masked,
         "all_masked": plan.mask_expr is not None,
@@ -716,25 +582,7 @@ def template_context(plan: Plan) -> dict:
         "visit_setup": visit_lines(plan),
         "visit_guard": visit_guard(plan),
         "no_visit_init": no_visit_init(plan),
-        "grid": grid(plan),
-        "block_vars": block_vars(plan),
-        "block_setup": block_setup(plan),
-        "q_box": lambda g: q_box(plan, g),
-        "kv_tile_setup": lambda tile: kv_tile_setup(plan, tile),
-        "kv_box": lambda tile: kv_box(plan, tile),
-        "split_kv": plan.split_kv,
-        "epilogue_store": ("store this split's float32 O and LSE (this block's rows only)" if plan.split_kv else
-                           "stage in shared memory, store this sequence's rows only" if plan.varlen else
-                           "stage in shared memory, one TMA store"),
-        "pack_gqa": plan.pack_gqa,
-        "clip_rows": plan.varlen or plan.split_kv,
-        "varlen": plan.varlen,
-        "row_valid": row_valid(plan),
-        "out_index": out_index(plan, row_pos(plan), row_head(plan)),
-        "lse_param": "LSE_partial" if plan.split_kv else "LSE",
-        "lse_index": lse_index(plan, row_pos(plan), row_head(plan)),
-        "q_pack_index": q_pack_index(plan),
-        **(combine_context(plan, dv) if plan.split_kv else {}),
+        **combine_context(plan, dv),
         **split_exprs(plan),
         "sink_init": sink_init(plan),
         "max_floor": max_floor(plan),
