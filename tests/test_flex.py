@@ -399,8 +399,9 @@ def test_flex_attention_matches_the_reference(batch, sq, skv, heads, score, mask
     assert check_close(out.transpose(1, 2), *bshd, False, **variant).ok
     if lse:
         assert got_lse.shape == (batch, h, sq) and check_lse(got_lse, *bshd, False, **variant).ok
-    if block_mask is not None:  # the block mask's mask_mod is exactly a spec mask_mod: bit for bit
-        same = attngen.attention(*[t.contiguous() for t in bshd], mask_mod=variant["mask_mod"],
+    if block_mask is not None:  # the block mask's mask_mod is exactly a spec mask_mod: bit for bit on the same tiles
+        block_n = int(block_mask.BLOCK_SIZE[1])  # another block_n would sum a row's tiles in another order
+        same = attngen.attention(*[t.contiguous() for t in bshd], mask_mod=variant["mask_mod"], block_n=block_n,
                                  **({"score_mod": variant["score_mod"]} if score_mod else {}), **variant["tensors"])
         assert torch.equal(out.transpose(1, 2), same)
 
