@@ -83,8 +83,10 @@ def test_layout_index_text(layout, method, args, text):
 
 
 @pytest.mark.parametrize("layout, dims, shapes", [
-    (Dense(), ["batch", "q_len", "kv_len", "kv_heads"], (["batch", "q_len", "heads", "D"], ["batch", "kv_len", "kv_heads", "D"], ["batch", "heads", "q_len"])),
-    (Varlen(), ["batch", "total_q", "total_k", "kv_heads"], (["total_q", "heads", "D"], ["total_k", "kv_heads", "D"], ["heads", "total_q"])),
+    (Dense(), ["batch", "q_len", "kv_len", "kv_heads"],
+     (["batch", "q_len", "heads", "D"], ["batch", "kv_len", "kv_heads", "D"], ["batch", "heads", "q_len"])),
+    (Varlen(), ["batch", "total_q", "total_k", "kv_heads"],
+     (["total_q", "heads", "D"], ["total_k", "kv_heads", "D"], ["heads", "total_q"])),
     (Paged(split_kv=True), ["batch", "q_len", "kv_heads", "num_pages", "max_pages", "num_splits"],
      (["batch", "q_len", "heads", "D"], ["num_pages", "PAGE_SIZE", "kv_heads", "D"], ["batch", "heads", "q_len"])),
     (PagedVarlen(), ["batch", "total_q", "kv_heads", "num_pages", "max_pages"],
@@ -100,18 +102,25 @@ def test_block_setup_binds_each_layouts_sequence():
     assert [line.split(" = ")[0] for line in paged] == [
         "kv_head", "batch_idx", "split_idx", "q_start", "q_len", "kv_len", "last_page", "causal_offset"]
     assert paged[5] == "kv_len = seqused_k[batch_idx]"
-    assert [line.split(" = ")[0] for line in Varlen().block_setup(offset=False)] == ["kv_head", "q_start", "q_len", "k_start", "kv_len"]
+    varlen = Varlen().block_setup(offset=False)
+    assert [line.split(" = ")[0] for line in varlen] == ["kv_head", "q_start", "q_len", "k_start", "kv_len"]
     assert Dense(pack_gqa=True).block_setup(offset=True) == [
         "head = kv_head * GQA_GROUP  # packed GQA: row r is query r // GQA_GROUP of head head + r % GQA_GROUP"]
-    assert Paged().kv_tile_setup("k")[0] == "page = block_table[batch_idx, T.min(k // TILES_PER_PAGE, last_page)]  # the page holding this tile"
-    assert Varlen().guard_count("n", "kv0", "kv_len") == "T.if_then_else(kv0 < kv_len, n, 0)" and Dense().guard_count("n", "kv0", "kv_len") == "n"
+    assert Paged().kv_tile_setup("k")[0] == ("page = block_table[batch_idx, T.min(k // TILES_PER_PAGE, last_page)]"
+                                             "  # the page holding this tile")
+    assert Varlen().guard_count("n", "kv0", "kv_len") == "T.if_then_else(kv0 < kv_len, n, 0)"
+    assert Dense().guard_count("n", "kv0", "kv_len") == "n"
 
 
 @pytest.mark.parametrize("fields, lines", [
     (dict(paged_kv=True), ["T.tma_copy(K[page, page_row:page_row + BLOCK_N, kv_head, :]", "kv_len = seqused_k[batch_idx]"]),
-    (dict(layout="varlen"), ["T.tma_copy(Q[q_start + q0:q_start + q0 + 64, head, :]", "O[q_start + q0 + row0 + i, head, j] = O_shared[g, i, j]"]),
-    (dict(splits=2, gqa_group=4, consumers=1), ["with T.Kernel(T.ceildiv(q_len * GQA_GROUP, BLOCK_M), kv_heads, batch * num_splits, threads=THREADS) as (q_block, kv_head, batch_split):",
-                                                "Q_shared[g, r, d] = Q[batch_idx, T.min((q0 + row0 + r) // GQA_GROUP, q_len - 1), head + (q0 + row0 + r) % GQA_GROUP, d]"]),
+    (dict(layout="varlen"), ["T.tma_copy(Q[q_start + q0:q_start + q0 + 64, head, :]",
+                             "O[q_start + q0 + row0 + i, head, j] = O_shared[g, i, j]"]),
+    (dict(splits=2, gqa_group=4, consumers=1), [
+        "with T.Kernel(T.ceildiv(q_len * GQA_GROUP, BLOCK_M), kv_heads, batch * num_splits, threads=THREADS)"
+        " as (q_block, kv_head, batch_split):",
+        "Q_shared[g, r, d] = Q[batch_idx, T.min((q0 + row0 + r) // GQA_GROUP, q_len - 1),"
+        " head + (q0 + row0 + r) % GQA_GROUP, d]"]),
 ])
 def test_the_forward_kernel_prints_its_layouts_text(fields, lines):
     source = render_source(Spec(**fields))

@@ -297,10 +297,10 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, part_out: torch.Te
     out - w (out - out_b), and lse_new = lse - logsigmoid(lse - lse_b): no exp of an LSE, so
     no overflow. Rows without keys carry lse -inf: -inf against -inf keeps out (0) and lse
     (-inf), a finite lse_b against -inf takes out_b and lse_b; never NaN."""
-    o, l = out[:, rows], lse[:, :, rows]
+    o, lse_rows = out[:, rows], lse[:, :, rows]
     ob, lb = part_out.float(), part_lse.float()
     lb_t = lb.transpose(1, 2).unsqueeze(-1)  # [B, r, H, 1], out's layout
-    l_t = l.transpose(1, 2).unsqueeze(-1)
+    l_t = lse_rows.transpose(1, 2).unsqueeze(-1)
     if _TEST_ONLY_MUTANT == "merge_no_rescale":
         w = torch.ones_like(lb_t)
         o.add_(w * ob)
@@ -308,8 +308,9 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, part_out: torch.Te
         w = torch.sigmoid(lb_t - l_t)
         w = torch.where(lb_t == float("-inf"), torch.zeros_like(w), torch.where(l_t == float("-inf"), torch.ones_like(w), w))
         o.sub_(w * (o - ob))
-    new = torch.where(l == float("-inf"), lb, torch.where(lb == float("-inf"), l, l - torch.nn.functional.logsigmoid(l - lb)))
-    l.copy_(new)
+    merged = lse_rows - torch.nn.functional.logsigmoid(lse_rows - lb)
+    new = torch.where(lse_rows == float("-inf"), lb, torch.where(lb == float("-inf"), lse_rows, merged))
+    lse_rows.copy_(new)
 
 
 # -- the ring and the all-gather -----------------------------------------------------------------

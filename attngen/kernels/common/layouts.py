@@ -410,7 +410,8 @@ class Varlen(Dense):
         return f"T.if_then_else({start} < {length}, {count}, 0)"
 
     def _q_params(self) -> list:
-        return [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])")]
+        return [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"',
+                             "sequence b's rows of q and out: [cu_seqlens_q[b], cu_seqlens_q[b + 1])")]
 
     def _kv_params(self) -> list:
         return [tensor_param("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k and v")]
@@ -419,7 +420,8 @@ class Varlen(Dense):
         return ["max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grid"]
 
     def backward_params(self) -> list:
-        return [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"', "sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"),
+        return [tensor_param("cu_seqlens_q", ["batch + 1"], '"int32"',
+                             "sequence b's rows of q, dO, dQ: [cu_seqlens_q[b], cu_seqlens_q[b + 1])"),
                 tensor_param("cu_seqlens_k", ["batch + 1"], '"int32"', "sequence b's rows of k, v, dK, dV"),
                 "max_seqlen_q: T.int32,  # the longest sequence's rows: sizes the grids over rows",
                 "max_seqlen_k: T.int32,  # the longest sequence's keys: sizes the main kernel's grid"]
@@ -478,7 +480,8 @@ class Paged(Dense):
         return "page, page_row:page_row + BLOCK_N, kv_head, :"
 
     def _kv_params(self) -> list:
-        return [tensor_param("block_table", ["batch", "max_pages"], '"int32"', "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"),
+        return [tensor_param("block_table", ["batch", "max_pages"], '"int32"',
+                             "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"),
                 tensor_param("seqused_k", ["batch"], '"int32"', "keys of sequence b")]
 
     sequence_args = Varlen.sequence_args

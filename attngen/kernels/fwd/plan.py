@@ -14,7 +14,8 @@ import dataclasses
 
 from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError
-from attngen.kernels.common.plan import BLOCK_MASK_TENSORS, COMPILE_FLAGS, ConsumerBarriers, DEFAULT_PAGE_SIZE, ExtraTensor, Shape, WarpSpecialized, check_shape, head_dim_v, serving_tags, spec_hash, variant_tags
+from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
+                                         WarpSpecialized, check_shape, head_dim_v, serving_tags, spec_hash, variant_tags)
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 
@@ -328,7 +329,9 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
     if mask_expr is not None or left is not None or per_sequence or spec.splits != 1:
-        guard = True  # also: a sequence may have fewer keys than rows, or none; a split may be empty  # any row may be masked whole (mask_mod), or its first visited tiles (window)
+        # any row may be masked whole (mask_mod), or its first visited tiles (window); also: a sequence
+        # may have fewer keys than rows, or none; a split may be empty
+        guard = True
     elif right is not None:
         guard = shape is None or shape.q_len > shape.kv_len + right
     else:
