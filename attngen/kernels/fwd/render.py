@@ -8,6 +8,7 @@ and only lays them out in the order the GPU executes them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -651,6 +652,81 @@ def header_lines(plan: Plan) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class KernelNumbers:
+    """The plan's numbers the forward template prints (fa3_fwd.py.j2's `kernel`): the resolved
+    spec, thread ranges, register split and barrier numbering, all decided by the Plan."""
+
+    header: list[str]
+    """comment lines: name, hash, full spec, shape, schedule, smem"""
+    name: str
+    """the kernel's name (the prim_func and the file)"""
+    spec_hash: str
+    """the spec's hash"""
+    head_dim: int
+    """Q and K head dim"""
+    dtype: str
+    """Q/K/V/O element type"""
+    gqa_group: int
+    """query heads per KV head"""
+    consumers: int
+    """consumer (MMA) warpgroups"""
+    block_m: int
+    """query rows per block"""
+    block_n: int
+    """keys per K/V tile"""
+    wg_rows: int
+    """query rows per consumer warpgroup (one wgmma M tile)"""
+    k_stages: int
+    """K tiles in flight"""
+    v_stages: int
+    """V tiles in flight"""
+    log2e: float
+    """log2(e): the softmax runs in base 2"""
+    threads: int
+    """threads per block"""
+    consumer_threads: int
+    """the consumers' threads (the producer follows)"""
+    tma_thread_end: int
+    """end of the producer's TMA-issuing threads"""
+    tma_threads: int
+    """threads that issue TMA copies"""
+    producer_regs: int
+    """setmaxnreg of the producer"""
+    consumer_regs: int
+    """setmaxnreg of each consumer"""
+    pingpong: bool
+    """consumers take turns on the tensor cores (named-barrier ring)"""
+    pingpong_threads: int
+    """threads on the ping-pong ring"""
+    primer: int
+    """the warpgroup that primes the ring"""
+    warpgroup_threads: int
+    """threads per warpgroup"""
+    epilogue_bar: int
+    """first epilogue named barrier"""
+    compile_flags: list[str]
+    """nvcc flags carried in the emitted file"""
+    barriers: tuple
+    """per consumer: .wait_bar and .signal_bar (0 when ping-pong is off)"""
+    consumer_args: str
+    """the consumer macro's arguments after the barrier ids"""
+
+    @classmethod
+    def of(cls, plan: Plan) -> "KernelNumbers":
+        spec = plan.spec
+        return cls(header=header_lines(plan), name=plan.name, spec_hash=plan.hash, head_dim=spec.head_dim,
+                   dtype=spec.dtype, gqa_group=spec.gqa_group, consumers=spec.consumers, block_m=spec.block_m,
+                   block_n=spec.block_n, wg_rows=plan.wg_rows, k_stages=spec.k_stages, v_stages=spec.v_stages,
+                   log2e=hw.LOG2E, threads=plan.threads, consumer_threads=plan.consumer_threads,
+                   tma_thread_end=plan.tma_thread_end, tma_threads=plan.tma_threads,
+                   producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, pingpong=spec.pingpong,
+                   pingpong_threads=plan.pingpong_threads, primer=plan.primer,
+                   warpgroup_threads=plan.warpgroup_threads, epilogue_bar=plan.epilogue_bar,
+                   compile_flags=plan.compile_flags, barriers=plan.consumer_barriers,
+                   consumer_args=consumer_args(plan))
+
+
 def template_context(plan: Plan) -> dict:
     """Every name the template uses (documented at the top of the template)."""
     spec = plan.spec
@@ -662,41 +738,16 @@ def template_context(plan: Plan) -> dict:
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     return {
-        "header": header_lines(plan),
-        "kernel_name": plan.name,
-        "spec_hash": plan.hash,
-        "head_dim": spec.head_dim,
         "dv": dv,
-        "dtype": spec.dtype,
-        "gqa_group": spec.gqa_group,
-        "consumers": spec.consumers,
-        "block_m": spec.block_m,
-        "block_n": spec.block_n,
-        "wg_rows": plan.wg_rows,
-        "k_stages": spec.k_stages,
-        "v_stages": spec.v_stages,
-        "log2e": hw.LOG2E,
         "scale_setup": scale_setup(plan),
         "variant_constants": variant_constants(plan),
-        "threads": plan.threads,
-        "consumer_threads": plan.consumer_threads,
-        "tma_thread_end": plan.tma_thread_end,
-        "tma_threads": plan.tma_threads,
-        "producer_regs": plan.producer_regs,
-        "consumer_regs": plan.consumer_regs,
-        "pingpong": spec.pingpong,
-        "pingpong_threads": plan.pingpong_threads,
-        "primer": plan.primer,
-        "warpgroup_threads": plan.warpgroup_threads,
-        "epilogue_bar": plan.epilogue_bar,
-        "compile_flags": plan.compile_flags,
+        "kernel": KernelNumbers.of(plan),
         "dims": kernel_dims(plan),
         "free_dims": free_dims,
         "offset": has_offset(plan) and not per_sequence(plan),
         "offset_comment": offset_comment(plan),
         "has_masked": has_masked,
         "all_masked": plan.mask_expr is not None,
-        "barriers": plan.consumer_barriers,
         "first_tile": first_tile_expr(plan),
         "n_tiles": n_tiles_expr(plan),
         "full_tiles": full_tiles_expr(plan) if has_masked else "",
@@ -707,7 +758,6 @@ def template_context(plan: Plan) -> dict:
         "steady_loops": loops,
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
-        "consumer_args": consumer_args(plan),
         "first_visit_comment": visit_comments(plan)[0],
         "visit_comment": visit_comments(plan)[1],
         "block_mask": plan.block_mask,
