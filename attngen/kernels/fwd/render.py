@@ -713,7 +713,7 @@ class KernelNumbers:
     """the consumer macro's arguments after the barrier ids"""
 
     @classmethod
-    def of(cls, plan: Plan) -> "KernelNumbers":
+    def of(cls, plan: Plan) -> KernelNumbers:
         spec = plan.spec
         return cls(header=header_lines(plan), name=plan.name, spec_hash=plan.hash, head_dim=spec.head_dim,
                    dtype=spec.dtype, gqa_group=spec.gqa_group, consumers=spec.consumers, block_m=spec.block_m,
@@ -792,10 +792,8 @@ def template_context(plan: Plan) -> dict:
         "prescaled": plan.prescaled,
         "transform": lambda tile: transform_expr(plan, tile),
         "scaled": lambda x: scaled(plan, x),
-        "key_tile": lambda tile: key_tile(plan, tile),
         "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
-        "q_rows": lambda g: q_rows(plan, g),
     }
 
 
