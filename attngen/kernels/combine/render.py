@@ -7,6 +7,8 @@ and only lays them out in the order the GPU executes them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 
 from attngen.kernels.common.emit import tensor_param
@@ -19,6 +21,18 @@ from attngen.kernels.common.layouts import lse_shape, q_shape
 # printed before these layouts existed.
 COMBINE_ROWS = 64  # rows of one head per combine block
 COMBINE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class CombineNumbers:
+    """The combine kernel's numbers (fa3_combine.py.j2's `combine`)."""
+
+    name: str
+    """the combine prim_func's name: the forward kernel's name + _combine"""
+    rows_per_block: int
+    """rows of one head per combine block"""
+    threads: int
+    """threads per combine block"""
 
 
 def combine_context(plan, dv: str) -> dict:
@@ -44,15 +58,13 @@ def combine_context(plan, dv: str) -> dict:
     else:
         o_idx, lse_idx = (lambda r: f"batch_idx, {r}, head, j"), (lambda r: f"batch_idx, head, {r}")
     return {
-        "combine_name": f"{plan.name}_combine",
         "combine_dims": dims + ["kv_heads", "num_splits"],
         "combine_params": params,
         "combine_grid": f"T.ceildiv({rows}, COMBINE_ROWS), heads" + ("" if plan.varlen else ", batch"),
         "combine_vars": "row_block, head" + ("" if plan.varlen else ", batch_idx"),
         "combine_rows": "used_rows" if plan.varlen else rows,
         "combine_setup": setup,
-        "combine_rows_per_block": COMBINE_ROWS,
-        "combine_threads": COMBINE_THREADS,
+        "combine": CombineNumbers(name=f"{plan.name}_combine", rows_per_block=COMBINE_ROWS, threads=COMBINE_THREADS),
         "partial_o": f"O_partial[s, {o_idx(clamped)}]",
         "partial_lse": f"LSE_partial[s, {lse_idx(clamped)}]",
         "out_o": f"O[{o_idx(row)}]",
