@@ -15,7 +15,7 @@ from pathlib import Path
 
 from attngen import expr, hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS, KernelNumbers
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.fwd.render import has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
 from attngen.spec import Spec, to_toml
@@ -422,49 +422,15 @@ def layout_context(bp: BackwardPlan, dv: str) -> dict:
             "q_slice_doc": "  # column slices, as K's", "kv_loads": kv_loads, "slice_cols": cols}
 
 
-@dataclass(frozen=True)
-class BackwardNumbers:
+@dataclass(frozen=True, kw_only=True)
+class BackwardNumbers(KernelNumbers):
     """The backward plan's numbers the templates print (fa3_bwd.py.j2's and fa3_bwd_dq.py.j2's
     `kernel`): the resolved spec, tile sizes, thread ranges, register split, barrier ids."""
 
-    header: list[str]
-    """comment lines: name, hash, full spec, shape, schedule"""
-    name: str
-    """the module's kernel name (its prim_funcs add _pre, _dq, ... to it)"""
-    spec_hash: str
-    """the spec's hash"""
-    head_dim: int
-    """Q and K head dim"""
-    dtype: str
-    """Q/K/V/O/dO element type"""
-    gqa_group: int
-    """query heads per KV head"""
-    block_m: int
-    """Q rows per Q tile of the main kernel"""
-    block_n: int
-    """keys per KV tile (one block's)"""
     wg_keys: int
     """keys of the KV tile per MMA warpgroup (split by keys)"""
-    consumers: int
-    """MMA warpgroups"""
     q_stages: int
     """Q/dO tiles in flight"""
-    log2e: float
-    """log2(e): the forward's softmax runs in base 2"""
-    threads: int
-    """threads per block of the main and dq kernels"""
-    consumer_threads: int
-    """the MMA warpgroups' threads (the producer follows)"""
-    tma_thread_end: int
-    """end of the producer's TMA-issuing threads"""
-    tma_threads: int
-    """threads that issue TMA copies"""
-    producer_regs: int
-    """setmaxnreg of the producer"""
-    consumer_regs: int
-    """setmaxnreg of each MMA warpgroup"""
-    warpgroup_threads: int
-    """threads per warpgroup"""
     ds_bar: int
     """named barrier: dS staged in shared memory"""
     dq_bar: int
@@ -475,10 +441,6 @@ class BackwardNumbers:
     """the preprocess's O * dO tile width (0: the head dim itself; TileLang 0.1.15 finds no fragment layout for 96 columns)"""
     pre_threads: int
     """threads per preprocess / postprocess block"""
-    compile_flags: tuple
-    """nvcc flags carried in the emitted file"""
-    consumer_args: str
-    """the MMA warpgroup macro's arguments"""
     dq_block_m: int
     """the deterministic dq kernel's query rows per block (0 without it)"""
     dq_block_n: int

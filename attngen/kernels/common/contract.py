@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import re
 
-import jinja2
 from jinja2 import meta, nodes
 
 from attngen.kernels.common.emit import _load_template, environment
@@ -55,15 +54,15 @@ def declared_in(source: str) -> dict[str, str]:
     return names
 
 
-def _defined_at_top(ast: nodes.Template) -> set[str]:
-    """Macros and top-level sets: an included template sees them as if they were passed."""
+def _defined_in(ast: nodes.Template) -> set[str]:
+    """Macros and `set` names of an including template: the included one reads them as if passed."""
     return {n.name for n in ast.find_all(nodes.Macro)} | {
         t.name for a in ast.find_all(nodes.Assign) for t in a.find_all(nodes.Name)}
 
 
-def used_in(source: str, env: jinja2.Environment | None = None) -> set[str]:
+def used_in(source: str) -> set[str]:
     """Names the template source reads and does not define (includes not followed)."""
-    return set(meta.find_undeclared_variables((env or environment()).parse(source)))
+    return set(meta.find_undeclared_variables(environment().parse(source)))
 
 
 @functools.cache
@@ -84,7 +83,7 @@ def used(name: str) -> frozenset[str]:
     defines (a macro) are not its own inputs."""
     own = used_in(_load_template(name))
     for parent in _includers(name):
-        own -= _defined_at_top(environment().parse(_load_template(parent)))
+        own -= _defined_in(environment().parse(_load_template(parent)))
     return frozenset(own)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, Shape
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, KernelNumbers, Shape
 from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
@@ -652,68 +652,30 @@ def header_lines(plan: Plan) -> list[str]:
     return lines
 
 
-@dataclass(frozen=True)
-class KernelNumbers:
-    """The plan's numbers the forward template prints (fa3_fwd.py.j2's `kernel`): the resolved
-    spec, thread ranges, register split and barrier numbering, all decided by the Plan."""
+@dataclass(frozen=True, kw_only=True)
+class ForwardNumbers(KernelNumbers):
+    """fa3_fwd.py.j2's `kernel`: the shared numbers plus the forward's stages, ping-pong ring and
+    barrier numbering, all decided by the Plan."""
 
-    header: list[str]
-    """comment lines: name, hash, full spec, shape, schedule, smem"""
-    name: str
-    """the kernel's name (the prim_func and the file)"""
-    spec_hash: str
-    """the spec's hash"""
-    head_dim: int
-    """Q and K head dim"""
-    dtype: str
-    """Q/K/V/O element type"""
-    gqa_group: int
-    """query heads per KV head"""
-    consumers: int
-    """consumer (MMA) warpgroups"""
-    block_m: int
-    """query rows per block"""
-    block_n: int
-    """keys per K/V tile"""
     wg_rows: int
     """query rows per consumer warpgroup (one wgmma M tile)"""
     k_stages: int
     """K tiles in flight"""
     v_stages: int
     """V tiles in flight"""
-    log2e: float
-    """log2(e): the softmax runs in base 2"""
-    threads: int
-    """threads per block"""
-    consumer_threads: int
-    """the consumers' threads (the producer follows)"""
-    tma_thread_end: int
-    """end of the producer's TMA-issuing threads"""
-    tma_threads: int
-    """threads that issue TMA copies"""
-    producer_regs: int
-    """setmaxnreg of the producer"""
-    consumer_regs: int
-    """setmaxnreg of each consumer"""
     pingpong: bool
     """consumers take turns on the tensor cores (named-barrier ring)"""
     pingpong_threads: int
     """threads on the ping-pong ring"""
     primer: int
     """the warpgroup that primes the ring"""
-    warpgroup_threads: int
-    """threads per warpgroup"""
     epilogue_bar: int
     """first epilogue named barrier"""
-    compile_flags: list[str]
-    """nvcc flags carried in the emitted file"""
     barriers: tuple
     """per consumer: .wait_bar and .signal_bar (0 when ping-pong is off)"""
-    consumer_args: str
-    """the consumer macro's arguments after the barrier ids"""
 
     @classmethod
-    def of(cls, plan: Plan) -> KernelNumbers:
+    def of(cls, plan: Plan) -> ForwardNumbers:
         spec = plan.spec
         return cls(header=header_lines(plan), name=plan.name, spec_hash=plan.hash, head_dim=spec.head_dim,
                    dtype=spec.dtype, gqa_group=spec.gqa_group, consumers=spec.consumers, block_m=spec.block_m,
@@ -741,7 +703,7 @@ def template_context(plan: Plan) -> dict:
         "dv": dv,
         "scale_setup": scale_setup(plan),
         "variant_constants": variant_constants(plan),
-        "kernel": KernelNumbers.of(plan),
+        "kernel": ForwardNumbers.of(plan),
         "dims": kernel_dims(plan),
         "free_dims": free_dims,
         "offset": has_offset(plan) and not per_sequence(plan),
