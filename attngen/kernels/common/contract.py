@@ -2,10 +2,10 @@
 
 Each template's first comment block lists what it receives, one name a line:
 
-    Receives:
-      kernel: KernelNumbers — the plan's numbers (attngen.kernels.fwd.render.KernelNumbers)
+    Receives (where the context is built):
+      kernel: ForwardNumbers — the plan's numbers (attngen.kernels.fwd.render.ForwardNumbers)
       n_tiles: str — TileLang expression: K tiles this block visits
-        (continuation lines are indented further)
+      split_first: str, when split_kv — passed exactly when the context's split_kv is true
 
 `declared(name)` reads those lines; `used(name)` asks Jinja which names the template reads
 and does not define itself; `contract_errors(name, context)` compares both with a context.
