@@ -83,7 +83,7 @@ def test_write_if_different_keeps_mtime(tmp_path):
 def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
     render_mod = importlib.import_module("attngen.kernels.common.emit")
 
-    broken = "line one\n{{ kernel_name }}\n{{ no_such_parameter }}\nline four\n"
+    broken = "line one\n{{ kernel.name }}\n{{ no_such_parameter }}\nline four\n"
     monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
     render_mod.environment.cache_clear()
     try:

@@ -51,14 +51,7 @@ def append_context(plan: AppendPlan) -> dict:
     ]
     return {
         "header": header,
-        "kernel_name": plan.name,
-        "dtype": plan.dtype,
-        "head_dim": plan.head_dim,
-        "head_dim_v": plan.head_dim_v,
-        "page_size": plan.page_size,
-        "rows": plan.rows,
-        "threads": plan.threads,
-        "compile_flags": plan.compile_flags,
+        "plan": plan,
         "dims": ["batch", "seqlen_new", "kv_heads", "num_pages", "max_pages"],
         "params": params,
         "grid": "T.ceildiv(seqlen_new, APPEND_ROWS), kv_heads, batch",

@@ -10,11 +10,12 @@ scores name their rows and keys that way. docs/backward.md describes each kernel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from attngen import expr, hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS, KernelNumbers
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import schedule_of
@@ -379,6 +380,48 @@ def layout_context(bp: BackwardPlan, dv: str) -> dict:
             "q_slice_doc": "  # column slices, as K's", "kv_loads": kv_loads, "slice_cols": cols}
 
 
+@dataclass(frozen=True, kw_only=True)
+class BackwardNumbers(KernelNumbers):
+    """The backward plan's numbers the templates print (fa3_bwd.py.j2's and fa3_bwd_dq.py.j2's
+    `kernel`): the resolved spec, tile sizes, thread ranges, register split, barrier ids."""
+
+    wg_keys: int
+    """keys of the KV tile per MMA warpgroup (split by keys)"""
+    q_stages: int
+    """Q/dO tiles in flight"""
+    ds_bar: int
+    """named barrier: dS staged in shared memory"""
+    dq_bar: int
+    """named barrier: the dQ tile's accumulation"""
+    pre_rows: int
+    """rows of one head per preprocess / postprocess block"""
+    pre_cols: int
+    """the preprocess's O * dO tile width (0: the head dim itself; TileLang 0.1.15 finds no fragment layout for 96 columns)"""
+    pre_threads: int
+    """threads per preprocess / postprocess block"""
+    dq_block_m: int
+    """the deterministic dq kernel's query rows per block (0 without it)"""
+    dq_block_n: int
+    """... its keys per K/V tile"""
+    dq_kv_stages: int
+    """... and its K/V stages"""
+
+    @classmethod
+    def of(cls, bp: BackwardPlan) -> BackwardNumbers:
+        spec, f = bp.spec, bp.forward
+        return cls(header=header_lines(bp), name=bp.name, spec_hash=bp.hash, head_dim=spec.head_dim,
+                   dtype=spec.dtype, gqa_group=spec.gqa_group, block_m=bp.block_m, block_n=bp.block_n,
+                   wg_keys=bp.wg_keys, consumers=bp.consumers, q_stages=bp.q_stages, log2e=hw.LOG2E,
+                   threads=bp.threads, consumer_threads=bp.consumer_threads, tma_thread_end=bp.tma_thread_end,
+                   tma_threads=bp.tma_threads, producer_regs=bp.producer_regs, consumer_regs=bp.consumer_regs,
+                   warpgroup_threads=bp.warpgroup_threads, ds_bar=bp.ds_bar, dq_bar=bp.dq_bar,
+                   pre_rows=PRE_ROWS,
+                   # the preprocess's O * dO tile: TileLang 0.1.15 finds no fragment layout for 96 columns
+                   pre_cols=0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
+                   pre_threads=PRE_THREADS, compile_flags=bp.compile_flags, consumer_args=consumer_args(bp),
+                   dq_block_m=bp.dq_block_m, dq_block_n=bp.dq_block_n, dq_kv_stages=bp.dq_kv_stages)
+
+
 def template_context(bp: BackwardPlan) -> dict:
     f = bp.forward
     spec = bp.spec
@@ -391,34 +434,9 @@ def template_context(bp: BackwardPlan) -> dict:
         "layout": layout,
         "schedule": schedule_of(f),
         "seq_setup": layout.sequence_setup(has_offset(f), **SEQUENCE_NOTES),
-        "header": header_lines(bp),
-        "kernel_name": bp.name,
-        "spec_hash": bp.hash,
-        "head_dim": spec.head_dim,
         "dv": dv,
-        "dtype": spec.dtype,
-        "gqa_group": spec.gqa_group,
-        "block_m": bp.block_m,
-        "block_n": bp.block_n,
-        "wg_keys": bp.wg_keys,
-        "consumers": bp.consumers,
-        "q_stages": bp.q_stages,
-        "log2e": hw.LOG2E,
         "variant_constants": [line for line in variant_constants(f) if not line.startswith("LN2")],
-        "threads": bp.threads,
-        "consumer_threads": bp.consumer_threads,
-        "tma_thread_end": bp.tma_thread_end,
-        "tma_threads": bp.tma_threads,
-        "producer_regs": bp.producer_regs,
-        "consumer_regs": bp.consumer_regs,
-        "warpgroup_threads": bp.warpgroup_threads,
-        "ds_bar": bp.ds_bar,
-        "dq_bar": bp.dq_bar,
-        "pre_rows": PRE_ROWS,
-        # the preprocess's O * dO tile: TileLang 0.1.15 finds no fragment layout for 96 columns
-        "pre_cols": 0 if f.head_dim_v & (f.head_dim_v - 1) == 0 else 1 << f.head_dim_v.bit_length(),
-        "pre_threads": PRE_THREADS,
-        "compile_flags": bp.compile_flags,
+        "kernel": BackwardNumbers.of(bp),
         "dims": layout.kernel_dims(bp.shape, DIMS),
         "free_dims": free,
         "offset": has_offset(f),  # (varlen: per sequence, in seq_setup)
@@ -437,7 +455,6 @@ def template_context(bp: BackwardPlan) -> dict:
         "tile_init": tile_lines(bp)[0],
         "tile_lines": tile_lines(bp)[1],
         "producer_tile_lines": tile_lines(bp, producer=True)[1],
-        "consumer_args": consumer_args(bp),
         **layout_context(bp, dv),
         "seq_args": "".join(f", {n}" for n in seq_names(bp)),
         "deterministic": bp.deterministic,
@@ -451,8 +468,7 @@ def template_context(bp: BackwardPlan) -> dict:
 
 
 def dq_context(bp: BackwardPlan) -> dict:
-    return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
-            "dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
+    return {"dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
             "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp),
             "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],

@@ -4,6 +4,8 @@ split's partial O and LSE per row. The forward's module includes it when the spe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 
 from attngen.kernels.common.emit import tensor_param
@@ -17,6 +19,18 @@ from attngen.kernels.common.schedulers import schedule_of
 # printed before these layouts existed.
 COMBINE_ROWS = 64  # rows of one head per combine block
 COMBINE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class CombineNumbers:
+    """The combine kernel's numbers (fa3_combine.py.j2's `combine`)."""
+
+    name: str
+    """the combine prim_func's name: the forward kernel's name + _combine"""
+    rows_per_block: int
+    """rows of one head per combine block"""
+    threads: int
+    """threads per combine block"""
 
 
 def combine_context(plan, dv: str) -> dict:
@@ -33,15 +47,13 @@ def combine_context(plan, dv: str) -> dict:
     row = "r0 + i"
     clamped = f"T.min(r0 + i, {rows} - 1)"
     return {
-        "combine_name": f"{plan.name}_combine",
         "combine_dims": ["batch", rows, "kv_heads", "num_splits"],
+        "combine": CombineNumbers(name=f"{plan.name}_combine", rows_per_block=COMBINE_ROWS, threads=COMBINE_THREADS),
         "combine_params": params + layout.flat_params(),
         "combine_grid": schedule.grid(rows, "COMBINE_ROWS", "heads", layout.flat_batch),
         "combine_vars": schedule.block_vars("row_block", "head", layout.flat_batch_var),
         "combine_rows": layout.flat_rows(),
         "combine_setup": layout.flat_setup(),
-        "combine_rows_per_block": COMBINE_ROWS,
-        "combine_threads": COMBINE_THREADS,
         "partial_o": f"O_partial[s, {layout.q_index(clamped)}, j]",
         "partial_lse": f"LSE_partial[s, {layout.stat_index(clamped)}]",
         "out_o": f"O[{layout.q_index(row)}, j]",

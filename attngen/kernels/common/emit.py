@@ -51,7 +51,9 @@ def tensor_param(name: str, shape: list, dtype: str, comment: str = "") -> str:
 
 
 def render_template(name: str, context: dict) -> str:
-    """One of templates/ rendered with its context; Jinja's errors name the template and line."""
+    """One of templates/ rendered with its context; Jinja's errors name the template and line.
+    The context's names are the template header's "Receives:" list: tests/test_template_contract.py
+    checks that (contract.py), not this hot path."""
     try:
         return environment().get_template(name).render(**context)
     except jinja2.TemplateError as e:  # a bug in attngen, never the user's input

@@ -199,3 +199,49 @@ def tflops(shape: Shape, head_dim: int, causal: bool, seconds: float) -> float:
     """Forward FLOP/s in TFLOP/s: 4*B*H*Sq*Skv*D, halved for causal."""
     flops = 4 * shape.batch * shape.heads * shape.q_len * shape.kv_len * head_dim
     return flops / (2 if causal else 1) / seconds / 1e12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelNumbers:
+    """The numbers every warp-specialized family's template prints (its `kernel`): the resolved
+    spec, thread ranges and register split. Each family's plan adds its own (fwd.render.ForwardNumbers,
+    bwd.render.BackwardNumbers)."""
+
+    header: list[str]
+    """the file's comment lines: name, hash, full spec, shape, schedule"""
+    name: str
+    """the kernel's name (its prim_func's and its file's)"""
+    spec_hash: str
+    """the spec's hash"""
+    head_dim: int
+    """Q and K head dim"""
+    dtype: str
+    """Q/K/V/O element type"""
+    gqa_group: int
+    """query heads per KV head"""
+    consumers: int
+    """consumer (MMA) warpgroups"""
+    block_m: int
+    """query rows per block (the backward: per Q tile)"""
+    block_n: int
+    """keys per K/V tile"""
+    log2e: float
+    """log2(e): the softmax runs in base 2"""
+    threads: int
+    """threads per block"""
+    consumer_threads: int
+    """the consumers' threads (the producer follows)"""
+    tma_thread_end: int
+    """end of the producer's TMA-issuing threads"""
+    tma_threads: int
+    """threads that issue TMA copies"""
+    producer_regs: int
+    """setmaxnreg of the producer"""
+    consumer_regs: int
+    """setmaxnreg of each consumer"""
+    warpgroup_threads: int
+    """threads per warpgroup"""
+    compile_flags: tuple
+    """nvcc flags carried in the emitted file"""
+    consumer_args: str
+    """the consumer macro's arguments"""

@@ -8,12 +8,13 @@ lays them out in the order the GPU executes them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 
 from attngen import expr, hw, tiles
 from attngen.version import __version__
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, Shape
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, KernelNumbers, Shape
 from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
@@ -511,6 +512,43 @@ def header_lines(plan: Plan) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True, kw_only=True)
+class ForwardNumbers(KernelNumbers):
+    """fa3_fwd.py.j2's `kernel`: the shared numbers plus the forward's stages, ping-pong ring and
+    barrier numbering, all decided by the Plan."""
+
+    wg_rows: int
+    """query rows per consumer warpgroup (one wgmma M tile)"""
+    k_stages: int
+    """K tiles in flight"""
+    v_stages: int
+    """V tiles in flight"""
+    pingpong: bool
+    """consumers take turns on the tensor cores (named-barrier ring)"""
+    pingpong_threads: int
+    """threads on the ping-pong ring"""
+    primer: int
+    """the warpgroup that primes the ring"""
+    epilogue_bar: int
+    """first epilogue named barrier"""
+    barriers: tuple
+    """per consumer: .wait_bar and .signal_bar (0 when ping-pong is off)"""
+
+    @classmethod
+    def of(cls, plan: Plan) -> ForwardNumbers:
+        spec = plan.spec
+        return cls(header=header_lines(plan), name=plan.name, spec_hash=plan.hash, head_dim=spec.head_dim,
+                   dtype=spec.dtype, gqa_group=spec.gqa_group, consumers=spec.consumers, block_m=spec.block_m,
+                   block_n=spec.block_n, wg_rows=plan.wg_rows, k_stages=spec.k_stages, v_stages=spec.v_stages,
+                   log2e=hw.LOG2E, threads=plan.threads, consumer_threads=plan.consumer_threads,
+                   tma_thread_end=plan.tma_thread_end, tma_threads=plan.tma_threads,
+                   producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, pingpong=spec.pingpong,
+                   pingpong_threads=plan.pingpong_threads, primer=plan.primer,
+                   warpgroup_threads=plan.warpgroup_threads, epilogue_bar=plan.epilogue_bar,
+                   compile_flags=plan.compile_flags, barriers=plan.consumer_barriers,
+                   consumer_args=consumer_args(plan))
+
+
 def template_context(plan: Plan) -> dict:
     """Every name the template uses (documented at the top of the template)."""
     spec = plan.spec
@@ -527,42 +565,19 @@ def template_context(plan: Plan) -> dict:
         "schedule": schedule_of(plan),
         "row_pos": row_pos(plan),  # a row's query position and head, as the layout's indexes take them
         "row_head": row_head(plan),
+        "q_rows": lambda g: q_rows(plan, g),
+        "key_tile": lambda tile: key_tile(plan, tile),
         "block_setup": layout.block_setup(has_offset(plan)) + block_mask_setup(plan),
-        "header": header_lines(plan),
-        "kernel_name": plan.name,
-        "spec_hash": plan.hash,
-        "head_dim": spec.head_dim,
         "dv": dv,
-        "dtype": spec.dtype,
-        "gqa_group": spec.gqa_group,
-        "consumers": spec.consumers,
-        "block_m": spec.block_m,
-        "block_n": spec.block_n,
-        "wg_rows": plan.wg_rows,
-        "k_stages": spec.k_stages,
-        "v_stages": spec.v_stages,
-        "log2e": hw.LOG2E,
         "scale_setup": scale_setup(plan),
         "variant_constants": variant_constants(plan),
-        "threads": plan.threads,
-        "consumer_threads": plan.consumer_threads,
-        "tma_thread_end": plan.tma_thread_end,
-        "tma_threads": plan.tma_threads,
-        "producer_regs": plan.producer_regs,
-        "consumer_regs": plan.consumer_regs,
-        "pingpong": spec.pingpong,
-        "pingpong_threads": plan.pingpong_threads,
-        "primer": plan.primer,
-        "warpgroup_threads": plan.warpgroup_threads,
-        "epilogue_bar": plan.epilogue_bar,
-        "compile_flags": plan.compile_flags,
+        "kernel": ForwardNumbers.of(plan),
         "dims": layout.kernel_dims(plan.shape, DIMS),
         "free_dims": free_dims,
         "offset": has_offset(plan) and not layout.per_sequence,
         "offset_comment": offset_comment(plan),
         "has_masked": has_masked,
         "all_masked": plan.mask_expr is not None,
-        "barriers": plan.consumer_barriers,
         "first_tile": first_tile_expr(plan),
         "n_tiles": n_tiles_expr(plan),
         "full_tiles": full_tiles_expr(plan) if has_masked else "",
@@ -573,7 +588,6 @@ def template_context(plan: Plan) -> dict:
         "steady_loops": loops,
         "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
-        "consumer_args": consumer_args(plan),
         "first_visit_comment": visit_comments(plan)[0],
         "visit_comment": visit_comments(plan)[1],
         "block_mask": plan.block_mask,
@@ -582,18 +596,16 @@ def template_context(plan: Plan) -> dict:
         "visit_setup": visit_lines(plan),
         "visit_guard": visit_guard(plan),
         "no_visit_init": no_visit_init(plan),
-        **combine_context(plan, dv),
-        **split_exprs(plan),
+        **(combine_context(plan, dv) if layout.split_kv else {}),
+        **(split_exprs(plan) if layout.split_kv else {}),
         "sink_init": sink_init(plan),
         "max_floor": max_floor(plan),
         "lse": lse_expr(plan),
         "prescaled": plan.prescaled,
         "transform": lambda tile: transform_expr(plan, tile),
         "scaled": lambda x: scaled(plan, x),
-        "key_tile": lambda tile: key_tile(plan, tile),
         "mask_bind": lambda tile: mask_binding(plan, tile),
         "mask_cond": lambda tile: mask_condition(plan, tile),
-        "q_rows": lambda g: q_rows(plan, g),
     }
 
 
