@@ -1,31 +1,28 @@
 """BackwardPlan -> the emitted backward module (templates/fa3_bwd.py.j2): preprocess, main, postprocess.
 
-The backward reuses the forward's pieces where the two passes say the same thing: the score
-chain (render.score_text: softcap, ALiBi, score_mod), a mod's text (render.mod_at), the
-variant constants and the tile-range algebra (tiles.Frame's transposed direction, q_first ..
-q_full_stop). What is new here is the transposed tile: the main kernel's fragments are
-[keys, query rows] (element (i, j) is key key0 + i, query row m0 + j), so its masks and
-scores name their rows and keys that way. docs/backward.md describes each kernel.
+The backward shares with the forward what the two passes say the same way: the variant's hooks
+(kernels/common/variants.py: the score chain and its derivative, the masks in the backward's
+orientations, the constants) and the tile-range algebra (tiles.Frame's transposed direction,
+q_first .. q_full_stop). The main kernel's fragments are [keys, query rows] (element (i, j) is
+key key0 + i, query row m0 + j): variants.MAIN names its rows and keys that way. docs/backward.md describes each kernel.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from attngen import expr, hw, tiles
+from attngen import hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
 from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
-from attngen.kernels.fwd.render import has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
+from attngen.kernels.common.variants import Variant, has_offset
+from attngen.kernels.fwd.render import list_cursors, list_walk
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
 
 TEMPLATE = "bwd/fa3_bwd.py.j2"
 PRE_ROWS = 64  # rows of one head per preprocess / postprocess block
 PRE_THREADS = 128
-
-_ROW, _KEY = "m0 + j", "key0 + i"  # the main kernel's element (i, j): key key0 + i, query row m0 + j
-
 
 def frame(bp: BackwardPlan) -> tiles.Frame:
     """The backward's problem in the kernel's names (kv_len, q_len >= 1 in a bshd kernel; a packed
@@ -73,40 +70,6 @@ def masked_visit(bp: BackwardPlan) -> str:
     return " or ".join(parts)
 
 
-def mask_binding(bp: BackwardPlan, dq: bool = False) -> str:
-    if not has_edges(bp):
-        return ""
-    if dq:
-        return "diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag"
-    return "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
-
-
-# The two orientations: (query row text, key text, the row's index name, the key's index name).
-MAIN = (_ROW, _KEY, "j", "i")  # the main kernel's transposed tile [keys, rows]
-DQ = ("q0 + row0 + i", "kv_tile * DQ_BLOCK_N + j", "i", "j")  # the dq kernel's [rows, keys], as the forward's
-
-
-def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
-    """Does the query row see the key (the edges of tiles.visible, with the diagonal bound per
-    tile), and, in the main kernel, is the row a real one (< q_len: its rows past q_len are loaded
-    as zeros, but a score_mod could make P infinite there)?"""
-    f = bp.forward
-    row, key, ri, ki = DQ if dq else MAIN
-    left, right = f.window_left, f.window_right
-    parts = []
-    if left is not None:
-        parts.append(f"{ki} >= {ri} + diag - {left}" if left else f"{ki} >= {ri} + diag")
-    if right is not None:
-        parts.append(f"{ri} + diag + {right} >= {ki}" if right else f"{ri} + diag >= {ki}")
-    if right != 0:  # right == 0 keeps a real row's keys below kv_len
-        parts.append(f"{key} < kv_len")
-    if not dq:
-        parts.append(f"{row} < q_len")
-    if f.mask_expr is not None:
-        parts.append(mod_at(f, f.mask_expr, row, key, "head", None))
-    return " and ".join(f"({p})" if " and " in p or " or " in p else p for p in parts)
-
-
 def dq_range(bp: BackwardPlan) -> dict:
     """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
@@ -132,32 +95,6 @@ def dq_range(bp: BackwardPlan) -> dict:
             "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
             "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
             "dq_masked_visit": masked}
-
-
-def log2_score(bp: BackwardPlan, dq: bool = False) -> str:
-    """acc_s[i, j] (the raw q . k) -> the forward's final score in base-2 units (what LSE2 is in)."""
-    f = bp.forward
-    row, key = (DQ if dq else MAIN)[:2]
-    if not f.prescaled:
-        return "acc_s[i, j] * scale_log2"
-    return f"({score_text(f, 'acc_s[i, j]', row, key, 'head')}) * LOG2E"
-
-
-def dz_ds(bp: BackwardPlan, dq: bool = False) -> str:
-    """d(final score)/d(q . k * scale) at element (i, j) from the raw acc_s, or "" where it is 1:
-    softcap's 1 - tanh^2 times the score_mod's derivative (expr.derivative) at the softcapped score."""
-    f = bp.forward
-    row, key = (DQ if dq else MAIN)[:2]
-    factors = []
-    if f.spec.softcap:
-        t = "T.tanh(acc_s[i, j] * softcap_scale)"
-        factors.append(f"(1.0 - {t} * {t})")
-    if f.score_expr is not None:
-        d = expr.derivative(f.score_expr)
-        if d.canonical.strip() != "1":
-            u = score_text(f, "acc_s[i, j]", row, key, "head", mods=False)
-            factors.append(f"({mod_at(f, d, row, key, 'head', u)})")
-    return " * ".join(factors)
 
 
 def grouped_visits(bp: BackwardPlan) -> bool:
@@ -273,15 +210,6 @@ def index_helpers(bp: BackwardPlan) -> dict:
             "k_at": lambda r, h="kv_head": f"batch_idx, {r}, {h}", "k_box": lambda a, b, h="kv_head": f"batch_idx, {a}:{b}, {h}",
             "q_rows": "q_len", "kv_rows": "kv_len",
             "pre_q_at": "batch_idx, T.min(r0 + i, q_len - 1), head", "pre_row_at": "batch_idx, head, T.min(r0 + i, q_len - 1)"}
-
-
-def scale_setup(bp: BackwardPlan) -> list[str]:
-    f = bp.forward
-    if not f.prescaled:
-        return ["scale_log2 = softmax_scale * LOG2E  # P = exp2(k . q * scale_log2 - LSE2)"]
-    if f.spec.softcap:
-        return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
-    return []
 
 
 def q_shape(dim: str, varlen: bool) -> list:
@@ -444,7 +372,6 @@ def template_context(bp: BackwardPlan) -> dict:
         "consumers": bp.consumers,
         "q_stages": bp.q_stages,
         "log2e": hw.LOG2E,
-        "variant_constants": [line for line in variant_constants(f) if not line.startswith("LN2")],
         "threads": bp.threads,
         "consumer_threads": bp.consumer_threads,
         "tma_thread_end": bp.tma_thread_end,
@@ -467,11 +394,6 @@ def template_context(bp: BackwardPlan) -> dict:
         **q_range(bp),
         "has_edges": has_edges(bp),
         "masked_visit": masked_visit(bp),
-        "mask_bind": mask_binding(bp),
-        "mask_cond": mask_condition(bp),
-        "log2_score": log2_score(bp),
-        "dz_ds": dz_ds(bp),
-        "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
         "bm_setup": block_mask_setup(bp),
         "tile_init": tile_lines(bp)[0],
@@ -490,13 +412,13 @@ def template_context(bp: BackwardPlan) -> dict:
         **visits(bp),
         **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
+        "variant": Variant.of(f),
     }
 
 
 def dq_context(bp: BackwardPlan) -> dict:
     return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
-            "dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
-            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp),
+            **dq_range(bp),
             "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
             "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}
