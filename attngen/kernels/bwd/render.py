@@ -13,10 +13,10 @@ from pathlib import Path
 
 from attngen import hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS
+from attngen.kernels.common.block_mask import backward_walk
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.variants import Variant, has_offset
-from attngen.kernels.fwd.render import list_cursors, list_walk
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
 
@@ -128,34 +128,11 @@ def consumer_args(bp: BackwardPlan) -> str:
     return ", ".join(names + ["softmax_scale"])
 
 
-# -- a block mask (FlexAttention's BlockMask): each pass walks its lists (render.list_walk) ---------------
-BM_VALUES = ["bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
-
-
-def block_mask_tensors(bp: BackwardPlan, dq: bool = False) -> tuple:
-    """(call-time name, parameter, axes) of a kernel's lists: the main kernel's transposed q_* per KV
-    tile, the dq kernel's kv_* per Q tile (plan.BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS)."""
-    if not bp.forward.block_mask:
-        return ()
-    return DQ_BLOCK_MASK_TENSORS if dq else BWD_BLOCK_MASK_TENSORS
-
-
+# -- a block mask (FlexAttention's BlockMask): each kernel walks its lists (common/block_mask.py) ---------
 def block_mask_args(bp: BackwardPlan, dq: bool = False) -> list:
-    """What a consumer macro's walk reads: the block's row of the lists and its two index tensors."""
-    t = block_mask_tensors(bp, dq)
-    return (["q_block"] if dq else []) + BM_VALUES + [t[1][1], t[3][1]] if t else []  # (the main macro has kv_block)
-
-
-def block_mask_setup(bp: BackwardPlan, dq: bool = False) -> list[str]:
-    """The block's row of the lists (a batch or head extent of 1 broadcasts) and its two counts."""
-    t = block_mask_tensors(bp, dq)
-    if not t:
-        return []
-    row, what = ("q_block", "KV tiles of these rows") if dq else ("kv_block", "Q tiles of this KV tile")
-    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
-            "bm_h = T.min(head, bm_heads - 1)",
-            f"bm_partial_n = {t[0][1]}[bm_b, bm_h, {row}]  # {what} that the mask cuts",
-            f"bm_full_n = {t[2][1]}[bm_b, bm_h, {row}]  # ... and that it sees whole"]
+    """What a consumer macro's walk reads (the dq macro also takes its q_block; the main one has kv_block)."""
+    walk = backward_walk(bp.forward, dq)
+    return (["q_block"] if dq else []) + walk.args() if walk else []
 
 
 def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tuple[list, list]:
@@ -163,18 +140,16 @@ def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tu
     (consumers: q_tile / kv_tile; the producer: m0 / kv0), walked from the lists with a block mask."""
     tile, first, step, start = ("kv_tile", "kv_first", "k", "kv0") if dq else ("q_tile", "q_first", "m", "m0")
     size = "DQ_BLOCK_N" if dq else "BLOCK_M"
-    t = block_mask_tensors(bp, dq)
-    if not t:
+    walk = backward_walk(bp.forward, dq)
+    if not walk:
         return [], [f"{start} = ({first} + {step}) * {size}" if producer else f"{tile} = {first} + {step}"]
-    extent = "bm_dq_kv_tiles" if dq else "bm_q_tiles"
-    row = "bm_b, bm_h, " + ("q_block" if dq else "kv_block")
-    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "n_kv" if dq else "n_q")
-    return list_cursors(t[1][1], t[3][1]), walk + ([f"{start} = {tile} * {size}"] if producer else [])
+    return walk.cursors(), walk.step() + ([f"{start} = {tile} * {size}"] if producer else [])
 
 
 def block_mask_params(bp: BackwardPlan, dq: bool = False) -> list:
+    walk = backward_walk(bp.forward, dq)
     return [tensor_param(param, list(axes), '"int32"', f"call time: {name} (the {'dq' if dq else 'main'} kernel's tiles)")
-            for name, param, axes in block_mask_tensors(bp, dq)]
+            for name, param, axes in (walk.tensors if walk else ())]
 
 
 # -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
@@ -395,7 +370,6 @@ def template_context(bp: BackwardPlan) -> dict:
         "has_edges": has_edges(bp),
         "masked_visit": masked_visit(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
-        "bm_setup": block_mask_setup(bp),
         "tile_init": tile_lines(bp)[0],
         "tile_lines": tile_lines(bp)[1],
         "producer_tile_lines": tile_lines(bp, producer=True)[1],
@@ -413,13 +387,15 @@ def template_context(bp: BackwardPlan) -> dict:
         **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
         "variant": Variant.of(f),
+        "bmask": backward_walk(f),
+        "dq_bmask": backward_walk(f, dq=True),
     }
 
 
 def dq_context(bp: BackwardPlan) -> dict:
     return {"dq_block_m": bp.dq_block_m, "dq_block_n": bp.dq_block_n, "dq_kv_stages": bp.dq_kv_stages,
             **dq_range(bp),
-            "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
+            "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
             "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}
 

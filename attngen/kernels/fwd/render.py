@@ -16,6 +16,7 @@ from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, Sha
 from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
+from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import kv_shape, lse_shape, q_shape
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
@@ -138,86 +139,6 @@ def n_tiles_expr(plan: Plan) -> str:
     return tiles.text(n)
 
 
-# -- a call-time block mask (FlexAttention's BlockMask): the visits are its listed tiles -------------
-# Each agent (the producer warp, every consumer warpgroup) walks the two ascending lists of its Q
-# tile, partial (KV_indices) and full (Full_kv_indices), with a cursor per list, and visits the lower
-# head first: the tiles in ascending order, the dense kernel's order, so that skipping the empty
-# tiles (which add exactly 0 and rescale by exactly 1 there) leaves every bit of the result as it was.
-BLOCK_MASK_TEST = ("partial", "a partial tile of the block mask: masked (a full tile needs no mask)")
-
-
-def block_mask_setup(plan: Plan) -> list[str]:
-    """The block's row of the block mask (a batch or head extent of 1 broadcasts) and its counts."""
-    if not plan.block_mask:
-        return []
-    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
-            "bm_h = T.min(head, bm_heads - 1)",
-            "bm_partial_n = KV_num_blocks[bm_b, bm_h, q_block]  # KV tiles of this Q tile that the mask cuts",
-            "bm_full_n = Full_kv_num_blocks[bm_b, bm_h, q_block]  # KV tiles it sees whole"]
-
-
-def visit_init(plan: Plan) -> list[str]:
-    """An agent's cursors into the two lists, before its first visit."""
-    if not plan.block_mask:
-        return []
-    return list_cursors("KV_indices", "Full_kv_indices")
-
-
-def visit_lines(plan: Plan) -> list[str]:
-    """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
-    if not plan.block_mask:
-        return []
-    return list_walk("KV_indices", "Full_kv_indices", "bm_b, bm_h, q_block", "bm_kv_tiles", "kv_tile", "n_tiles")
-
-
-def list_cursors(partial: str, full: str) -> list[str]:
-    """The cursors of a walk over two block-mask lists (list_walk)."""
-    return [f'bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of {partial} (partial tiles)',
-            f'bm_next_f = T.alloc_var("int32", 0)  # and of {full} (full tiles)']
-
-
-def list_walk(partial: str, full: str, row: str, extent: str, tile: str, count: str) -> list[str]:
-    """One step of the walk over a row of two ascending block-mask lists (the forward's KV tiles
-    of a Q tile, the backward's Q tiles of a KV tile): `tile` is the lower head, `partial` says
-    which list it came from, and that list's cursor steps. `count`: the visits, both lists' counts."""
-    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {partial}[{row}, T.min(bm_next_p, {extent} - 1)], {extent})"
-            f"  # the next partial tile ({extent}: none left)",
-            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {full}[{row}, T.min(bm_next_f, {extent} - 1)], {extent})"
-            "  # the next full tile",
-            f"{tile} = T.min(T.min(bm_p, bm_f), {extent} - 1)  # the lower of the two: tiles in ascending order",
-            f"partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list ({count} counts both)",
-            "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
-            "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
-
-
-def visit_guard(plan: Plan) -> tuple:
-    """(condition, comment) under which a consumer visits any tile, or (): only a block mask's Q tile
-    can list none (random block sparsity makes them). Such a block loads no K/V tile and skips the
-    prologue, the steady loop and the last PV; every consumer of the block skips together (the lists
-    are per Q tile), so the ping-pong ring keeps the primer's one arrival, as every block leaves it."""
-    if not plan.block_mask:
-        return ()
-    return ("n_tiles > 0", "a Q tile with no listed tile visits none: O = 0, LSE -inf (or the sink's own)")
-
-
-def no_visit_init(plan: Plan) -> list[str]:
-    """What the skipped prologue would have set for a row that sees no key: the row sum it starts
-    (0; with a sink it starts at the sink's 1). The running max is at its start and alpha 1, so the
-    epilogue writes what the dense kernel writes for such a row, bit for bit."""
-    if not plan.block_mask or plan.spec.sinks:
-        return []
-    return ["T.fill(row_sum, 0)  # read by the epilogue only if the block visits no tile (the prologue sets it)"]
-
-
-def visit_comments(plan: Plan) -> tuple[str, str]:
-    """What the prologue's and the steady loop's visits are, for their comments."""
-    if plan.block_mask:
-        return "the block mask's first listed tile", "visit k (the block mask's k-th listed tile, kv_tile)"
-    if has_first_tile(plan):
-        return "the first visited tile", "visit k (K tile first_tile + k)"
-    return "tile 0", "tile k"
-
-
 def split_exprs(plan: Plan) -> dict:
     """A split's share of the block's n_block_tiles visits (names the template binds)."""
     if not plan.split_kv:
@@ -310,7 +231,7 @@ def block_setup(plan: Plan) -> list[str]:
                   "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
     if per_sequence(plan) and has_offset(plan):
         lines.append("causal_offset = kv_len - q_len  # bottom-right alignment, per sequence")
-    return lines + block_mask_setup(plan)
+    return lines + ForwardVisits.of(plan).setup()
 
 
 def q_box(plan: Plan, g: int) -> str:
@@ -324,7 +245,7 @@ def q_box(plan: Plan, g: int) -> str:
 
 def kv_tile_setup(plan: Plan, tile: str) -> list[str]:
     if plan.block_mask:
-        return visit_lines(plan)
+        return ForwardVisits.of(plan).lines()
     if not plan.page_size:
         return []
     t = key_tile(plan, tile)
@@ -496,14 +417,7 @@ def template_context(plan: Plan) -> dict:
         "steady_loops": loops,
         "params": kernel_params(plan, dv),
         "consumer_args": consumer_args(plan),
-        "first_visit_comment": visit_comments(plan)[0],
-        "visit_comment": visit_comments(plan)[1],
         "block_mask": plan.block_mask,
-        "first_visit_mask": BLOCK_MASK_TEST if plan.block_mask else ("", ""),
-        "visit_init": visit_init(plan),
-        "visit_setup": visit_lines(plan),
-        "visit_guard": visit_guard(plan),
-        "no_visit_init": no_visit_init(plan),
         "grid": grid(plan),
         "block_vars": block_vars(plan),
         "block_setup": block_setup(plan),
@@ -528,6 +442,7 @@ def template_context(plan: Plan) -> dict:
         "q_rows": lambda g: q_rows(plan, g),
         "variant": Variant.of(plan),
         "serving_constants": serving_constants(plan),
+        "bmask": ForwardVisits.of(plan),
     }
 
 
