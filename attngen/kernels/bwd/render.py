@@ -73,7 +73,7 @@ def masked_visit(bp: BackwardPlan) -> str:
 def dq_range(bp: BackwardPlan) -> dict:
     """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
-    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (block_mask_walk)
+    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (common/block_mask.py backward_walk)
         return {"dq_kv_first": "0", "dq_n_kv": "bm_partial_n + bm_full_n", "dq_full_first": "", "dq_full_stop": "",
                 "dq_masked_visit": "partial"}
     lo = 0 if f.varlen else 1

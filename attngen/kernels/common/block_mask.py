@@ -46,10 +46,10 @@ class ListWalk:
         """One visit's step: `tile` is the lower head, `partial` says which list it came from, and
         that list's cursor steps."""
         at, n = f"bm_b, bm_h, {self.row}", self.extent
-        return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {self.partial}[{at}, T.min(bm_next_p, {n} - 1)], {n})"
-                f"  # the next partial tile ({n}: none left)",
-                f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {self.full}[{at}, T.min(bm_next_f, {n} - 1)], {n})"
-                "  # the next full tile",
+        return [(f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {self.partial}[{at}, T.min(bm_next_p, {n} - 1)], {n})"
+                 f"  # the next partial tile ({n}: none left)"),
+                (f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {self.full}[{at}, T.min(bm_next_f, {n} - 1)], {n})"
+                 "  # the next full tile"),
                 f"{self.tile} = T.min(T.min(bm_p, bm_f), {n} - 1)  # the lower of the two: tiles in ascending order",
                 f"partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list ({self.count} counts both)",
                 "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
