@@ -45,8 +45,6 @@ TOP = {"attngen", "attngen.__main__", "attngen.ops", "attngen.flash_attn_interfa
 # A module over this many lines holds more than one concern: split it (issue 26). The CPU model
 # (attngen/emulator/) is left out: its interpreter, memory and hazard models are each one concern.
 MAX_LINES = 600
-# Known exceptions, each being split by a helper now: the lead empties this set after merging their work.
-LONG_MODULES_BEING_SPLIT = {"kernels/fwd/render.py"}
 
 
 def module_name(path: Path) -> str:
@@ -170,10 +168,7 @@ def long_modules(root: Path) -> dict[str, int]:
 
 
 def test_no_module_outside_the_emulator_is_over_600_lines():
-    found = long_modules(PACKAGE)
-    assert {n: lines for n, lines in found.items() if n not in LONG_MODULES_BEING_SPLIT} == {}
-    # an exception that is short now leaves the set, so that it cannot grow back unseen
-    assert LONG_MODULES_BEING_SPLIT <= set(found), LONG_MODULES_BEING_SPLIT - set(found)
+    assert long_modules(PACKAGE) == {}
 
 
 def test_the_length_check_sees_a_long_module_but_not_the_emulator(tmp_path):

@@ -18,6 +18,7 @@ import attngen
 from attngen.emulator import KernelError
 from attngen.emulator.driver import Runtime, Stats, _prepare, check_emulated
 from attngen.kernels.fwd.render import render_source
+from attngen.kernels.common.variants import Variant
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PRESETS = {  # the variant each one stands for
@@ -174,7 +175,7 @@ def test_the_lowest_float_as_floor_is_nan_above_ln2():
     """The floor before it was scaled-safe (T.min_value alone, right only while scale_log2 <= 1):
     the emulated kernel gives NaN rows at softmax_scale 1.0 where the real one gives 0."""
     spec = attngen.Spec(causal=True, lse=True, head_dim=64)
-    floor = attngen.kernels.fwd.render.max_floor(attngen.make_plan(spec))
+    floor = Variant.of(attngen.make_plan(spec)).max_floor()
     source = render_source(spec)
     assert source.count(f"T.fill(m_cur, {floor})") == 1 and floor != "T.min_value(ACCUM)"
     mutant = source.replace(f"T.fill(m_cur, {floor})", "T.fill(m_cur, T.min_value(ACCUM))")

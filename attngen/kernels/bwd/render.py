@@ -1,11 +1,10 @@
 """BackwardPlan -> the emitted backward module (templates/fa3_bwd.py.j2): preprocess, main, postprocess.
 
-The backward reuses the forward's pieces where the two passes say the same thing: the score
-chain (render.score_text: softcap, ALiBi, score_mod), a mod's text (render.mod_at), the
-variant constants and the tile-range algebra (tiles.Frame's transposed direction, q_first ..
-q_full_stop). What is new here is the transposed tile: the main kernel's fragments are
-[keys, query rows] (element (i, j) is key key0 + i, query row m0 + j), so its masks and
-scores name their rows and keys that way. docs/backward.md describes each kernel.
+The backward shares with the forward what the two passes say the same way: the variant's hooks
+(kernels/common/variants.py: the score chain and its derivative, the masks in the backward's
+orientations, the constants) and the tile-range algebra (tiles.Frame's transposed direction,
+q_first .. q_full_stop). The main kernel's fragments are [keys, query rows] (element (i, j) is
+key key0 + i, query row m0 + j): variants.MAIN names its rows and keys that way. docs/backward.md describes each kernel.
 """
 
 from __future__ import annotations
@@ -13,22 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from attngen import expr, hw, tiles
+from attngen import hw, tiles
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
-from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS, KernelNumbers
+from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, KernelNumbers
+from attngen.kernels.common.block_mask import backward_walk
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import schedule_of
-from attngen.kernels.fwd.render import DIMS, has_offset, list_cursors, list_walk, mod_at, score_text, variant_constants
+from attngen.kernels.common.variants import Variant, has_offset
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
 
 TEMPLATE = "bwd/fa3_bwd.py.j2"
 PRE_ROWS = 64  # rows of one head per preprocess / postprocess block
 PRE_THREADS = 128
-
-_ROW, _KEY = "m0 + j", "key0 + i"  # the main kernel's element (i, j): key key0 + i, query row m0 + j
-
 
 def frame(bp: BackwardPlan) -> tiles.Frame:
     """The backward's problem in the kernel's names (kv_len, q_len >= 1 in a bshd kernel; a packed
@@ -74,44 +71,10 @@ def masked_visit(bp: BackwardPlan) -> str:
     return " or ".join(parts)
 
 
-def mask_binding(bp: BackwardPlan, dq: bool = False) -> str:
-    if not has_edges(bp):
-        return ""
-    if dq:
-        return "diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag"
-    return "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
-
-
-# The two orientations: (query row text, key text, the row's index name, the key's index name).
-MAIN = (_ROW, _KEY, "j", "i")  # the main kernel's transposed tile [keys, rows]
-DQ = ("q0 + row0 + i", "kv_tile * DQ_BLOCK_N + j", "i", "j")  # the dq kernel's [rows, keys], as the forward's
-
-
-def mask_condition(bp: BackwardPlan, dq: bool = False) -> str:
-    """Does the query row see the key (the edges of tiles.visible, with the diagonal bound per
-    tile), and, in the main kernel, is the row a real one (< q_len: its rows past q_len are loaded
-    as zeros, but a score_mod could make P infinite there)?"""
-    f = bp.forward
-    row, key, ri, ki = DQ if dq else MAIN
-    left, right = f.window_left, f.window_right
-    parts = []
-    if left is not None:
-        parts.append(f"{ki} >= {ri} + diag - {left}" if left else f"{ki} >= {ri} + diag")
-    if right is not None:
-        parts.append(f"{ri} + diag + {right} >= {ki}" if right else f"{ri} + diag >= {ki}")
-    if right != 0:  # right == 0 keeps a real row's keys below kv_len
-        parts.append(f"{key} < kv_len")
-    if not dq:
-        parts.append(f"{row} < q_len")
-    if f.mask_expr is not None:
-        parts.append(mod_at(f, f.mask_expr, row, key, "head", None))
-    return " and ".join(f"({p})" if " and " in p or " or " in p else p for p in parts)
-
-
 def dq_range(bp: BackwardPlan) -> dict:
     """The dq kernel's KV tiles (the forward's direction: tiles.Frame.kv_first .. kv_full_stop)."""
     f = bp.forward
-    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (block_mask_walk)
+    if f.block_mask:  # the listed KV tiles of the block's rows, ascending (common/block_mask.py backward_walk)
         return {"dq_kv_first": "0", "dq_n_kv": "bm_partial_n + bm_full_n", "dq_full_first": "", "dq_full_stop": "",
                 "dq_masked_visit": "partial"}
     layout = layout_of(f)
@@ -132,32 +95,6 @@ def dq_range(bp: BackwardPlan) -> dict:
             "dq_full_first": "" if full_first == 0 or masked == "True" else tiles.text(full_first),
             "dq_full_stop": "" if masked == "True" else tiles.text(fr.kv_full_stop(wg)),
             "dq_masked_visit": masked}
-
-
-def log2_score(bp: BackwardPlan, dq: bool = False) -> str:
-    """acc_s[i, j] (the raw q . k) -> the forward's final score in base-2 units (what LSE2 is in)."""
-    f = bp.forward
-    row, key = (DQ if dq else MAIN)[:2]
-    if not f.prescaled:
-        return "acc_s[i, j] * scale_log2"
-    return f"({score_text(f, 'acc_s[i, j]', row, key, 'head')}) * LOG2E"
-
-
-def dz_ds(bp: BackwardPlan, dq: bool = False) -> str:
-    """d(final score)/d(q . k * scale) at element (i, j) from the raw acc_s, or "" where it is 1:
-    softcap's 1 - tanh^2 times the score_mod's derivative (expr.derivative) at the softcapped score."""
-    f = bp.forward
-    row, key = (DQ if dq else MAIN)[:2]
-    factors = []
-    if f.spec.softcap:
-        t = "T.tanh(acc_s[i, j] * softcap_scale)"
-        factors.append(f"(1.0 - {t} * {t})")
-    if f.score_expr is not None:
-        d = expr.derivative(f.score_expr)
-        if d.canonical.strip() != "1":
-            u = score_text(f, "acc_s[i, j]", row, key, "head", mods=False)
-            factors.append(f"({mod_at(f, d, row, key, 'head', u)})")
-    return " * ".join(factors)
 
 
 def grouped_visits(bp: BackwardPlan) -> bool:
@@ -191,34 +128,11 @@ def consumer_args(bp: BackwardPlan) -> str:
     return ", ".join(names + ["softmax_scale"])
 
 
-# -- a block mask (FlexAttention's BlockMask): each pass walks its lists (render.list_walk) ---------------
-BM_VALUES = ["bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
-
-
-def block_mask_tensors(bp: BackwardPlan, dq: bool = False) -> tuple:
-    """(call-time name, parameter, axes) of a kernel's lists: the main kernel's transposed q_* per KV
-    tile, the dq kernel's kv_* per Q tile (plan.BWD_BLOCK_MASK_TENSORS, DQ_BLOCK_MASK_TENSORS)."""
-    if not bp.forward.block_mask:
-        return ()
-    return DQ_BLOCK_MASK_TENSORS if dq else BWD_BLOCK_MASK_TENSORS
-
-
+# -- a block mask (FlexAttention's BlockMask): each kernel walks its lists (common/block_mask.py) ---------
 def block_mask_args(bp: BackwardPlan, dq: bool = False) -> list:
-    """What a consumer macro's walk reads: the block's row of the lists and its two index tensors."""
-    t = block_mask_tensors(bp, dq)
-    return (["q_block"] if dq else []) + BM_VALUES + [t[1][1], t[3][1]] if t else []  # (the main macro has kv_block)
-
-
-def block_mask_setup(bp: BackwardPlan, dq: bool = False) -> list[str]:
-    """The block's row of the lists (a batch or head extent of 1 broadcasts) and its two counts."""
-    t = block_mask_tensors(bp, dq)
-    if not t:
-        return []
-    row, what = ("q_block", "KV tiles of these rows") if dq else ("kv_block", "Q tiles of this KV tile")
-    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
-            "bm_h = T.min(head, bm_heads - 1)",
-            f"bm_partial_n = {t[0][1]}[bm_b, bm_h, {row}]  # {what} that the mask cuts",
-            f"bm_full_n = {t[2][1]}[bm_b, bm_h, {row}]  # ... and that it sees whole"]
+    """What a consumer macro's walk reads (the dq macro also takes its q_block; the main one has kv_block)."""
+    walk = backward_walk(bp.forward, dq)
+    return (["q_block"] if dq else []) + walk.args() if walk else []
 
 
 def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tuple[list, list]:
@@ -226,18 +140,16 @@ def tile_lines(bp: BackwardPlan, dq: bool = False, producer: bool = False) -> tu
     (consumers: q_tile / kv_tile; the producer: m0 / kv0), walked from the lists with a block mask."""
     tile, first, step, start = ("kv_tile", "kv_first", "k", "kv0") if dq else ("q_tile", "q_first", "m", "m0")
     size = "DQ_BLOCK_N" if dq else "BLOCK_M"
-    t = block_mask_tensors(bp, dq)
-    if not t:
+    walk = backward_walk(bp.forward, dq)
+    if not walk:
         return [], [f"{start} = ({first} + {step}) * {size}" if producer else f"{tile} = {first} + {step}"]
-    extent = "bm_dq_kv_tiles" if dq else "bm_q_tiles"
-    row = "bm_b, bm_h, " + ("q_block" if dq else "kv_block")
-    walk = list_walk(t[1][1], t[3][1], row, extent, tile, "n_kv" if dq else "n_q")
-    return list_cursors(t[1][1], t[3][1]), walk + ([f"{start} = {tile} * {size}"] if producer else [])
+    return walk.cursors(), walk.step() + ([f"{start} = {tile} * {size}"] if producer else [])
 
 
 def block_mask_params(bp: BackwardPlan, dq: bool = False) -> list:
+    walk = backward_walk(bp.forward, dq)
     return [tensor_param(param, list(axes), '"int32"', f"call time: {name} (the {'dq' if dq else 'main'} kernel's tiles)")
-            for name, param, axes in block_mask_tensors(bp, dq)]
+            for name, param, axes in (walk.tensors if walk else ())]
 
 
 # -- packed sequences (layout = "varlen"): each block reads its sequence's rows and lengths ------
@@ -250,13 +162,6 @@ def seq_names(bp: BackwardPlan) -> list:
     return layout.sequence_args(has_offset(bp.forward)) + layout.key_start_args()
 
 
-def scale_setup(bp: BackwardPlan) -> list[str]:
-    f = bp.forward
-    if not f.prescaled:
-        return ["scale_log2 = softmax_scale * LOG2E  # P = exp2(k . q * scale_log2 - LSE2)"]
-    if f.spec.softcap:
-        return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
-    return []
 
 
 def call_tensors(bp: BackwardPlan) -> list:
@@ -435,9 +340,8 @@ def template_context(bp: BackwardPlan) -> dict:
         "schedule": schedule_of(f),
         "seq_setup": layout.sequence_setup(has_offset(f), **SEQUENCE_NOTES),
         "dv": dv,
-        "variant_constants": [line for line in variant_constants(f) if not line.startswith("LN2")],
         "kernel": BackwardNumbers.of(bp),
-        "dims": layout.kernel_dims(bp.shape, DIMS),
+        "dims": layout.kernel_dims(bp.shape),
         "free_dims": free,
         "offset": has_offset(f),  # (varlen: per sequence, in seq_setup)
         "kv_accum": bp.kv_accum,
@@ -445,13 +349,7 @@ def template_context(bp: BackwardPlan) -> dict:
         **q_range(bp),
         "has_edges": has_edges(bp),
         "masked_visit": masked_visit(bp),
-        "mask_bind": mask_binding(bp),
-        "mask_cond": mask_condition(bp),
-        "log2_score": log2_score(bp),
-        "dz_ds": dz_ds(bp),
-        "scale_setup": scale_setup(bp),
         "extra_args": "".join(f", {t.param}" for t in call_tensors(bp)),
-        "bm_setup": block_mask_setup(bp),
         "tile_init": tile_lines(bp)[0],
         "tile_lines": tile_lines(bp)[1],
         "producer_tile_lines": tile_lines(bp, producer=True)[1],
@@ -464,13 +362,15 @@ def template_context(bp: BackwardPlan) -> dict:
         **visits(bp),
         **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
+        "variant": Variant.of(f),
+        "bmask": backward_walk(f),
+        "dq_bmask": backward_walk(f, dq=True),
     }
 
 
 def dq_context(bp: BackwardPlan) -> dict:
-    return {"dq_mask_bind": mask_binding(bp, dq=True), "dq_mask_cond": mask_condition(bp, dq=True),
-            "dq_log2_score": log2_score(bp, dq=True), "dq_dz_ds": dz_ds(bp, dq=True), **dq_range(bp),
-            "dq_bm_setup": block_mask_setup(bp, True), "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
+    return {**dq_range(bp),
+            "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
             "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from attngen import tiles
 from attngen.kernels.common.emit import tensor_param
 
+STATIC_DIMS = ("batch", "q_len", "kv_len", "kv_heads")  # a static shape's extents, as the kernel names them
+
 
 def _seq_slice(rows: str, start: str) -> str:
     """Rows a:b of a sequence as rows of the packed tensor whose sequence begins at `start`."""
@@ -74,10 +76,10 @@ class Dense:
     def _cache_dims(self) -> list:
         return []
 
-    def kernel_dims(self, shape, static_dims: tuple) -> dict:
-        """name -> extent: the static shape's `static_dims` as ints, else every dim as None (T.dynamic)."""
+    def kernel_dims(self, shape) -> dict:
+        """name -> extent: a static shape's STATIC_DIMS as ints, else every dim as None (T.dynamic)."""
         if shape is not None:
-            return {d: getattr(shape, d) for d in static_dims}
+            return {d: getattr(shape, d) for d in STATIC_DIMS}
         return {d: None for d in self.dims()}
 
     @property

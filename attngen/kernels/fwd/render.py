@@ -7,187 +7,23 @@ lays them out in the order the GPU executes them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 
-from attngen import expr, hw, tiles
+from attngen import hw, tiles
 from attngen.version import __version__
 from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, KernelNumbers, Shape
 from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
+from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import schedule_of
+from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
-DIMS = ("batch", "q_len", "kv_len", "kv_heads")
-
-
-# -- the expressions the template prints ----------------------------------------------
-# Kernels of specs without a window keep the expressions below that predate windows, byte for
-# byte; `windowed(plan)` switches to the general form (first tile, both edges, visit indices).
-def windowed(plan: Plan) -> bool:
-    return plan.spec.window != (-1, -1)
-
-
-def has_first_tile(plan: Plan) -> bool:
-    """The block's first visited K tile is not 0 (the window has a left edge, or the block takes a split)."""
-    return plan.window_left is not None or layout_of(plan).split_kv
-
-
-def row_pos(plan: Plan, row: str = "q0 + row0 + i") -> str:
-    """The query position of a block's packed row: the row itself, or row // GQA_GROUP when the
-    query heads of one KV head are packed into the tile's rows."""
-    return layout_of(plan).query_row(row)
-
-
-def row_head(plan: Plan) -> str:
-    """The query head of row i: the block's head, or (packed GQA) the row's place in the group."""
-    return layout_of(plan).query_head()
-
-
-def key_tile(plan: Plan, tile: str) -> str:
-    """The K tile index of visit `tile` (the loop variable, or "0" for the prologue)."""
-    if plan.block_mask:
-        return "kv_tile"  # bound by visit_lines from the block mask's lists
-    if not has_first_tile(plan):
-        return tile
-    return "first_tile" if tile == "0" else f"(first_tile + {tile})"
-
-
-def key_index(plan: Plan, tile: str) -> str:
-    """The key column `j` of visit `tile` as a kernel expression."""
-    t = key_tile(plan, tile)
-    return "j" if t == "0" else f"{t} * BLOCK_N + j"
-
-
-def causal_diag(plan: Plan, tile: str) -> tuple[str, str] | None:
-    """The diagonal in visit `tile`: (name, value), row i's diagonal key being j = i + name.
-
-    The row-independent part is bound once per tile (a Let) so that the per-element tests of
-    the causal mask and the window's edges are `i + diag >= j`, `j >= i + diag - left`: lowering
-    then simplifies two indices per element, not the whole sum (docs/build.md, "Emitted-source
-    edits"). A mask_mod kernel binds it for its causal or window part; the mod itself is an
-    arbitrary expression of q_idx and kv_idx with no such part. None without a causal mask or a
-    window, and for packed GQA, whose row position (q0 + row0 + i) // GQA_GROUP does not split
-    off a row-independent part.
-    """
-    if layout_of(plan).pack_gqa or (plan.window_left is None and plan.window_right is None):
-        return None
-    t = key_tile(plan, tile)
-    value = "q0 + row0 + causal_offset" if t == "0" else f"q0 + row0 + causal_offset - {t} * BLOCK_N"
-    return ("diag0" if tile == "0" else "diag"), value
-
-
-def mask_binding(plan: Plan, tile: str) -> str:
-    """The statement the mask of visit `tile` needs before its loop, or ""."""
-    diag = causal_diag(plan, tile)
-    if diag is None:
-        return ""
-    name, value = diag
-    if not windowed(plan) and plan.mask_expr is None:  # the plain causal mask
-        return f"{name} = {value}  # row i of tile {key_tile(plan, tile)} sees keys j <= i + {name}"
-    return f"{name} = {value}  # row i's diagonal in tile {key_tile(plan, tile)} is key j = i + {name}"
-
-
-def mask_condition(plan: Plan, tile: str) -> str:
-    """Is key `tile * BLOCK_N + j` visible to query row `q0 + row0 + i`?"""
-    key = key_index(plan, tile)
-    row = row_pos(plan)
-    if not windowed(plan) and plan.mask_expr is None:
-        if plan.spec.causal:
-            # bottom-right alignment already keeps every real row below kv_len: row i < q_len sees
-            # keys up to i + kv_len - q_len < kv_len; rows past q_len are never stored
-            diag = causal_diag(plan, tile)
-            return f"i + {diag[0]} >= j" if diag else f"{row} + causal_offset >= {key}"
-        return f"{key} < kv_len"  # the partial last tile (not aligned)
-    left, right = plan.window_left, plan.window_right
-    diag = causal_diag(plan, tile)
-    parts = []
-    # row + causal_offset vs key, or with the diagonal bound (all but packed GQA): i + diag vs j
-    near, far = (f"i + {diag[0]}", "j") if diag else (f"{row} + causal_offset", key)
-    if left is not None:
-        parts.append(f"{far} >= {near} - {left}" if left or not diag else f"{far} >= {near}")
-    if right is not None:
-        parts.append(f"{near} + {right} >= {far}" if right else f"{near} >= {far}")
-    if right != 0:  # right == 0 keeps every real row's keys below kv_len (see above)
-        parts.append(f"{key} < kv_len")
-    if plan.mask_expr is not None:
-        parts.append(mod_text(plan, plan.mask_expr, tile, score=None))
-    return " and ".join(parts) if len(parts) == 1 else " and ".join(f"({p})" if " and " in p else p for p in parts)
-
-
-def mod_text(plan: Plan, e, tile: str, score: str | None) -> str:
-    """A parsed score_mod/mask_mod as TileLang, at row q0 + row0 + i and key `key_index(tile)`."""
-    return mod_at(plan, e, row_pos(plan), key_index(plan, tile), row_head(plan), score)
-
-
-def mod_at(plan: Plan, e, row: str, key: str, head: str, score: str | None) -> str:
-    """A parsed score_mod/mask_mod (or a derivative) as TileLang at query `row`, key `key`, head `head`
-    (both passes: the backward names its transposed tile's rows and keys)."""
-    tensors = {t.name: t for t in plan.extra}
-    names = {"b": "batch_idx", "h": head, "q_idx": f"({row})", "kv_idx": f"({key})"}
-    if score is not None:
-        names["score"] = f"({score})"
-    return expr.emit(e, names, lambda n: tensors[n].param, lambda n, axis: tensors[n].dim(axis))
-
-
-def transform_expr(plan: Plan, tile: str) -> str:
-    """acc_s[i, j] (q . k) -> the final score in base-2 units: softcap, ALiBi, score_mod, then * log2(e).
-
-    The mods are defined on the natural-units score q . k * softmax_scale (FlexAttention's
-    `score`; the scale is the kernel's run-time argument); the result is multiplied by log2(e)
-    once, so the softmax below needs no scale_log2.
-    """
-    return f"({score_text(plan, 'acc_s[i, j]', row_pos(plan), key_index(plan, tile), row_head(plan))}) * LOG2E"
-
-
-def score_text(plan: Plan, acc: str, row: str, key: str, head: str, mods: bool = True) -> str:
-    """The natural-units score of the raw q . k in `acc` at query `row`, key `key`, head `head`:
-    softcap, then ALiBi, then (with `mods`) the score_mod. Both passes print it (the backward's
-    transposed tile names its own rows and keys)."""
-    spec = plan.spec
-    s = f"{acc} * softmax_scale"
-    if spec.softcap:
-        s = f"SOFTCAP * T.tanh({acc} * softcap_scale)"  # softcap_scale = softmax_scale / SOFTCAP, once per warpgroup
-    if spec.alibi:
-        s = f'{s} - Alibi[{head}] * T.Cast("float32", T.abs({row} + causal_offset - ({key})))'
-    if mods and plan.score_expr is not None:
-        s = mod_at(plan, plan.score_expr, row, key, head, s)
-    return s
-
-
-def scaled(plan: Plan, x: str) -> str:
-    """A raw score or row max in the softmax's base-2 units."""
-    return x if plan.prescaled else f"{x} * scale_log2"
-
-
-def scale_setup(plan: Plan) -> list[str]:
-    """The consumer's lines that derive, once, what its scores are multiplied by from the run-time
-    softmax_scale (a float32 parameter: one compiled kernel serves every scale)."""
-    if not plan.prescaled:
-        return ["scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)"]
-    if plan.spec.softcap:
-        return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
-    return []
-
-
-def max_floor(plan: Plan) -> str:
-    """The running max's start in a kernel without sinks: finite, and finite once scaled.
-
-    Not -inf: a row whose scores so far are all -inf (masked, or an inf in q or k) then keeps a
-    finite max and gets exp2(-inf - floor) = 0 where -inf - -inf is NaN, and no tile needs a guard.
-    m_cur holds q . k units, scaled by the run-time scale_log2 in the exponent, which exceeds 1
-    for softmax_scale > ln 2; the lowest float times that is -inf again. So the floor is the lowest
-    float halved (rounding cannot carry the product past the overflow) and divided by scale_log2
-    where that is above 1: computed once per consumer, it scales to at least -FLT_MAX / 2 for every
-    valid scale. Prescaled scores are base-2 units already (no scale follows): the lowest float."""
-    if plan.prescaled:
-        return "T.min_value(ACCUM)"
-    return "T.min_value(ACCUM) * 0.5 / T.max(scale_log2, 1.0)"
 
 
 # -- tile ranges: attngen/tiles.py states the algebra; these only name the kernel's values -----
@@ -305,86 +141,6 @@ def n_tiles_expr(plan: Plan) -> str:
     return tiles.text(n)
 
 
-# -- a call-time block mask (FlexAttention's BlockMask): the visits are its listed tiles -------------
-# Each agent (the producer warp, every consumer warpgroup) walks the two ascending lists of its Q
-# tile, partial (KV_indices) and full (Full_kv_indices), with a cursor per list, and visits the lower
-# head first: the tiles in ascending order, the dense kernel's order, so that skipping the empty
-# tiles (which add exactly 0 and rescale by exactly 1 there) leaves every bit of the result as it was.
-BLOCK_MASK_TEST = ("partial", "a partial tile of the block mask: masked (a full tile needs no mask)")
-
-
-def block_mask_setup(plan: Plan) -> list[str]:
-    """The block's row of the block mask (a batch or head extent of 1 broadcasts) and its counts."""
-    if not plan.block_mask:
-        return []
-    return ["bm_b = T.min(batch_idx, bm_batch - 1)  # the block mask's batch and head: an extent of 1 broadcasts",
-            "bm_h = T.min(head, bm_heads - 1)",
-            "bm_partial_n = KV_num_blocks[bm_b, bm_h, q_block]  # KV tiles of this Q tile that the mask cuts",
-            "bm_full_n = Full_kv_num_blocks[bm_b, bm_h, q_block]  # KV tiles it sees whole"]
-
-
-def visit_init(plan: Plan) -> list[str]:
-    """An agent's cursors into the two lists, before its first visit."""
-    if not plan.block_mask:
-        return []
-    return list_cursors("KV_indices", "Full_kv_indices")
-
-
-def visit_lines(plan: Plan) -> list[str]:
-    """At the start of each visit: its KV tile (kv_tile) and whether it is partial; the cursors step."""
-    if not plan.block_mask:
-        return []
-    return list_walk("KV_indices", "Full_kv_indices", "bm_b, bm_h, q_block", "bm_kv_tiles", "kv_tile", "n_tiles")
-
-
-def list_cursors(partial: str, full: str) -> list[str]:
-    """The cursors of a walk over two block-mask lists (list_walk)."""
-    return [f'bm_next_p = T.alloc_var("int32", 0)  # the next unvisited entry of {partial} (partial tiles)',
-            f'bm_next_f = T.alloc_var("int32", 0)  # and of {full} (full tiles)']
-
-
-def list_walk(partial: str, full: str, row: str, extent: str, tile: str, count: str) -> list[str]:
-    """One step of the walk over a row of two ascending block-mask lists (the forward's KV tiles
-    of a Q tile, the backward's Q tiles of a KV tile): `tile` is the lower head, `partial` says
-    which list it came from, and that list's cursor steps. `count`: the visits, both lists' counts."""
-    return [f"bm_p = T.if_then_else(bm_next_p < bm_partial_n, {partial}[{row}, T.min(bm_next_p, {extent} - 1)], {extent})"
-            f"  # the next partial tile ({extent}: none left)",
-            f"bm_f = T.if_then_else(bm_next_f < bm_full_n, {full}[{row}, T.min(bm_next_f, {extent} - 1)], {extent})"
-            "  # the next full tile",
-            f"{tile} = T.min(T.min(bm_p, bm_f), {extent} - 1)  # the lower of the two: tiles in ascending order",
-            f"partial = bm_p <= bm_f  # never equal: a visit has a tile left in one list ({count} counts both)",
-            "bm_next_p = bm_next_p + T.if_then_else(partial, 1, 0)  # a T.alloc_var: assigning stores it",
-            "bm_next_f = bm_next_f + T.if_then_else(partial, 0, 1)"]
-
-
-def visit_guard(plan: Plan) -> tuple:
-    """(condition, comment) under which a consumer visits any tile, or (): only a block mask's Q tile
-    can list none (random block sparsity makes them). Such a block loads no K/V tile and skips the
-    prologue, the steady loop and the last PV; every consumer of the block skips together (the lists
-    are per Q tile), so the ping-pong ring keeps the primer's one arrival, as every block leaves it."""
-    if not plan.block_mask:
-        return ()
-    return ("n_tiles > 0", "a Q tile with no listed tile visits none: O = 0, LSE -inf (or the sink's own)")
-
-
-def no_visit_init(plan: Plan) -> list[str]:
-    """What the skipped prologue would have set for a row that sees no key: the row sum it starts
-    (0; with a sink it starts at the sink's 1). The running max is at its start and alpha 1, so the
-    epilogue writes what the dense kernel writes for such a row, bit for bit."""
-    if not plan.block_mask or plan.spec.sinks:
-        return []
-    return ["T.fill(row_sum, 0)  # read by the epilogue only if the block visits no tile (the prologue sets it)"]
-
-
-def visit_comments(plan: Plan) -> tuple[str, str]:
-    """What the prologue's and the steady loop's visits are, for their comments."""
-    if plan.block_mask:
-        return "the block mask's first listed tile", "visit k (the block mask's k-th listed tile, kv_tile)"
-    if has_first_tile(plan):
-        return "the first visited tile", "visit k (K tile first_tile + k)"
-    return "tile 0", "tile k"
-
-
 def split_exprs(plan: Plan) -> dict:
     """A split's share of the block's n_block_tiles visits (names the template binds under layout.split_kv)."""
     n, per = tiles.Sym("n_block_tiles", 1), tiles.Sym("tiles_per_split", 1)
@@ -393,45 +149,6 @@ def split_exprs(plan: Plan) -> dict:
             "split_n_tiles": tiles.text(tiles.at_least_one(tiles.split_count(n, _FIRST, per)))}
 
 
-def normalize_stmt(plan: Plan) -> str:
-    """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
-    inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
-    The running max never reaches -inf (it starts at a finite floor, max_floor; docs/online-softmax.md
-    step 4), so this once-per-row test is the only guard: no tile pays for one."""
-    if not plan.spec.sinks:  # with a sink every row sum is >= exp(0)
-        return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
-    return "acc_o[i, j] /= row_sum[i]"
-
-
-def lse_expr(plan: Plan) -> str:
-    """Natural-log log-sum-exp of a row: (m * scale_log2 + log2(row sum)) * ln 2; -inf for a row with no key."""
-    if not (plan.spec.lse or layout_of(plan).split_kv):  # a split always writes its LSE: the combine weighs by it
-        return ""
-    value = f"({scaled(plan, 'm_cur[i]')} + T.log2(row_sum[i])) * LN2"
-    if plan.guard_empty_rows and not plan.spec.sinks:
-        return f"T.if_then_else(row_sum[i] == 0, -T.infinity(ACCUM), {value})"
-    return value
-
-
-def sink_init(plan: Plan) -> str:
-    """The running max starts at the sink's logit (in the units m_cur holds), the row sum at its exp(0) = 1."""
-    if not plan.spec.sinks:
-        return ""
-    if plan.prescaled:
-        return "Sinks[head] * LOG2E"
-    return "Sinks[head] / softmax_scale"  # a natural-log logit in the units of q . k
-
-
-def variant_constants(plan: Plan) -> list[str]:
-    spec = plan.spec
-    lines = []
-    if plan.head_dim_v != spec.head_dim:
-        lines.append(f"HEAD_DIM_V = {plan.head_dim_v}  # V and O head dim")
-    if spec.softcap:
-        lines.append(f"SOFTCAP = {spec.softcap!r}  # score = SOFTCAP * tanh(score / SOFTCAP)")
-    if spec.lse or layout_of(plan).split_kv:
-        lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
-    return lines + layout_of(plan).constants()
 
 
 def kernel_params(plan: Plan, dv: str) -> list[str]:
@@ -447,10 +164,6 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
     lines += layout.serving_params()
     lines.append("softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))")
     return lines
-
-
-def has_offset(plan: Plan) -> bool:
-    return plan.spec.causal or windowed(plan) or plan.spec.alibi
 
 
 def consumer_args(plan: Plan) -> str:
@@ -567,12 +280,10 @@ def template_context(plan: Plan) -> dict:
         "row_head": row_head(plan),
         "q_rows": lambda g: q_rows(plan, g),
         "key_tile": lambda tile: key_tile(plan, tile),
-        "block_setup": layout.block_setup(has_offset(plan)) + block_mask_setup(plan),
+        "block_setup": layout.block_setup(has_offset(plan)) + ForwardVisits.of(plan).setup(),
         "dv": dv,
-        "scale_setup": scale_setup(plan),
-        "variant_constants": variant_constants(plan),
         "kernel": ForwardNumbers.of(plan),
-        "dims": layout.kernel_dims(plan.shape, DIMS),
+        "dims": layout.kernel_dims(plan.shape),
         "free_dims": free_dims,
         "offset": has_offset(plan) and not layout.per_sequence,
         "offset_comment": offset_comment(plan),
@@ -586,26 +297,13 @@ def template_context(plan: Plan) -> dict:
         "masked_visit_comment": masked_visit_comment,
         "steady_setup": loop_setup,
         "steady_loops": loops,
-        "normalize": normalize_stmt(plan),
         "params": kernel_params(plan, dv),
-        "first_visit_comment": visit_comments(plan)[0],
-        "visit_comment": visit_comments(plan)[1],
         "block_mask": plan.block_mask,
-        "first_visit_mask": BLOCK_MASK_TEST if plan.block_mask else ("", ""),
-        "visit_init": visit_init(plan),
-        "visit_setup": visit_lines(plan),
-        "visit_guard": visit_guard(plan),
-        "no_visit_init": no_visit_init(plan),
         **(combine_context(plan, dv) if layout.split_kv else {}),
         **(split_exprs(plan) if layout.split_kv else {}),
-        "sink_init": sink_init(plan),
-        "max_floor": max_floor(plan),
-        "lse": lse_expr(plan),
-        "prescaled": plan.prescaled,
-        "transform": lambda tile: transform_expr(plan, tile),
-        "scaled": lambda x: scaled(plan, x),
-        "mask_bind": lambda tile: mask_binding(plan, tile),
-        "mask_cond": lambda tile: mask_condition(plan, tile),
+        "variant": Variant.of(plan),
+        "serving_constants": layout.constants(),
+        "bmask": ForwardVisits.of(plan),
     }
 
 
