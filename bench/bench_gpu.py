@@ -196,7 +196,7 @@ def backward_preset_keys(preset_paths) -> list[tuple]:
     """The backward presets (cli.BACKWARD_PRESETS) among preset_paths: each one's backward module
     (every part: preprocess, main, postprocess or dq and dsinks, the GQA postprocess) and the
     forward with lse that autograd runs before it. tests/test_gpu_backward.py launches them all."""
-    from attngen.cli import BACKWARD_PRESETS
+    from attngen.cli.generate import BACKWARD_PRESETS
 
     keys = []
     for path in preset_paths:

@@ -79,7 +79,7 @@ def backward_kernels(preset: str):
     first (both from the prebuilt cache), else None."""
     import dataclasses
 
-    from attngen.cli import BACKWARD_PRESETS
+    from attngen.cli.generate import BACKWARD_PRESETS
     from attngen.run.backward import compile_backward
     from attngen.run.forward import compile_kernel
     from attngen.spec import load

@@ -113,7 +113,7 @@ def test_check_fails_when_the_cpu_model_disagrees(tmp_path, capsys, monkeypatch,
 
 
 def test_build_verdicts_flag_each_broken_promise():
-    from attngen.cli import build_verdicts
+    from attngen.cli.build import build_verdicts
 
     good = {"spill_store_bytes": 0, "spill_load_bytes": 0, "stack_frame_bytes": 0, "setmaxnreg_applied": True,
             "dynamic_smem_bytes": 1024, "plan_smem_bytes": 1024,
@@ -211,9 +211,9 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, fragments, tmp_p
     monkeypatch.setattr(attngen.build.nvcc, "build", no_work)  # nothing built ...
     monkeypatch.setattr(attngen.reference.forward, "random_inputs", no_work)  # ... and no input drawn
     monkeypatch.setattr("attngen.emulator.driver.random_inputs", no_work)
-    monkeypatch.setattr("attngen.cli.generate", no_work)  # ... and nothing generated
+    monkeypatch.setattr("attngen.cli.check.generate", no_work)  # ... and nothing generated
     monkeypatch.setattr("attngen.run.tune.build_all", no_work)  # ... no tuning candidate built
-    monkeypatch.setattr("attngen.timeline.command.model_charts", no_work)  # ... and no timeline emulated
+    monkeypatch.setattr("attngen.cli.timeline.model_charts", no_work)  # ... and no timeline emulated
     rc, out, err = run_main(capsys, *[paths.get(a, a) for a in argv])
     one_line_error(err, rc, *fragments)
     assert out == ""
@@ -227,7 +227,7 @@ def test_check_says_when_it_rounds_the_lengths_of_an_aligned_spec(capsys, monkey
     def stop(*a, **k):
         raise Generated
 
-    monkeypatch.setattr("attngen.cli.generate", stop)
+    monkeypatch.setattr("attngen.cli.check.generate", stop)
     with pytest.raises(Generated):
         main(["check", str(ROOT / "examples" / "seed_parity.toml"), "--q-len", "70", "--kv-len", "256"])
     assert capsys.readouterr().out == "aligned spec: the CPU runs round up --q-len 70 -> 128 (a multiple of block_m = 128)\n"
@@ -283,7 +283,7 @@ def test_emulate_and_check_run_a_dense_split_kv_spec_at_the_shape_the_flags_give
     """issue 25: both crashed on a ragged batch a dense KV cannot hold, naming lengths nobody gave."""
     from argparse import Namespace
 
-    from attngen.cli import emulate_verdict
+    from attngen.cli.check import emulate_verdict
 
     spec = tmp_path / "split.toml"
     spec.write_text("head_dim = 64\nsplits = 2\n")

@@ -11,7 +11,8 @@ import pytest
 
 import attngen
 from attngen.cli import backward as cli_bwd
-from attngen.cli import BACKWARD_PRESETS, main
+from attngen.cli import main
+from attngen.cli.generate import BACKWARD_PRESETS
 from attngen.kernels.bwd.render import render_backward_source
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import torch
 
 import attngen
 from attngen.emulator import (
-    POLICIES, DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct, command, emulate,
+    POLICIES, DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct, emulate,
     emulate_stats,
 )
 from attngen.emulator.agents import MBarrier, NamedBarrier
@@ -301,6 +301,8 @@ def namespace(spec_path, **kw):
 
 
 def test_command_reports_error_and_bound(tmp_path, capsys):
+    from attngen.cli.emulate import command
+
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text("head_dim = 64\ncausal = true\ngqa_group = 2\n")
     assert command(namespace(spec_path)) == 0

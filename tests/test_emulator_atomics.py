@@ -549,7 +549,7 @@ def build_kernel():
 def test_the_cli_prints_atomics_and_reduce_adds(tmp_path, capsys):
     import argparse
 
-    from attngen.emulator import command
+    from attngen.cli.emulate import command
 
     spec_path, source = tmp_path / "spec.toml", tmp_path / "one_key.py"
     spec_path.write_text("head_dim = 128\n")

@@ -1,5 +1,5 @@
 """generated/ holds each preset's emitted kernel, and each backward preset's backward module
-(attngen.cli.BACKWARD_PRESETS); regenerating must be byte-identical."""
+(attngen.cli.generate.BACKWARD_PRESETS); regenerating must be byte-identical."""
 
 import importlib
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen.cli import BACKWARD_PRESETS
+from attngen.cli.generate import BACKWARD_PRESETS
 from attngen.kernels.common.emit import write_if_different
 from attngen.kernels.fwd.render import generate
 from attngen.kernels.bwd.render import as_backward_plan, generate_backward

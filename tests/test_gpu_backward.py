@@ -22,7 +22,7 @@ import torch
 import attngen
 from attngen.interfaces import op_arguments, ops
 from attngen.run import backward, checks, forward
-from attngen.cli import BACKWARD_PRESETS
+from attngen.cli.generate import BACKWARD_PRESETS
 from attngen.cli.backward import draw_inputs, varlen_checks
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.fwd.plan import make_plan

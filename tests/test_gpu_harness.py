@@ -175,7 +175,7 @@ def test_the_prebuild_covers_every_backward_preset_and_benchmark_row():
     """Every backward preset's module and the forward with lse that autograd runs before it, and
     each backward row's pair, are prebuild keys: the GPU tests and the benchmark only load them."""
     import attngen
-    from attngen.cli import BACKWARD_PRESETS
+    from attngen.cli.generate import BACKWARD_PRESETS
     from attngen.kernels.bwd.plan import plan_backward
 
     gpu = bench_module("bench_gpu")
@@ -197,7 +197,7 @@ def test_the_prebuild_covers_every_backward_preset_and_benchmark_row():
 
 
 def test_the_gpu_backward_tests_cover_every_backward_preset(monkeypatch):
-    from attngen.cli import BACKWARD_PRESETS
+    from attngen.cli.generate import BACKWARD_PRESETS
 
     text = (ROOT / "tests" / "test_gpu_backward.py").read_text()
     assert "pytestmark = GPU_ONLY" in text

@@ -116,7 +116,7 @@ def test_check_runs_the_cpu_model_at_the_scale_given(monkeypatch):
     import argparse
 
     import attngen.emulator as emulator
-    from attngen.cli import emulate_verdict
+    from attngen.cli.check import emulate_verdict
 
     plan = plan_of("causal")
     real = emulator.emulate_stats

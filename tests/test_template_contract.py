@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen.cli import BACKWARD_PRESETS
+from attngen.cli.generate import BACKWARD_PRESETS
 from attngen.kernels.append.plan import append_plan
 from attngen.kernels.append.render import APPEND_TEMPLATE, append_context
 from attngen.kernels.bwd import render as bwd

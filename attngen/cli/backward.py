@@ -2,7 +2,7 @@
 
 `attngen show|generate|build|emulate --backward SPEC` act on the spec's backward module
 (render_bwd) instead of its forward kernel, and `attngen check SPEC` runs both passes: the
-verdicts here are the backward's half. cli.py parses the options and calls these; a spec the
+verdicts here are the backward's half. cli/ parses the options and calls these; a spec the
 backward refuses (paged KV, split-KV: inference layouts) is plan_backward's SpecError, one
 line naming the field.
 """
@@ -198,10 +198,10 @@ def emulate_command(args, plan) -> int:
     model, each gradient's error against its bound. Exit 0 all within, 1 a mismatch, hazard or
     deadlock, 2 bad input (checked before any input is drawn)."""
     from attngen.emulator import EmulationError
-    from attngen.emulator.driver import _command_options
+    from attngen.cli.common import emulate_options
 
     bp = plan_backward(plan.spec)  # a spec the backward refuses: its SpecError, exit 2
-    source, filename, heads = _command_options(args, plan.spec)  # InputError: exit 2
+    source, filename, heads = emulate_options(args, plan.spec)  # InputError: exit 2
     scale = args.softmax_scale
     print(f"attngen emulate --backward: {bp.name} ({'--source ' + filename if filename else 'rendered'}), "
           f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))

@@ -7,15 +7,15 @@ and deadlock reports instead of silent wrong answers or hangs.
 
 Modules: rewrite (ast pass), tlang (the T.* subset), memory (buffers, regions, TMA bounds),
 clocks and hazards (happens-before race detection with vector clocks), agents (scheduler and
-barriers), mutants (systematic mutants for the mutation score), driver (emulate, command).
+barriers), mutants (systematic mutants for the mutation score), driver (emulate, emulate_stats, check_run; `attngen emulate` is attngen/cli/emulate.py).
 """
 
 from attngen.emulator.agents import POLICIES
 from attngen.emulator.backward import emulate_backward
-from attngen.emulator.driver import Stats, check_run, command, emulate, emulate_stats
+from attngen.emulator.driver import Stats, check_run, emulate, emulate_stats
 from attngen.emulator.errors import DeadlockError, EmulationError, HazardError, KernelError, UnsupportedConstruct
 
 __all__ = [
-    "emulate", "emulate_backward", "emulate_stats", "command", "check_run", "Stats", "POLICIES",
+    "emulate", "emulate_backward", "emulate_stats", "check_run", "Stats", "POLICIES",
     "EmulationError", "HazardError", "DeadlockError", "UnsupportedConstruct", "KernelError",
 ]

@@ -19,7 +19,6 @@ import random
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 
@@ -852,65 +851,3 @@ def check_run(spec, shape, seed, options: dict) -> None:
         raise InputError(option, value,
                          f"a smaller value: this CPU run needs about {need / 2**30:.1f} GiB (inputs, emulator and the fp64 "
                          f"reference) and the limit is {limit / 2**30:.1f} GiB ({have}at most {MAX_RUN_BYTES // 2**30} GiB)")
-
-
-def _command_options(args, spec):
-    """`attngen emulate`'s options, checked: (source text or None, its file name, query heads)."""
-    from attngen.kernels.common.plan import Shape
-
-    heads = args.heads if args.heads is not None else args.kv_heads * spec.gqa_group
-    options = {"batch": ("--batch", 1), "kv_heads": ("--kv-heads", 1), "heads": ("--heads", spec.gqa_group),
-               "q_len": ("--q-len", 128), "kv_len": ("--kv-len", 128)}
-    if args.heads is None:  # derived from --kv-heads: that is the option to change
-        options["heads"] = ("--kv-heads", spec.gqa_group)
-    check_run(spec, Shape(args.batch, heads, args.kv_heads, args.q_len, args.kv_len), args.seed, options)
-    check_scale(getattr(args, "softmax_scale", None), spec.head_dim, "--softmax-scale")
-    if args.policy not in POLICIES:
-        raise InputError("--policy", args.policy, f"one of {', '.join(POLICIES)}")
-    source, filename = None, None
-    if args.source:
-        try:
-            source = Path(args.source).read_bytes().decode("utf-8")
-        except IsADirectoryError:
-            raise InputError("--source", args.source, "an emitted kernel file, not a directory") from None
-        except UnicodeDecodeError as e:
-            raise InputError("--source", args.source, f"an emitted kernel file (Python text); byte {e.start} is not UTF-8") from None
-        except OSError as e:
-            raise InputError("--source", args.source, f"a readable file ({e.strerror or e})") from None
-        filename = str(args.source)
-    return source, filename, heads
-
-
-def command(args, plan=None) -> int:
-    """`attngen emulate`: random inputs, one emulation, the error against the reference.
-
-    Every option is checked before an input is drawn; a bad one is one line on stderr and exit 2.
-    """
-    from attngen.kernels.fwd.plan import make_plan
-    from attngen.spec import load
-
-    plan = plan or make_plan(load(args.spec))
-    try:
-        source, filename, heads = _command_options(args, plan.spec)
-    except InputError as e:
-        print(f"attngen: error: {e}", file=sys.stderr)
-        return 2
-    shape = run_shape_text(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len)
-    scale = getattr(args, "softmax_scale", None)
-    print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
-          f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
-    try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
-        ok, text, stats = check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
-                                         seed=args.seed, policy=args.policy, source=source, filename=filename,
-                                         softmax_scale=scale)
-    except EmulationError as e:
-        print(e.report)
-        return 1
-    except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
-        print(f"attngen: error: {e}", file=sys.stderr)
-        return 2
-    atomics = "".join(f", {n} {what}" for n, what in ((stats.atomics, "atomics"), (stats.reduce_adds, "TMA reduce-adds")) if n)
-    print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
-          f"{stats.tma} TMA loads{atomics}, {stats.seconds:.2f} s")
-    print(f"  {text} (bound = 2 x max|lowprec - ref| + ulp x max|ref|)")
-    return 0 if ok else 1

@@ -145,7 +145,7 @@ NUMERIC = ("window", "softcap")  # spec fields that travel as op arguments of th
 
 def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0, tensor_names: str = "",
             cu_seqlens_q=None, block_table=None, num_splits: int = SPLITS_SPEC) -> Plan:
-    """The plan of one call: the caller's fields, then what the tensors say (runtime.spec_for:
+    """The plan of one call: the caller's fields, then what the tensors say (runtime.call_spec:
     head_dim, dtype, gqa_group, serving layout, page size, the tuned schedule); alibi, sinks and
     head_dim_v follow from the tensors given, as attngen.attention derives them.
 
@@ -214,12 +214,10 @@ def _resolve(q, k, v, fields, window, softcap, tensor_names, cu_seqlens_q, block
         if name in chosen:
             raise InputError(f"fields[{name!r}]", chosen[name], f"no {name} here: it is an argument of its own")
     names = _names(tensor_names)
-    derived = {"alibi": "alibi_slopes" in names, "sinks": "sinks" in names, "window": tuple(window),
-               "softcap": softcap}
-    if v.shape[-1] != q.shape[-1]:
-        derived["head_dim_v"] = int(v.shape[-1])
-    return as_plan(runtime.spec_for(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
-                                    num_splits=decode_splits(num_splits), **{**derived, **chosen}))
+    return as_plan(runtime.call_spec(q, k, v, chosen, window=tuple(window), softcap=softcap,
+                                     alibi="alibi_slopes" in names, sinks="sinks" in names, cu_seqlens_q=cu_seqlens_q,
+                                     block_table=block_table, num_splits=decode_splits(num_splits),
+                                     call="attngen::fwd(fields=...)"))
 
 
 def serving_keywords(plan: Plan, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits) -> dict:

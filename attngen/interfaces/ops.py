@@ -466,8 +466,8 @@ def block_mask_arguments(bm, q, k, overrides: dict, tensors: dict) -> None:
         raise InputError("block_mask.BLOCK_SIZE", (bq, bk), "a Q block of 64, 128 or 192 rows, the kernel's Q tile "
                                                              "(64 per consumer warpgroup): create the block mask with one")
     for field, want, why in (("consumers", bq // 64, f"the block mask's Q block {bq} = 64 x consumers"),
-                             ("block_m", bq, f"the block mask's Q block (BLOCK_SIZE[0])"),
-                             ("block_n", bk, f"the block mask's KV block (BLOCK_SIZE[1])")):
+                             ("block_m", bq, "the block mask's Q block (BLOCK_SIZE[0])"),
+                             ("block_n", bk, "the block mask's KV block (BLOCK_SIZE[1])")):
         if overrides.get(field) is not None and overrides[field] != want:
             raise InputError(field, overrides[field], f"{want}, {why}; or create the block mask with the kernel's "
                                                       f"tiles, BLOCK_SIZE=(block_m, block_n)")

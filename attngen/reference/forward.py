@@ -41,7 +41,7 @@ class InputError(ValueError):
     """An input the kernel cannot take: names the argument, the value and what was expected.
 
     It lives here, beneath the emulator and the runtime, so both raise the same error
-    (attngen.run.runtime.InputError is this class).
+    (attngen.InputError is this class).
     """
 
     def __init__(self, argument: str, value, expected: str):

@@ -63,6 +63,25 @@ def spec_for(q, k, *, causal: bool = False, cu_seqlens_q=None, block_table=None,
     return _spec_for(q, k, causal, overrides, "attngen.run.runtime.spec_for(...)", inferred)
 
 
+def call_spec(q, k, v, fields: dict, *, causal: bool = False, window=(-1, -1), softcap=0.0, alibi: bool = False,
+              sinks: bool = False, lse: bool = False, cu_seqlens_q=None, block_table=None, num_splits=None,
+              call: str = "attngen.attention(...)") -> Spec:
+    """The one mapping from an attention call's keywords to its Spec, for both of attngen.attention's
+    paths (runtime.attention, and the torch op's ops.resolve): the variant the keywords imply
+    (window, softcap, alibi and sinks for the tensors given, lse, head_dim_v when v's differs from
+    q's), spec fields given by name winning over it, then the serving fields cu_seqlens_q,
+    block_table and num_splits imply, and what the tensors say (spec_for). `call` names the
+    caller in a misspelt field's error."""
+    variant = {"window": tuple(window) if isinstance(window, list) else window, "softcap": softcap,
+               "alibi": alibi, "sinks": sinks, "lse": lse}
+    q_shape, v_shape = getattr(q, "shape", ()), getattr(v, "shape", ())
+    if len(v_shape) in (3, 4) and len(q_shape) in (3, 4) and v_shape[-1] != q_shape[-1]:
+        variant["head_dim_v"] = int(v_shape[-1])
+    inferred = serving_overrides(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits)
+    # a spec field given by name (lse=, alibi=, splits=) wins over the one derived from the call
+    return _spec_for(q, k, causal, {**variant, **fields}, call, inferred)
+
+
 def _spec_for(q, k, causal, overrides: dict, call: str, inferred: dict | None = None) -> Spec:
     check_keys(overrides, call)  # a misspelt keyword names the call that got it, before any tensor check
     torch = _torch()
@@ -133,14 +152,9 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
             except expr.ExprError:
                 pass  # the Spec reports it, naming the field
     check_keys({n: x for n, x in tensors.items() if n not in named}, "attngen.attention(...)")
-    variant = {"window": tuple(window) if isinstance(window, list) else window, "softcap": softcap,
-               "alibi": alibi_slopes is not None, "sinks": sinks is not None, "lse": return_lse}
-    q_shape, v_shape = getattr(q, "shape", ()), getattr(v, "shape", ())
-    if len(v_shape) in (3, 4) and len(q_shape) in (3, 4) and v_shape[-1] != q_shape[-1]:
-        variant["head_dim_v"] = int(v_shape[-1])
-    inferred = serving_overrides(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits)
-    # a spec field given by name (lse=, alibi=, splits=) wins over the one derived from the call
-    plan = as_plan(_spec_for(q, k, causal, {**variant, **overrides}, "attngen.attention(...)", inferred))
+    plan = as_plan(call_spec(q, k, v, overrides, causal=causal, window=window, softcap=softcap,
+                             alibi=alibi_slopes is not None, sinks=sinks is not None, lse=return_lse,
+                             cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits))
     tensors.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None})
     softmax_scale = resolve_scale(softmax_scale, scale, head_dim=plan.spec.head_dim)
     fields = serving.serving_fields(plan)
@@ -160,4 +174,4 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
     return compile_kernel(plan)(q, k, v, out=out, check=False, softmax_scale=softmax_scale, **tensors)
 
 
-__all__ = ["attention", "serving_overrides", "spec_for"]
+__all__ = ["attention", "call_spec", "serving_overrides", "spec_for"]
