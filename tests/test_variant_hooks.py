@@ -57,7 +57,8 @@ def test_the_sink_starts_the_max_in_the_units_the_max_holds():
 
 def test_the_window_mask_in_both_orientations():
     v = variant(window=(32, 16))
-    assert v.mask_bind("k") == "diag = q0 + row0 + causal_offset - (first_tile + k) * BLOCK_N  # row i's diagonal in tile (first_tile + k) is key j = i + diag"
+    assert v.mask_bind("k") == ("diag = q0 + row0 + causal_offset - (first_tile + k) * BLOCK_N"
+                                "  # row i's diagonal in tile (first_tile + k) is key j = i + diag")
     assert v.mask_cond("k") == "j >= i + diag - 32 and i + diag + 16 >= j and (first_tile + k) * BLOCK_N + j < kv_len"
     assert v.bwd_mask_bind() == "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
     assert v.bwd_mask_cond() == "i >= j + diag - 32 and j + diag + 16 >= i and key0 + i < kv_len and m0 + j < q_len"

@@ -34,7 +34,8 @@ def cmd_build(args) -> int:
             raise InputError("--cuda", args.cuda, "one spec file to write the CUDA of (it was given several)")
         outcomes = build_many(args.spec, shape=args.shape, cache_dir=args.cache_dir, jobs=args.jobs, progress=Progress(sys.stderr))
         if args.json:
-            print(json.dumps([o.report if o.error is None else {"spec": o.label, "error": o.error} for o in outcomes], indent=2, sort_keys=True))
+            rows = [o.report if o.error is None else {"spec": o.label, "error": o.error} for o in outcomes]
+            print(json.dumps(rows, indent=2, sort_keys=True))
         else:
             print(format_summary(outcomes))
         return 2 if any(o.user_error for o in outcomes) else 1 if any(o.error for o in outcomes) else 0

@@ -7,7 +7,8 @@ and deadlock reports instead of silent wrong answers or hangs.
 
 Modules: rewrite (ast pass), tlang (the T.* subset), memory (buffers, regions, TMA bounds),
 clocks and hazards (happens-before race detection with vector clocks), agents (scheduler and
-barriers), mutants (systematic mutants for the mutation score), driver (emulate, emulate_stats, check_run; `attngen emulate` is attngen/cli/emulate.py).
+barriers), mutants (systematic mutants for the mutation score), driver (emulate, emulate_stats, check_run;
+`attngen emulate` is attngen/cli/emulate.py).
 """
 
 from attngen.emulator.agents import POLICIES

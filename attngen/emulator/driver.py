@@ -692,7 +692,8 @@ def run_shape_text(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     if dense_kv(spec.layout, spec.paged_kv):
         return f"B={batch} H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}"
     n = len(serving_lengths(spec.layout, q_len, kv_len, paged=spec.paged_kv)[0])
-    return f"H={heads} HKV={kv_heads}, a ragged batch of {n} from Sq={q_len} Skv={kv_len}" + ("" if batch == 1 else f" (--batch {batch} does not apply)")
+    note = "" if batch == 1 else f" (--batch {batch} does not apply)"
+    return f"H={heads} HKV={kv_heads}, a ragged batch of {n} from Sq={q_len} Skv={kv_len}" + note
 
 
 def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, seed=0, policy="random", source=None,

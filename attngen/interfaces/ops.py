@@ -21,10 +21,10 @@ JSON object of the spec fields the caller chose (causal, lse, score_mod, schedul
 ...); the window and softcap as an int, int and float of their own (numbers that may reach the
 call as graph inputs, which a traced function cannot turn into text); and the tensors
 themselves (head_dim, dtype, gqa_group, head_dim_v, which variant and serving tensors are
-present, the page size). The op resolves the Spec from both at run time, so the tuned schedule per sequence length (attngen/tuned) is picked per
-call and one graph serves every length. The fakes read only metadata: no value, no guard on
-a sequence length. That encoding, the plan it resolves to and the op's checks are
-interfaces/op_arguments.py's.
+present, the page size). The op resolves the Spec from both at run time, so the tuned schedule
+per sequence length (attngen/run/tuned) is picked per call and one graph serves every length.
+The fakes read only metadata: no value, no guard on a sequence length. That encoding, the plan
+it resolves to and the op's checks are interfaces/op_arguments.py's.
 """
 
 from __future__ import annotations

@@ -200,14 +200,16 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                     else "output: dK, scaled"),
             tensor_param(kv_names[1], kv_shape(dv), kv_out,
                     "in/out: zeroed by the caller; dV of the group's query heads atomically added" if bp.kv_accum else "output: dV")]
-    calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}") for t in call_tensors(bp)]
+    calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}")
+             for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
     main += calls + block_mask_params(bp) + seq + [scale]
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
           tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
           tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
-    post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'), tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output")] + seq + [scale]
+    post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'),
+            tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output")] + seq + [scale]
     post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), tensor_param("dV_accum", kv_shape(dv), '"float32"'),
                tensor_param("dK", kv_shape("HEAD_DIM"), "DTYPE", "output"), tensor_param("dV", kv_shape(dv), "DTYPE", "output")]
     pre += seq
@@ -273,7 +275,8 @@ def layout_context(bp: BackwardPlan, dv: str) -> dict:
     cols = lambda c, w: f"{c} * {w}:{c + 1} * {w}" if c else f"0:{w}"  # noqa: E731
     kv_loads = []
     for c in range(n):
-        kv_loads += [(f"K[{rows}, {cols(c, 'DK_COLS')}]", f"K_shared[{c}, :, :]"), (f"V[{rows}, {cols(c, 'DV_COLS')}]", f"V_shared[{c}, :, :]")]
+        kv_loads += [(f"K[{rows}, {cols(c, 'DK_COLS')}]", f"K_shared[{c}, :, :]"),
+                     (f"V[{rows}, {cols(c, 'DV_COLS')}]", f"V_shared[{c}, :, :]")]
     return {"columns": True, "wg_doc": "every key of the KV tile, head-dim columns [g DK_COLS, (g + 1) DK_COLS) of dK and dQ (dV: DV_COLS)",
             "key0": "kv_block * BLOCK_N", "dk_w": "DK_COLS", "dv_w": "DV_COLS",
             "dq_doc": "this warpgroup's columns of dQ",

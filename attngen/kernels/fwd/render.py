@@ -135,7 +135,8 @@ def n_tiles_expr(plan: Plan) -> str:
     visits = _visits(plan, stop) if windowed_first else stop
     n = tiles.at_least_one(visits)
     if windowed_first:
-        return tiles.text(n) + "  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 (a block that sees no key runs one masked tile)"
+        return tiles.text(n) + ("  # tiles [first_tile, first_tile + n_tiles): exactly the window's; >= 1 "
+                                "(a block that sees no key runs one masked tile)")
     if n != visits:  # the clamp is not proven redundant: say why it is there
         return tiles.text(n) + "  # >= 1: a block of rows that see no key still runs (fully masked) tile 0"
     return tiles.text(n)
