@@ -5,7 +5,7 @@
 For each case: the best wall time of N runs of the forward kernel (with its LSE) and of the
 backward kernels alone (`emulate_backward` given that out and lse), their ratio, the work done
 (CTAs, wgmma, TMA loads, reduce-adds, atomics) and whether every gradient passes
-reference_bwd.check_grads. Then the workspace of the backward per token: the bytes of the
+reference.backward.check_grads. Then the workspace of the backward per token: the bytes of the
 float32 tensors the backward module declares between its kernels (dQ_accum, dPsum, LSE2, and
 with GQA/MQA dK_accum and dV_accum), read from the emitted prim_funcs' parameters at the case's
 shape, not from a formula: docs/backward.md ("Memory") states the same figures.

@@ -14,7 +14,7 @@ the survivors with their edit, and which of them are documented equivalents
 
 `--backward` scores the spec's backward module instead (render_backward_source; default preset
 examples/default.toml): each mutant runs emulate_backward under BACKWARD_RUNS and is caught by a
-hazard, a deadlock, an error, or a gradient failing reference_bwd.check_grads.
+hazard, a deadlock, an error, or a gradient failing reference.backward.check_grads.
 """
 
 from __future__ import annotations

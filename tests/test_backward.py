@@ -1,5 +1,5 @@
 """The generated backward kernels (issue 17), run on the CPU model and held to the fp64 gradient
-reference by FlashAttention-3's backward tolerance rule (reference_bwd.check_grads).
+reference by FlashAttention-3's backward tolerance rule (reference.backward.check_grads).
 
 Every case runs the emitted preprocess, main and postprocess kernels (emulate_backward), never
 the reference in their place; a deliberately broken kernel text shows that the checks fail.

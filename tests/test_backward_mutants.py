@@ -4,7 +4,7 @@ Each mutant is a textual edit of the rendered backward module (render_backward_s
 follows template changes; the test asserts the edit applies, that the unmodified module passes
 for the same spec, shape and schedules, and that the mutant is caught in EVERY schedule
 (each policy x SEEDS) and, for a race, in every block order too: a hazard report naming the
-buffer, or, for a numeric mutant, a FAIL of reference_bwd.check_grads on the gradients it breaks.
+buffer, or, for a numeric mutant, a FAIL of reference.backward.check_grads on the gradients it breaks.
 
 The spec is the default preset (`Spec(causal=True)`: hd128 f16 causal, BLOCK_M 64, BLOCK_N 128,
 2 MMA warpgroups, 2 Q stages), or the default plus the one feature the mutant needs (softcap,

@@ -2,7 +2,7 @@
 and 4 gloo processes on CPU tensors (each rank runs the emitted kernels on the CPU model), spawned
 once per test with many cases inside (tests/cp_worker.py). Each case's out, LSE, dq, dk and dv,
 reassembled by unshard_sequence, are held to the fp64 reference under reference's and
-reference_bwd's tolerance rules (check_close, check_lse, check_grads). The exact step algebra and
+reference.backward's tolerance rules (check_close, check_lse, check_grads). The exact step algebra and
 the merge are checked in-process against brute force; the test-only mutants show the checks fail
 for a merge without the LSE rescale, zigzag chunks in the wrong order, a dK/dV missing a ring
 step and a wrong causal flag."""

@@ -4,7 +4,7 @@ Profiles (tests/conftest.py): ATTNGEN_HYPOTHESIS_PROFILE=ci (default: derandomiz
 below) or dev (many more). Every example runs the emitted backward module on the CPU model
 (emulate_backward: the forward with its LSE, then the backward's kernels) under a drawn policy,
 seed and block order, and must finish without a hazard or a deadlock, pass
-reference_bwd.check_grads for every gradient, be finite, and give a row that sees no key an
+reference.backward.check_grads for every gradient, be finite, and give a row that sees no key an
 exactly zero dQ; a deterministic spec must also give the same bits under another policy, seed
 and block order. Drawn: what plan_backward supports (head_dim 64 to 256, head_dim_v, both dtypes,
 causal, windows, softcap, ALiBi, sinks, score_mod, mask_mod, GQA and MQA, deterministic, varlen
@@ -127,7 +127,7 @@ def run(spec, shape, schedule, scale, input_seed=None, lse_grad=None):
 
 def one_key_rows_only(spec, sq, skv) -> bool:
     """Does every row see at most one key? Then dS = P (dP - dPsum) is exactly 0 and the kernel's dq
-    and dk are float32 noise, which check_grads' cancellation floor covers (reference_bwd.CANCELLATION)
+    and dk are float32 noise, which check_grads' cancellation floor covers (reference.backward.CANCELLATION)
     but the varlen check below, with the plain rule, does not."""
     rows = np.arange(sq)[:, None]
     seen = tiles.visible(rows, np.arange(skv)[None, :], sq, skv, tiles.edges(spec.causal, spec.window)).sum(axis=1)
@@ -218,7 +218,7 @@ ZERO_CASES = [  # every row sees one key: the exact dq and dk are 0, the kernel'
 
 @pytest.mark.parametrize("spec, shape, schedule", ZERO_CASES)
 def test_gradients_that_cancel_to_zero_pass_and_a_small_error_still_fails(spec, shape, schedule):
-    """check_grads' cancellation floor (reference_bwd.CANCELLATION), free of one machine's rounding:
+    """check_grads' cancellation floor (reference.backward.CANCELLATION), free of one machine's rounding:
     the exact dq and dk are 0 but the terms that cancel are not, and the float32 noise left (0 with
     some BLAS and releases) is no fact to assert. The kernel's gradients pass; noise of 2 x 2^-24 x
     what cancels (the most measured: 1.42 x) passes, where the plain eps (one float16 subnormal for

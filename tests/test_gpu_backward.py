@@ -1,4 +1,4 @@
-"""The backward kernels on a Hopper GPU, against reference_bwd's fp64 gradients. Skipped without a
+"""The backward kernels on a Hopper GPU, against reference.backward's fp64 gradients. Skipped without a
 CUDA 9.0 device (tests/gpu_marks.py).
 
 Every backward preset (cli.BACKWARD_PRESETS) through autograd (attngen.attention, out.backward)

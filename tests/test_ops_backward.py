@@ -1,7 +1,7 @@
 """Autograd through the torch ops (attngen/ops.py, docs/torch.md) on the CPU backend: the forward
 kernel and the emitted backward kernels (preprocess, main, postprocess) on the CPU model.
 
-Gradients against reference_bwd's fp64 ones under its tolerance rule, torch.compile of forward
+Gradients against reference.backward's fp64 ones under its tolerance rule, torch.compile of forward
 plus backward (0 graph breaks, eager's values, one compilation over three lengths), opcheck of
 both ops with autograd, the backward op's fake against the real gradients (every preset the
 backward takes, hypothesis-drawn specs and shapes), the constants' refusal, the inference

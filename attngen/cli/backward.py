@@ -1,7 +1,7 @@
 """The backward pass on the command line (docs/backward.md, "On the command line").
 
 `attngen show|generate|build|emulate --backward SPEC` act on the spec's backward module
-(render_bwd) instead of its forward kernel, and `attngen check SPEC` runs both passes: the
+(kernels/bwd/render.py) instead of its forward kernel, and `attngen check SPEC` runs both passes: the
 verdicts here are the backward's half. cli/ parses the options and calls these; a spec the
 backward refuses (paged KV, split-KV: inference layouts) is plan_backward's SpecError, one
 line naming the field.
@@ -109,7 +109,7 @@ def draw_inputs(bp: BackwardPlan, batch, heads, kv_heads, q_len, kv_len, seed):
 
 def varlen_checks(grads: dict, q, k, v, dout, packing: dict, spec, scale, variant) -> dict:
     """check_grads for packed sequences: each sequence against its own fp64 gradients
-    (reference_bwd.attention_grad_varlen and its twin), the same rule and non-finite agreement."""
+    (reference.backward.attention_grad_varlen and its twin), the same rule and non-finite agreement."""
     from attngen.reference.forward import Check, nonfinite_agree, tolerance
     from attngen.reference.backward import attention_grad_varlen
 

@@ -447,7 +447,7 @@ def _prepare(plan, q, k, v, tensors=None, serving=None, softmax_scale=None):
     """Inputs in the prim_func's parameter order (None for outputs), the dims T.dynamic reads and
     the checked serving call (None for a bshd, dense, unsplit kernel called without serving keywords).
 
-    Every tensor goes through the runtime's own checks (attngen/inputs.py, cpu=True): a call the
+    Every tensor goes through the runtime's own checks (attngen/run/inputs.py, cpu=True): a call the
     GPU path refuses is refused here with the same InputError. The last parameter is the run-time
     softmax_scale (None: 1 / sqrt(head_dim))."""
     from attngen.run.serving import check_serving, serving_fields
@@ -554,7 +554,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     of the kernel; None gives 1 / sqrt(head_dim); a non-finite or non-positive one is an InputError.
     Variants (docs/variants.md): `alibi_slopes` and `sinks` (float32 (heads,)) and the spec's
     score_mod/mask_mod tensors by name; returns (out, lse) when the spec has lse (lse float32
-    [B, H, Sq]). Every tensor is checked first by the runtime's own rules (attngen/inputs.py:
+    [B, H, Sq]). Every tensor is checked first by the runtime's own rules (attngen/run/inputs.py:
     shapes, dtypes, layouts, the call-time tensors, finite sinks), so a call attngen.attention
     refuses is the same InputError here; numpy arrays, any device with values, and float32/float64
     holding values to round are what the CPU model takes besides.

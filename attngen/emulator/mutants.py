@@ -274,7 +274,7 @@ REASONS = {
                   "past every row's last key loaded and masked whole): exp2(-inf) = 0 leaves every sum as it was",
     "same-value": "the edited expression has the same value for every shape: ceildiv(max(x, 2), BLOCK_N) = "
                   "ceildiv(max(x, 1), BLOCK_N); the backward's floordiv(max(x, 1), BLOCK_M) = floordiv(max(x, 0), BLOCK_M)",
-    # the backward module (render_bwd)
+    # the backward module (kernels/bwd/render.py)
     "do-release-ordered-by-q": "the backward's producer waits for q_empty[stage] before it loads Q and then dO into the "
                                "stage, and q_empty is arrived on after the wait_wgmma(0) that retires every wgmma "
                                "reading the stage's dO too (wgmmas retire oldest first): do_empty orders nothing "

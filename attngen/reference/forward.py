@@ -238,7 +238,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batc
     `variant`: window, softcap, alibi_slopes, sinks, score_mod, mask_mod, tensors (docs/variants.md;
     `variant_of(spec, ...)` builds them from a spec). With sinks the LSE includes the sink's term.
     `batch_offset`: the batch index of q[0] in the caller's batch (the `b` a score_mod or mask_mod
-    reads), for a caller that passes one sequence of a larger batch (attngen/serving.py).
+    reads), for a caller that passes one sequence of a larger batch (attngen/run/serving.py).
     """
     q, k, v = (to_numpy(t).astype(np.float64) for t in (q, k, v))
     group = _check_shapes(q, k, v)

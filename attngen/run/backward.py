@@ -27,7 +27,7 @@ def backward_part(builder: str) -> str:
 
 @dataclasses.dataclass(eq=False)
 class BackwardKernel:
-    """The compiled backward module of a spec: its kernels by part (render_bwd.entries: preprocess,
+    """The compiled backward module of a spec: its kernels by part (kernels.bwd.render.entries: preprocess,
     main, then postprocess, or with deterministic = true the dq kernel and with sinks the dsinks
     kernel, and for GQA/MQA the dK/dV postprocess). `run` launches them in order on CUDA tensors."""
 
@@ -59,7 +59,7 @@ class BackwardKernel:
         tensors = dict(zip(names, extra))
         h = int(q.shape[-2])
         f32 = dict(dtype=torch.float32, device=q.device)
-        rows = (h, int(q.shape[0])) if varlen else (int(q.shape[0]), h, int(q.shape[1]))  # render_bwd.rows_shape
+        rows = (h, int(q.shape[0])) if varlen else (int(q.shape[0]), h, int(q.shape[1]))  # kernels.bwd.render.rows_shape
         seq = []
         if varlen:  # every kernel takes the prefix sums and the longest sequence's rows and keys (last but the scale)
             given = dict(zip(call.arg_names, call.args))

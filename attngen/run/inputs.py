@@ -309,7 +309,7 @@ def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
 
 
 def backward_block_mask(bp, tensors: dict, q_len: int, kv_len: int) -> tuple[list, dict]:
-    """A block-mask backward's lists (render_bwd.block_mask_params' order: the main kernel's q_*,
+    """A block-mask backward's lists (kernels.bwd.render.block_mask_params' order: the main kernel's q_*,
     then the deterministic dq kernel's kv_*) and their extents, from the forward's four lists in
     `tensors` (tiles.backward_lists: transposed and retiled to the backward's tiles, host side)."""
     from attngen import tiles

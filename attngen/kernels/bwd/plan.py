@@ -47,7 +47,7 @@ VARLEN_GROUPED_VARIANT_SPILLS = "hd64 113 B, hd96 270 B, hd128 by keys 84 B and 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan(WarpSpecialized):
-    """Every number the three backward kernels need (templates/fa3_bwd.py.j2).
+    """Every number the three backward kernels need (templates/bwd/fa3_bwd.py.j2).
 
     The main kernel's CTA owns one KV tile of BLOCK_N keys; consumer warpgroup g owns keys
     [g WG_KEYS, (g + 1) WG_KEYS) of it (one wgmma M tile: S^T = K_g Q^T, dP^T = V_g dO^T are SS

@@ -1,4 +1,4 @@
-"""BackwardPlan -> the emitted backward module (templates/fa3_bwd.py.j2): preprocess, main, postprocess.
+"""BackwardPlan -> the emitted backward module (templates/bwd/fa3_bwd.py.j2): preprocess, main, postprocess.
 
 The backward shares with the forward what the two passes say the same way: the variant's hooks
 (kernels/common/variants.py: the score chain and its derivative, the masks in the backward's

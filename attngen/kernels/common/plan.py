@@ -60,7 +60,7 @@ DEFAULT_PAGE_SIZE = 128
 
 # A block mask's call-time tensors (FlexAttention's BlockMask fields), int32, in parameter order.
 # Axes "bm_batch" and "bm_heads" are 1 (broadcast) or the call's batch and heads; "bm_q_tiles" is
-# ceildiv(q_len, block_m) and "bm_kv_tiles" ceildiv(kv_len, block_n) (attngen/inputs.py checks them).
+# ceildiv(q_len, block_m) and "bm_kv_tiles" ceildiv(kv_len, block_n) (attngen/run/inputs.py checks them).
 BLOCK_MASK_TENSORS = (
     ("kv_num_blocks", "KV_num_blocks", ("bm_batch", "bm_heads", "bm_q_tiles")),
     ("kv_indices", "KV_indices", ("bm_batch", "bm_heads", "bm_q_tiles", "bm_kv_tiles")),
