@@ -117,4 +117,4 @@ def test_only_call_spec_maps_keywords():
     """Only runtime.py maps keywords to a Spec: the serving fields and the tensor-derived ones are
     asked for by call_spec and spec_for alone, and the torch op and runtime.attention ask call_spec."""
     assert callers({"_spec_for", "serving_overrides"}) == {("run/runtime.py", "call_spec"), ("run/runtime.py", "spec_for")}
-    assert callers({"call_spec"}) == {("run/runtime.py", "attention"), ("interfaces/ops.py", "_resolve")}
+    assert callers({"call_spec"}) == {("run/runtime.py", "attention"), ("interfaces/op_arguments.py", "_resolve")}
