@@ -14,7 +14,8 @@ import json
 
 from attngen import hw
 from attngen.spec import Spec, SpecError, ruled_out
-from attngen.kernels.common.plan import COMPILE_FLAGS, Shape, WarpSpecialized, head_dim_v, serving_tags, variant_tags
+from attngen.kernels.common.plan import (COMPILE_FLAGS, Shape, WarpSpecialized, elementwise_variant, head_dim_v, serving_tags,
+                                         variant_tags)
 from attngen.kernels.fwd.plan import Plan, make_plan, walking_split
 
 
@@ -102,8 +103,7 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     acc = r(hw.WGMMA_M * spec.head_dim // columns, 4) + r(hw.WGMMA_M * head_dim_v(spec) // columns, 4)
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
-    elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
-    packed = bool(elementwise) and spec.layout == "varlen"
+    packed = elementwise_variant(spec) and spec.layout == "varlen"
     return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
 
 

@@ -173,6 +173,18 @@ def head_dim_v(spec: Spec) -> int:
     return spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
 
 
+def transforms_scores(spec: Spec) -> bool:
+    """The score is transformed before the softmax (softcap, ALiBi, a score_mod): the kernel turns
+    q . k into the final base-2 score itself (Plan.prescaled), and the backward differentiates it."""
+    return bool(spec.softcap or spec.alibi or spec.score_mod.strip())
+
+
+def elementwise_variant(spec: Spec) -> bool:
+    """A variant computed per score element (a transform, or a mask_mod): its temporaries cost
+    registers in both passes (hw.VARIANT_REG_OVERHEAD, the backward's BWD_VARLEN_VARIANT_REGS)."""
+    return transforms_scores(spec) or bool(spec.mask_mod.strip())
+
+
 def check_shape(spec: Spec, shape: Shape) -> None:
     """A static shape must fit the resolved spec (plan.spec) and the launch: positive sizes,
     H = HKV * gqa_group, grid and int32 limits, tile multiples when aligned."""

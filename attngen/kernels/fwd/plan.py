@@ -15,7 +15,8 @@ import dataclasses
 from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError
 from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
-                                         WarpSpecialized, check_shape, head_dim_v, serving_tags, spec_hash, variant_tags)
+                                         WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
+                                         transforms_scores, variant_tags)
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 
@@ -96,8 +97,7 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
 
 def variant_regs(spec: Spec) -> int:
     """Extra registers per consumer thread for the element-wise score variants (0 without them)."""
-    elementwise = spec.softcap or spec.alibi or spec.score_mod.strip() or spec.mask_mod.strip()
-    return hw.VARIANT_REG_OVERHEAD if elementwise else 0
+    return hw.VARIANT_REG_OVERHEAD if elementwise_variant(spec) else 0
 
 
 def mask_regs(spec: Spec) -> int:
@@ -343,7 +343,7 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         "score_expr": score_expr,
         "mask_expr": mask_expr,
         "extra": tuple(extra),
-        "prescaled": bool(spec.softcap or spec.alibi or score_expr is not None),
+        "prescaled": transforms_scores(spec),
         "guard_empty_rows": guard,
         "varlen": spec.layout == "varlen",
         "page_size": spec.page_size if spec.paged_kv else 0,
