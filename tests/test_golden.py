@@ -84,7 +84,7 @@ def test_template_bug_is_shown_with_numbered_lines(monkeypatch):
     render_mod = importlib.import_module("attngen.kernels.common.emit")
 
     broken = "line one\n{{ kernel.name }}\n{{ no_such_parameter }}\nline four\n"
-    monkeypatch.setattr(render_mod, "_load_template", lambda name: broken)
+    monkeypatch.setattr(render_mod, "load_template", lambda name: broken)
     render_mod.environment.cache_clear()
     try:
         with pytest.raises(render_mod.TemplateError) as info:
@@ -103,4 +103,4 @@ def test_template_found_in_a_source_checkout_without_install(monkeypatch):
         raise ModuleNotFoundError(package)
 
     monkeypatch.setattr(render_mod.importlib.resources, "files", not_installed)
-    assert render_mod._load_template("fwd/fa3_fwd.py.j2") == (ROOT / "templates" / "fwd" / "fa3_fwd.py.j2").read_text()
+    assert render_mod.load_template("fwd/fa3_fwd.py.j2") == (ROOT / "templates" / "fwd" / "fa3_fwd.py.j2").read_text()

@@ -68,7 +68,7 @@ N = {{ kernel.n }}
 
 
 def errors(source: str, context: dict, monkeypatch) -> list[str]:
-    monkeypatch.setattr(contract, "_load_template", lambda name: source)
+    monkeypatch.setattr(contract, "load_template", lambda name: source)
     for cached in (contract.declared, contract.used, contract.includes):
         cached.cache_clear()
     try:

@@ -26,7 +26,6 @@ from attngen.run.inputs import check_extra, check_tensors
 from attngen.spec import Spec, check_keys
 from attngen.run.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
-SERVING_KEYWORDS = serving.KEYWORDS  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits
 
 
 # -- serving calls (docs/serving.md): varlen, paged KV, split-KV ----------------------------

@@ -21,7 +21,7 @@ import re
 
 from jinja2 import meta, nodes
 
-from attngen.kernels.common.emit import _load_template, environment
+from attngen.kernels.common.emit import load_template, environment
 
 TEMPLATES = ("fwd/fa3_fwd.py.j2", "combine/fa3_combine.py.j2", "bwd/fa3_bwd.py.j2", "bwd/fa3_bwd_dq.py.j2",
              "append/fa3_kv_append.py.j2")
@@ -68,22 +68,22 @@ def used_in(source: str) -> set[str]:
 @functools.cache
 def includes(name: str) -> tuple[str, ...]:
     """The templates `name` includes, by name (Jinja's include targets: literal strings here)."""
-    found = meta.find_referenced_templates(environment().parse(_load_template(name)))
+    found = meta.find_referenced_templates(environment().parse(load_template(name)))
     return tuple(t for t in found if t is not None)
 
 
 @functools.cache
 def declared(name: str) -> dict[str, str]:
-    return declared_in(_load_template(name))
+    return declared_in(load_template(name))
 
 
 @functools.cache
 def used(name: str) -> frozenset[str]:
     """Names template `name` itself reads; an included template's reads of names its includer
     defines (a macro) are not its own inputs."""
-    own = used_in(_load_template(name))
+    own = used_in(load_template(name))
     for parent in _includers(name):
-        own -= _defined_in(environment().parse(_load_template(parent)))
+        own -= _defined_in(environment().parse(load_template(parent)))
     return frozenset(own)
 
 

@@ -32,7 +32,8 @@ def environment() -> jinja2.Environment:
     )
 
 
-def _load_template(name: str) -> str:
+def load_template(name: str) -> str:
+    """A template's source by its name under templates/ (e.g. "fwd/fa3_fwd.py.j2")."""
     # A source checkout's own templates/ first: an editable install elsewhere (another
     # worktree, the GPU machine's PYTHONPATH copy) must not lend this checkout its templates.
     beside = Path(__file__).resolve().parents[3] / "templates" / name
@@ -43,7 +44,7 @@ def _load_template(name: str) -> str:
 
 def _template_source(name: str):
     # (source, filename, uptodate): the filename makes Jinja put template line numbers in tracebacks
-    return _load_template(name), name, lambda: True
+    return load_template(name), name, lambda: True
 
 
 def tensor_param(name: str, shape: list, dtype: str, comment: str = "") -> str:
@@ -65,7 +66,7 @@ def _numbered(name: str, err: jinja2.TemplateError) -> str:
     if lineno is None:  # errors raised while rendering carry the line in the traceback
         frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == name]
         lineno = frames[-1].lineno if frames else None
-    text = _load_template(name).splitlines()
+    text = load_template(name).splitlines()
     lo, hi = (max(0, lineno - 4), min(len(text), lineno + 3)) if lineno else (0, 0)
     shown = "\n".join(f"{'>' if i + 1 == lineno else ' '}{i + 1:5d} | {text[i]}" for i in range(lo, hi))
     return f"{name}:{lineno}: {err}\n{shown}"

@@ -13,7 +13,8 @@ test the layout themselves.
 
 Two options ride on any layout (fields): split_kv (each block takes a share of the K tiles and
 writes a float32 partial O and LSE per split, merged by the combine kernel) and pack_gqa (the
-query heads of one KV head are rows of one tile). `layout_of(plan)` chooses, once per plan.
+query heads of one KV head are rows of one tile). `layout_of(plan)` is the one place that chooses,
+from the plan's serving fields; a small frozen record, so each caller asks it rather than carry it.
 
 Text conventions: `r`, `a`, `b` are row expressions relative to the block's sequence (a row of
 a packed tensor adds the sequence's start); an "index" is the text inside T[...] up to the last

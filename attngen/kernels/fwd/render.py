@@ -274,6 +274,7 @@ def template_context(plan: Plan) -> dict:
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     layout = layout_of(plan)
+    visits = ForwardVisits.of(plan)
     return {
         "layout": layout,
         "schedule": schedule_of(plan),
@@ -281,7 +282,7 @@ def template_context(plan: Plan) -> dict:
         "row_head": row_head(plan),
         "q_rows": lambda g: q_rows(plan, g),
         "key_tile": lambda tile: key_tile(plan, tile),
-        "block_setup": layout.block_setup(has_offset(plan)) + ForwardVisits.of(plan).setup(),
+        "block_setup": layout.block_setup(has_offset(plan)) + visits.setup(),
         "dv": dv,
         "kernel": ForwardNumbers.of(plan),
         "dims": layout.kernel_dims(plan.shape),
@@ -304,7 +305,7 @@ def template_context(plan: Plan) -> dict:
         **(split_exprs(plan) if layout.split_kv else {}),
         "variant": Variant.of(plan),
         "serving_constants": layout.constants(),
-        "bmask": ForwardVisits.of(plan),
+        "bmask": visits,
     }
 
 
