@@ -58,6 +58,9 @@ class DType:
     eps: float  # the tolerance rule's floor (reference.py): about one ulp at 1.0
 
 
+E4M3 = "float8_e4m3fn"  # torch's name for Hopper's fp8 wgmma input format (4 exponent bits, no inf)
+E4M3_MAX = 448.0  # its largest finite value; conversions saturate here (cvt.rn.satfinite)
+
 DTYPES = {
     "float16": DType("float16", "f16", 2, 1e-3),
     "bfloat16": DType("bfloat16", "bf16", 2, 8e-3),  # 2**-7, one bfloat16 ulp at 1.0

@@ -444,3 +444,12 @@ def test_scores_of_minus_inf_from_the_inputs_give_the_reference_not_nan(spec, sh
     assert check_close(out, q, k, v, spec.causal, dtype="float16", **variant_of(spec)).ok
     if lse is not None:  # the row of -inf scores: -inf, as a row that sees no key
         assert check_lse(lse, q, k, v, spec.causal, dtype="float16").ok and (lse[0, 1, 7] == -np.inf) == (case == "row")
+
+
+def test_round_to_e4m3_rounds_to_nearest_even_and_saturates():
+    """Hopper's cvt.rn.satfinite.e4m3: ties to even, +-448 beyond the range, NaN kept, the
+    smallest subnormal 2^-9 (its half rounds to 0, the even neighbour)."""
+    x = np.array([1.0625, 1.1875, 1000.0, -449.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, np.nan])
+    got = round_to(x, "float8_e4m3fn")
+    want = np.array([1.0, 1.25, 448.0, -448.0, 2.0 ** -9, 0.0, 2.0 ** -8, np.nan], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)

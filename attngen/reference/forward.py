@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import ml_dtypes  # tilelang depends on it: numpy has no fp8 type
 import numpy as np
 
 from attngen import expr as expr_mod, tiles
-from attngen.hw import DTYPES, LOG2E
+from attngen.hw import DTYPES, E4M3, E4M3_MAX, LOG2E
 
 # One ulp at 1.0 of each dtype (hw.DTYPES): the tolerance's floor is this times max|ref|.
 EPS = {name: d.eps for name, d in DTYPES.items()}
@@ -98,7 +99,7 @@ def _same(a, b) -> bool:
 
 
 def round_to(x, dtype: str) -> np.ndarray:
-    """Round to float16/bfloat16 (round to nearest even) and return float32 holding those values.
+    """Round to float16/bfloat16/float8_e4m3fn (round to nearest even) and return float32 holding those values.
 
     The emulator stores 16-bit buffers as float32 so numpy matmuls stay fast; every write
     into such a buffer goes through here. float64 input is rounded to float32 first (a
@@ -114,9 +115,12 @@ def round_to(x, dtype: str) -> np.ndarray:
         rounded = (bits + np.uint32(0x7FFF) + lsb) & np.uint32(0xFFFF0000)
         rounded = np.where(np.isnan(x), np.uint32(0x7FC00000), rounded).astype(np.uint32)
         return rounded.view(np.float32).reshape(x.shape)
+    if dtype == E4M3:
+        # Hopper's cvt.rn.satfinite: round to nearest even, saturating at +-448 (e4m3fn has no inf)
+        return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     if dtype in ("float32", "float"):
         return x
-    raise ValueError(f"dtype {dtype!r}: expected one of float16, bfloat16, float32")
+    raise ValueError(f"dtype {dtype!r}: expected one of float16, bfloat16, {E4M3}, float32")
 
 
 def random_inputs(dtype: str, head_dim: int, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
