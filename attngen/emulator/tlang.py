@@ -43,9 +43,10 @@ from attngen.emulator.hazards import ATOMIC, REDUCE_ADD, Op
 from attngen.emulator.memory import (
     Buffer, ElementRef, Lanes, Region, Target, as_region, element_mask, parallel_indices, predicated, same_shape,
 )
+from attngen.hw import E4M3
 from attngen.reference.forward import round_to
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}  # bytes per element, for TMA transaction counts
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, E4M3: 1}  # bytes per element, for TMA transaction counts
 MEMORY_ORDERS = ("relaxed", "consume", "acquire", "release", "acq_rel", "seq_cst")  # TileLang's names
 ATOMIC_DTYPES = ("float32", "float16", "bfloat16", "int32")  # atomicAdd's types among the model's buffers
 REDUCE_ADD_DTYPES = ("float16", "bfloat16", "float32", "int32")  # cp.reduce.async.bulk .add (src/cuda/op/atomic_add.cc)
@@ -272,6 +273,7 @@ class TLang:
 
     GemmWarpPolicy = GemmWarpPolicy
     int32, float32, float16, bfloat16 = (ScalarType(n) for n in ("int32", "float32", "float16", "bfloat16"))
+    float8_e4m3fn = ScalarType(E4M3)  # stored as float32 holding e4m3 values, like the 16-bit types
 
     def __init__(self, rt):
         self._rt = rt

@@ -132,10 +132,10 @@ def random_inputs(dtype: str, head_dim: int, batch: int, heads: int, kv_heads: i
 
 
 def to_numpy(x) -> np.ndarray:
-    """A torch tensor or array-like as a numpy array (bfloat16 tensors become float32, exactly)."""
+    """A torch tensor or array-like as a numpy array (bfloat16 and fp8 tensors become float32, exactly)."""
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch
         x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
+        if str(x.dtype) in ("torch.bfloat16", f"torch.{E4M3}"):
             x = x.float()
         return x.numpy()
     return np.asarray(x)
