@@ -16,6 +16,9 @@ WARP_THREADS = 32  # one producer warp issues every TMA copy and arrives on the 
 SMEM_PER_BLOCK = 227 * 1024  # max dynamic shared memory per block (232448 bytes)
 REGS_PER_SM = 65536
 SM_COUNT = 132  # streaming multiprocessors of an H100 SXM / H200: what a grid's waves are counted in
+# L2 a persistent schedule keeps for the K and V of the heads it runs together (FA3's
+# tile_scheduler.hpp: 32 MB of the 50 MB L2, so a head section's K/V stays resident)
+L2_KV_BYTES = 32 * 2**20
 MAX_REGS_PER_THREAD = 255
 GRID_YZ_MAX = 65535  # grid dimensions y and z (heads and batch)
 GRID_X_MAX = 2**31 - 1

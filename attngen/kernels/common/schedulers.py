@@ -20,6 +20,9 @@ mainloop's text as it is.
 
 from __future__ import annotations
 
+from attngen import tiles
+from attngen.hw import L2_KV_BYTES
+
 
 def _operand(visit: str) -> str:
     """`visit` as an operand of % or //: parenthesised when it is a sum."""
@@ -62,3 +65,33 @@ class SingleTile:
 def schedule_of(plan) -> SingleTile:
     """The plan's scheduler (every plan is single-tile today)."""
     return SingleTile()
+
+
+# -- the persistent order: which (batch*head, row tile) the counter's i-th tile is ------------
+def section_heads(kv_len: int, kv_head_bytes_per_key: int, group: int) -> int:
+    """Query heads a persistent schedule runs together so that their K/V fits hw.L2_KV_BYTES
+    (FA3's "swizzle"): the KV heads that fit, rounded down to a power of two (at least one),
+    times the query heads sharing each (`group`, 1 when GQA is packed into the rows).
+    `kv_head_bytes_per_key`: one key's K and V bytes, (head_dim + head_dim_v) * element bytes."""
+    one_kv_head = kv_len * kv_head_bytes_per_key
+    fit = L2_KV_BYTES // one_kv_head if one_kv_head <= L2_KV_BYTES else 1
+    return (1 << (fit.bit_length() - 1)) * group
+
+
+def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
+    """The `tile`-th tile a persistent schedule hands out, as (bh, m_block): bh = batch * heads +
+    head, m_block the row tile. Written over tiles.py's builder: ints give ints (the bench, the
+    tests, the CPU model's checks), Syms give the kernel's TileLang text, so both read one rule.
+
+    Tiles go out section by section (`section` heads of bh order, the last section the rest):
+    within one, row tile by row tile, each across the section's heads, so the heads whose K/V
+    share L2 run together. `longest_first` reverses the row tiles (FA3's LPT for causal and
+    local attention: with bottom-right alignment the last row tile sees the most keys)."""
+    per_section = tiles.mul(section, m_blocks)
+    sec = tiles.floordiv(tile, per_section)
+    within = tiles.sub(tile, tiles.mul(sec, per_section))
+    width = tiles.min_(section, tiles.sub(heads_total, tiles.mul(sec, section)))  # the last section may be narrower
+    block = tiles.floordiv(within, width)
+    bh = tiles.add(tiles.mul(sec, section), tiles.sub(within, tiles.mul(block, width)))
+    m_block = tiles.sub(tiles.sub(m_blocks, 1), block) if longest_first else block
+    return bh, m_block
