@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from attngen.timeline.multi_sm import list_schedule
 from attngen.timeline.replay import Timeline, summarize
 
 TEMPLATE = Path(__file__).with_name("chart.html")
@@ -26,11 +27,7 @@ def estimate_kernel(blocks: list, total_blocks: int, sms: int) -> float:
     else:  # sampled: scale the mean
         mean = sum(cycles) / len(cycles)
         return mean * -(-total_blocks // sms)
-    loads = [0.0] * min(sms, len(cycles))
-    for c in cycles:
-        i = loads.index(min(loads))
-        loads[i] += c
-    return max(loads)
+    return list_schedule(cycles, sms).makespan
 
 
 def chart_data(tl: Timeline, *, title: str, source_lines: list, lat, blocks: list, grid: tuple,
