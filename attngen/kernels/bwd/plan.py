@@ -92,6 +92,8 @@ def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     parts = [f"fa3_bwd_hd{spec.head_dim}", hw.DTYPES[spec.dtype].tag, "causal" if spec.causal else "full",
              f"g{spec.gqa_group}", f"c{consumers}", f"q{q_stages}", f"m{block_m}n{block_n}"] + (["cols"] if columns else [])
     tail = ["det"] if spec.deterministic else []
+    if spec.learnable:  # the tensors whose gradients the main kernel scatters
+        tail.append("dt" + hashlib.sha256(",".join(spec.learnable).encode()).hexdigest()[:6])
     return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
@@ -171,12 +173,16 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
     # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
-    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
+    if spec.learnable and spec.deterministic:
+        raise ruled_out("deterministic", True, "false", f"learnable = {list(spec.learnable)}", "the learnable "
+                        "tensors' gradients are scattered by atomics in no fixed order (not built yet in a fixed one)")
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, learnable=()), shape)
     forward_spec = forward.spec
     # The backward's identity (name, hash, header): the fields its kernels read; the forward's own tiling,
     # stages, ping-pong, alignment and loop form at their defaults, so specs that differ only there
     # share one backward module (default and seed_parity did, under one name with two headers)
-    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, **FORWARD_ONLY_FIELDS)
+    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, learnable=spec.learnable,
+                                **FORWARD_ONLY_FIELDS)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
     per_head = rspec.alibi or rspec.score_mod.strip() or rspec.mask_mod.strip()  # may read the visit's head
     if check_registers and per_head and rspec.layout == "varlen" and rspec.deterministic and rspec.gqa_group > 1:

@@ -124,6 +124,7 @@ def consumer_args(bp: BackwardPlan) -> str:
     names.append("kv_partial")
     names += seq_names(bp)
     names += [t.param for t in call_tensors(bp)]
+    names += ["d" + t.param for t in learnable_tensors(bp)]
     names += block_mask_args(bp)
     return ", ".join(names + ["softmax_scale"])
 
@@ -170,6 +171,11 @@ def call_tensors(bp: BackwardPlan) -> list:
     return [t for t in bp.forward.extra if not t.output and t.name != "sinks" and t.name not in lists]
 
 
+def learnable_tensors(bp: BackwardPlan) -> list:
+    """The call-time tensors whose gradients the main kernel scatters (spec.learnable), in kernel order."""
+    return [t for t in call_tensors(bp) if t.name in bp.spec.learnable]
+
+
 def params(bp: BackwardPlan, dv: str) -> dict:
     """Each kernel's prim_func parameter lines (docs/backward.md, "The kernels' parameters")."""
     layout = layout_of(bp.forward)
@@ -203,7 +209,9 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}")
              for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
-    main += calls + block_mask_params(bp) + seq + [scale]
+    grads = [tensor_param("d" + t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"',
+                          f"in/out: zeroed by the caller; d(loss)/d({t.name}) atomically added") for t in learnable_tensors(bp)]
+    main += calls + grads + block_mask_params(bp) + seq + [scale]
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
           tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
@@ -366,6 +374,8 @@ def template_context(bp: BackwardPlan) -> dict:
         **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
         "variant": Variant.of(f),
+        "tensor_grads": Variant.of(f).tensor_grads(spec.learnable),
+        "tensor_grads_mask": Variant.of(f).bwd_mask_cond(inline=True) if spec.learnable else "",
         "bmask": backward_walk(f),
         "dq_bmask": backward_walk(f, dq=True),
     }
