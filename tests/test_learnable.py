@@ -195,8 +195,8 @@ def test_learnable_names_what_has_a_derivative_and_the_rest_is_refused_in_one_li
             attngen.Spec(head_dim=D, score_mod="score + bias[h] + ids.int32[h]", mask_mod="keep[kv_idx] > 0",
                          learnable=bad)
         assert "\n" not in str(e.value)
-    spec = attngen.Spec(head_dim=D, score_mod="score + bias[h]", learnable=["bias"], deterministic=True)
-    with pytest.raises(SpecError, match=r"deterministic.*learnable") as e:
+    spec = attngen.Spec(head_dim=D, score_mod="score + bias[h]", learnable=["bias"], deterministic=True, layout="varlen")
+    with pytest.raises(SpecError, match=r"deterministic.*learnable.*varlen") as e:
         plan_backward(spec)
     assert "\n" not in str(e.value)
 
@@ -236,9 +236,49 @@ def test_attention_gives_the_score_mods_tensors_and_alibi_slopes_their_gradients
                                  bias=HEAD.clone().requires_grad_())
 
 
-def test_deterministic_with_a_learnable_tensor_is_refused_before_the_forward_runs():
-    q, k, v, _ = _inputs(6)
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_deterministic_learnable_gradients_pass_the_same_check(case):
+    fields, shape = KERNEL_CASES[case]
+    spec = attngen.Spec(**{"head_dim": D, **fields, "deterministic": True})
+    assert "build_dtensors_kernel" in render_backward_source(spec)
+    for n, (err, bound) in _check(spec, **dict(shape)).items():
+        assert err <= bound, f"{n}: {err:.3g} > {bound:.3g}"
+
+
+def _bits(spec, named, source=None):
+    """The learnable gradients' bit patterns over schedules (every policy, two seeds, both block orders)."""
+    q, k, v, dout = _inputs(7)
+    seen = set()
+    for policy in ("random", "producer-first", "consumers-first"):
+        for seed in (0, 1):
+            for order in ("grid", "shuffled"):
+                grads = attngen.emulate_backward(spec, q, k, v, dout, seed=seed, policy=policy, block_order=order,
+                                                 source=source, **named)
+                seen.add(b"".join(g.numpy().tobytes() for g in grads[len(grads) - len(spec.learnable):]))
+    return seen
+
+
+def test_deterministic_learnable_gradients_are_bit_identical_and_the_check_sees_an_unordered_sum():
+    """deterministic = true: the main kernel stores each element's term once, one thread walks them in
+    (batch, head, row, key) order: one bit pattern over every schedule. The same check over the atomics
+    (deterministic = false) sees two, and a walk in another order (rows outside heads) other bits: the check
+    would catch an order that moved with the schedule."""
+    fields = dict(head_dim=D, score_mod="score + rel[q_idx - kv_idx + 39]", learnable=["rel"], causal=True)
+    named = {"rel": torch.randn(79, generator=torch.Generator().manual_seed(8))}
+    det = attngen.Spec(**fields, deterministic=True)
+    ordered = _bits(det, named)
+    assert len(ordered) == 1
+    assert len(_bits(attngen.Spec(**fields), named)) > 1  # atomics: the order the schedule runs them
+    text = render_backward_source(det)
+    heads, rows = "for hi in T.serial(heads):", "for qi in T.serial(q_len):"
+    swapped = text.replace(heads, "@@").replace(rows, heads).replace("@@", rows)
+    assert swapped != text and _bits(det, named, swapped) != ordered
+
+
+def test_deterministic_with_a_learnable_tensor_runs_through_attention():
+    q, k, v, dout = _inputs(6)
     bias = HEAD.clone().requires_grad_()
-    with pytest.raises(SpecError, match="deterministic"):
-        attngen.attention(q, k, v, score_mod="score + bias[h]", bias=bias, deterministic=True)
-    attngen.attention(q, k, v, score_mod="score + bias[h]", bias=bias.detach(), deterministic=True)  # a constant: taken
+    out = attngen.attention(q, k, v, score_mod="score + bias[h]", bias=bias, deterministic=True)
+    (out.float() * dout.float()).sum().backward()
+    spec = attngen.Spec(head_dim=D, score_mod="score + bias[h]", learnable=["bias"], deterministic=True)
+    assert torch.equal(bias.grad, attngen.emulate_backward(spec, q, k, v, dout, bias=HEAD)[-1])

@@ -35,7 +35,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     from attngen.kernels.bwd.plan import plan_backward
     from attngen.kernels.fwd.plan import Plan
     from attngen.run.inputs import backward_block_mask
-    from attngen.kernels.bwd.render import call_tensors, learnable_tensors, render_backward_source
+    from attngen.kernels.bwd.render import call_tensors, learnable_tensors, render_backward_source, term_names
     from attngen.spec import Spec
 
     if isinstance(spec, Plan):
@@ -88,6 +88,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         ints = []
     extra = call_tensors(bp)
     grads_in = [np.zeros(np.shape(to_numpy(named[t.name])), np.float32) for t in learnable_tensors(bp)]  # atomics add here
+    # deterministic: the main kernel stores each read's terms (zeros where it visits nothing), walked in one order after
+    terms = [np.zeros((b, h, lead[1], ka.shape[1]), np.float32) for _ in term_names(bp)]
     bm_lists, bm_dims = backward_block_mask(bp, named, dims.get("q_len", 0), dims.get("kv_len", 0))
     dims.update(bm_dims)
     for t in extra:  # free axes of the call-time tensors are T.dynamic extents
@@ -106,7 +108,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         lse2, dpsum = t["LSE2"], t["dPsum"]
         sm = [np.float32(sm_scale)]
         calls = [call_time_array(x, named[x.name]) for x in extra]
-        main_calls = calls + grads_in + bm_lists[:4] + ints  # the main kernel's transposed lists, the dq kernel's kv_*
+        main_calls = calls + (terms if bp.deterministic else grads_in) + bm_lists[:4] + ints  # (transposed lists; dq's kv_*)
         calls = calls + bm_lists[4:] + ints
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])
         main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
@@ -115,6 +117,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         rt.run(main + main_calls + sm, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
+        if terms:  # one thread adds every term in order
+            rt.run([t[n] for n in term_names(bp)] + calls[:len(extra)] + grads_in, entry="build_dtensors_kernel", **run)
+            t = rt.tensors
         dtensors = {x.name: np.array(t["d" + x.param]) for x in learnable_tensors(bp)}
         if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics
             dq_in = [qa, ka, va, do, lse2, dpsum, np.zeros(qa.shape, np.float32) if varlen else None]

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from attngen.kernels.bwd.plan import autograd_spec, plan_backward
+from attngen.kernels.bwd.render import term_names
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS, Shape
 from attngen.kernels.fwd.plan import Plan
 from attngen.reference.forward import InputError
@@ -87,7 +88,10 @@ class BackwardKernel:
         bm = [torch.from_numpy(x).to(q.device) for x in bm]
         # the learnable tensors' float32 gradients: the main kernel's atomics add into them (kernels.bwd.render)
         dtensors = [torch.zeros(tuple(tensors[n].shape), **f32) for n in names if n in bp.spec.learnable]
-        main_calls = calls + dtensors + bm[:4] + seq  # the main kernel's transposed q_* lists ...
+        # deterministic: the main kernel stores each read's terms, the dtensors kernel walks them in one order
+        terms = [torch.zeros((int(q.shape[0]), h, int(q.shape[1]), int(k.shape[1])), **f32) for _ in term_names(bp)]
+        constants = list(calls)  # the call-time tensors alone (the dtensors kernel's)
+        main_calls = calls + (terms if bp.deterministic else dtensors) + bm[:4] + seq  # the main kernel's transposed q_* lists ...
         calls = calls + bm[4:] + seq  # ... and the dq kernel's kv_*
         scale = [float(softmax_scale)]
         main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + main_calls + scale
@@ -101,6 +105,8 @@ class BackwardKernel:
                 self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
             if bp.deterministic and bp.spec.sinks:  # one block per head sums the rows in order
                 self.jits["dsinks"](*(_detach(a) for a in [lse, dpsum, tensors["sinks"], dsinks] + seq))
+            if terms:
+                self.jits["dtensors"](*(_detach(a) for a in terms + constants + dtensors))
             if bp.kv_accum:
                 dk, dv = torch.zeros_like(k) if varlen else torch.empty_like(k), \
                     torch.zeros_like(v) if varlen else torch.empty_like(v)

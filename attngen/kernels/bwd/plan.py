@@ -173,9 +173,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
     # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
-    if spec.learnable and spec.deterministic:
-        raise ruled_out("deterministic", True, "false", f"learnable = {list(spec.learnable)}", "the learnable "
-                        "tensors' gradients are scattered by atomics in no fixed order (not built yet in a fixed one)")
+    if spec.learnable and spec.deterministic and spec.layout != "bshd":
+        raise ruled_out("deterministic", True, "false", f"learnable = {list(spec.learnable)} and layout "
+                        f"{spec.layout!r}", "the fixed-order walk over the learnable tensors' terms is laid out for "
+                        "bshd (a [batch, heads, q_len, kv_len] buffer)")
     forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, learnable=()), shape)
     forward_spec = forward.spec
     # The backward's identity (name, hash, header): the fields its kernels read; the forward's own tiling,

@@ -151,12 +151,14 @@ class Variant:
                 factors.append(f"({self.mod_at(d, row, key, 'head', u)})")
         return " * ".join(factors)
 
-    def tensor_grads(self, learnable: tuple) -> list[tuple[str, str]]:
+    def tensor_grads(self, learnable: tuple, at: tuple | None = None) -> list[tuple[str, str]]:
         """The main kernel's scatter of the learnable tensors' gradients (docs/backward.md, "Learnable
         tensors"): (target element, d(final score)/d(that entry) from the raw acc_s, "" where 1) per read site;
         dT[target] += dZ * value, dZ = P (dP - dPsum) the gradient of the score_mod's output. The
-        target is the read's own element (its index clamped as the read's), in dT = "d" + the param."""
+        target is the read's own element (its index clamped as the read's), in dT = "d" + the param,
+        at the main kernel's (batch, head, row, key), or `at`'s names (the deterministic walk's)."""
         row, key = MAIN[:2]
+        b, h, q, kv = at or ("batch_idx", "head", f"({row})", f"({key})")
         e = self.plan.score_expr
         u = self.score("acc_s[i, j]", row, key, "head", mods=False)  # the score_mod's input
         tensors = {t.name: t for t in self.plan.extra}
@@ -166,10 +168,10 @@ class Variant:
                 value = f'(-T.Cast("float32", T.abs({row} + causal_offset - ({key}))))'
                 if e is not None and expr.derivative(e).canonical.strip() != "1":
                     value = f"{value} * ({self.mod_at(expr.derivative(e), row, key, 'head', u)})"
-                grads.append((f"d{tensors[name].param}[head]", value))
+                grads.append((f"d{tensors[name].param}[{h}]", value))
                 continue
             for site in expr.tensor_reads(e, name):
-                target = expr.emit(e, {"b": "batch_idx", "h": "head", "q_idx": f"({row})", "kv_idx": f"({key})"},
+                target = expr.emit(e, {"b": b, "h": h, "q_idx": q, "kv_idx": kv},
                                    lambda n: "d" + tensors[n].param if n == name else tensors[n].param,
                                    lambda n, axis: tensors[n].dim(axis), node=site)
                 d = expr.derivative(e, site)
