@@ -428,7 +428,7 @@ def check_training(args: tuple) -> None:
     plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
     wanted = [n for n, t in zip(_names(tensor_names), args[9]) if n != "sinks" and t.requires_grad]
     learnable = learnable_names(fields, wanted)
-    if learnable:  # (deterministic = true refuses learnable tensors)
+    if learnable:  # the backward the autograd node will run (deterministic varlen refuses learnable tensors)
         plan_backward(dataclasses.replace(plan.spec, learnable=learnable))
     elif _trainable.get(id(plan)) is not plan:
         plan_backward(plan.spec)  # the SpecError backward() would raise, before the forward runs
