@@ -282,3 +282,19 @@ def test_deterministic_with_a_learnable_tensor_runs_through_attention():
     (out.float() * dout.float()).sum().backward()
     spec = attngen.Spec(head_dim=D, score_mod="score + bias[h]", learnable=["bias"], deterministic=True)
     assert torch.equal(bias.grad, attngen.emulate_backward(spec, q, k, v, dout, bias=HEAD)[-1])
+
+
+def test_packed_sequences_scatter_each_sequences_terms():
+    """layout varlen: the main kernel's (batch_idx, rows, keys) are the sequence's own; dT sums the
+    sequences' terms, as two bshd runs of the sequences added."""
+    text = "score + rel[q_idx - kv_idx + 39]"
+    q, k, v, dout = _inputs(9)
+    rel = REL[:79]
+    cu = torch.tensor([0, 25, 40], dtype=torch.int32)
+    packed = attngen.emulate_backward(attngen.Spec(head_dim=D, score_mod=text, learnable=["rel"], causal=True,
+                                                   layout="varlen"), q[0], k[0], v[0], dout[0], rel=rel,
+                                      cu_seqlens_q=cu, cu_seqlens_k=cu)[-1]
+    spec = attngen.Spec(head_dim=D, score_mod=text, learnable=["rel"], causal=True)
+    apart = sum(attngen.emulate_backward(spec, *(x[:, a:b] for x in (q, k, v, dout)), rel=rel)[-1]
+                for a, b in ((0, 25), (25, 40)))
+    assert packed.abs().max() > 1 and (packed - apart).abs().max() <= 1e-5 * packed.abs().max()
