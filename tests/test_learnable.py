@@ -298,3 +298,19 @@ def test_packed_sequences_scatter_each_sequences_terms():
     apart = sum(attngen.emulate_backward(spec, *(x[:, a:b] for x in (q, k, v, dout)), rel=rel)[-1]
                 for a, b in ((0, 25), (25, 40)))
     assert packed.abs().max() > 1 and (packed - apart).abs().max() <= 1e-5 * packed.abs().max()
+
+
+def test_the_command_line_checks_each_learnable_gradient():
+    """`attngen emulate --backward` / `attngen check` hold dT to the reference beside dq, dk, dv
+    (reference.backward.check_grads with learnable), and a kernel that scatters nothing fails there."""
+    from attngen.cli.backward import emulated_grads
+
+    spec = attngen.Spec(head_dim=D, score_mod="score * scl[h] + rel[q_idx - kv_idx + 63]", learnable=["rel", "scl"],
+                        causal=True)
+    bp = plan_backward(spec)
+    checks, *_ = emulated_grads(bp, 1, 2, 2, 50, 64)
+    assert {"drel", "dscl"} <= set(checks) and all(c.ok for c in checks.values()), checks
+    text = render_backward_source(spec)
+    silent = text.replace(_scatter_line(text, "X_rel"), "")
+    checks, *_ = emulated_grads(bp, 1, 2, 2, 50, 64, source=silent)
+    assert not checks["drel"].ok and checks["dscl"].ok and checks["dq"].ok

@@ -262,28 +262,33 @@ def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: boo
 
 
 def check_grads(grads, q, k, v, dout, causal: bool, *, dtype: str, eps: float | None = None,
-                scale: float | None = None, out=None, dlse=None, **variant) -> dict:
+                scale: float | None = None, out=None, dlse=None, learnable=(), **variant) -> dict:
     """Each gradient of `grads` (a Grads, or a dict with dq, dk, dv and dsinks) against the fp64
     reference under the rule above: {name: reference.Check}. The reference is computed from the
     inputs rounded to `dtype` (what the kernel reads). A shape mismatch is a FAIL (err = inf).
     `out`: the forward output the backward kernel read, for the twin's D (attention_grad_lowprec);
     check that output with reference.check_close, since this check then takes it as given.
-    `dlse`: the LSE output's gradient [B, H, Sq] the backward was given (None: zeros)."""
+    `dlse`: the LSE output's gradient [B, H, Sq] the backward was given (None: zeros). `learnable`:
+    also each named tensor's gradient, got as "d<name>" (tensor_grads and its twin)."""
     if dtype not in ("float16", "bfloat16"):
         raise InputError("dtype", repr(dtype), "'float16' or 'bfloat16'")
     q, k, v, dout = (round_to(to_numpy(t), dtype) for t in (q, k, v, dout))
-    ref, mag, _ = _attention_grad(q, k, v, dout, causal, scale, 0, True, dlse=dlse, **variant)
-    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, dlse=dlse, **variant)
+    ref, mag, dtensors = _attention_grad(q, k, v, dout, causal, scale, 0, True, dlse=dlse, learnable=learnable, **variant)
+    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, dlse=dlse, learnable=learnable, **variant)
+    low, low_tensors = low if learnable else (low, {})
     got = grads._asdict() if isinstance(grads, Grads) else dict(grads)
     out = {}
-    for name in Grads._fields:
-        r, lo = getattr(ref, name), getattr(low, name)
+    for name in Grads._fields + tuple(f"d{n}" for n in learnable):
+        if name in Grads._fields:
+            r, lo, m = getattr(ref, name), getattr(low, name), getattr(mag, name)
+        else:
+            r, lo, m = dtensors[name[1:]], low_tensors[name[1:]], None
         if r is None:
             continue
         g = got.get(name)
         bound = tolerance(r, lo, dtype, eps)
-        if eps is None and getattr(mag, name) is not None:  # the float32 noise where dP and D cancel
-            bound = max(bound, tolerance(r, lo, dtype, CANCELLATION * float(getattr(mag, name).max(initial=0.0))))
+        if eps is None and m is not None:  # the float32 noise where dP and D cancel
+            bound = max(bound, tolerance(r, lo, dtype, CANCELLATION * float(m.max(initial=0.0))))
         if g is None or np.shape(to_numpy(g)) != r.shape:
             out[name] = Check(False, float("inf"), bound)
             continue
