@@ -8,6 +8,7 @@ under the backward's tolerance rule (2 x the twin's error + one ulp). tests/test
 the Flex door against torch's flex_attention.
 """
 
+import json
 import re
 
 import numpy as np
@@ -314,3 +315,25 @@ def test_the_command_line_checks_each_learnable_gradient():
     silent = text.replace(_scatter_line(text, "X_rel"), "")
     checks, *_ = emulated_grads(bp, 1, 2, 2, 50, 64, source=silent)
     assert not checks["drel"].ok and checks["dscl"].ok and checks["dq"].ok
+
+
+def test_opcheck_the_backward_op_with_learnable_tensors_and_the_forward_with_their_autograd():
+    """attngen::bwd_tensors (bwd plus the learnable tensors' gradients): schema, fake against the real
+    outputs, dispatch; and attngen::fwd's autograd formula with a bias and ALiBi slopes that require grad."""
+    from attngen.interfaces import ops
+    from attngen.interfaces.op_arguments import encode_fields
+
+    q, k, v, dout = _inputs(10, S=16)
+    bias, slopes = HEAD.clone().requires_grad_(), SLOPES.clone().requires_grad_()
+    args = ops.fwd_arguments(q.requires_grad_(), k, v, causal=True, score_mod="score + bias[h]", alibi_slopes=slopes,
+                             bias=bias)[0]
+    assert set(torch.library.opcheck(ops.fwd, args).values()) == {"SUCCESS"}
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else [x.detach() for x in a] if isinstance(a, list) else a
+                 for a in args)
+    out, lse = ops.fwd(*args)
+    fields = encode_fields({**json.loads(args[3]), "learnable": ["alibi_slopes", "bias"]})
+    bwd_args = (dout, out, lse) + args[:3] + (fields,) + args[4:]
+    result = torch.library.opcheck(ops.bwd_tensors, bwd_args)
+    assert set(result.values()) == {"SUCCESS"}, result
+    *_, dtensors = ops.bwd_tensors(*bwd_args)
+    assert [t.shape for t in dtensors] == [slopes.shape, bias.shape] and all(t.dtype == torch.float32 for t in dtensors)
