@@ -4,7 +4,7 @@ kernel and the emitted backward kernels (preprocess, main, postprocess) on the C
 Gradients against reference.backward's fp64 ones under its tolerance rule, torch.compile of forward
 plus backward (0 graph breaks, eager's values, one compilation over three lengths), opcheck of
 both ops with autograd, the backward op's fake against the real gradients (every preset the
-backward takes, hypothesis-drawn specs and shapes), the constants' refusal, the inference
+backward takes, hypothesis-drawn specs and shapes), the call-time tensors' gradients, the inference
 layouts' refusal, the CPU-time refusal, and the front doors. Shapes stay tiny: a backward on the
 CPU model costs about 2.5 forwards.
 """

@@ -261,7 +261,6 @@ def _bwd_tensors_fake(dout, out, lse, q, k, v, fields, window_left, window_right
     return (*grads, [named[n].new_empty(named[n].shape, dtype=torch.float32) for n in learnable])
 
 
-
 def _setup_context(ctx, inputs, output):
     q, k, v, fields, left, right, softcap, softmax_scale, tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits = inputs
     out, lse = output
