@@ -79,6 +79,13 @@ CASES = {
     "a scalar": ("score * c[0]", ("c",), lambda s, i, t: s * t["c"][0], {"c": torch.tensor([0.7])}, False),
     "ALiBi as a mod": ("score + sl[h] * (kv_idx - q_idx)", ("sl",),
                        lambda s, i, t: s + t["sl"][i["h"]] * (i["kv_idx"] - i["q_idx"]), {"sl": SLOPES}, True),
+    "where, exp, max, pow, a quotient": (
+        "where(q_idx >= kv_idx, score * exp(sl[h]), max(score, bias[h]) - pow(sl[h], 2) / (1 + bias[h] * bias[h]))",
+        ("bias", "sl"),
+        lambda s, i, t: torch.where(i["q_idx"] >= i["kv_idx"], s * torch.exp(t["sl"][i["h"]]),
+                                    torch.maximum(s, t["bias"][i["h"]]) - t["sl"][i["h"]] ** 2
+                                    / (1 + t["bias"][i["h"]] ** 2)),
+        {"bias": HEAD, "sl": SLOPES}, False),
 }
 
 
@@ -140,6 +147,8 @@ KERNEL_CASES = {
                                           dict(named={"alibi_slopes": SLOPES})),
     "a scalar, head_dim 256 (warpgroups split columns)": (dict(head_dim=256, score_mod="score * c[0]", learnable=["c"]),
                                                          dict(d=256, named={"c": torch.tensor([0.7])})),
+    "where, exp, max, pow, a quotient": (dict(score_mod=CASES["where, exp, max, pow, a quotient"][0],
+                                              learnable=["bias", "sl"]), dict(named={"bias": HEAD, "sl": SLOPES})),
 }
 
 
