@@ -218,6 +218,10 @@ def test_a_learnable_spec_keeps_the_forward_and_names_its_backward_apart():
     assert plan_backward(learn).name != plan_backward(plain).name
     assert plan_backward(learn).hash != plan_backward(plain).hash
     assert "T.atomic_add(dX_bias" not in render_backward_source(plain)
+    # at the register edge the scatter's loop spilled by keys (hd128: 8 B): the learnable kernel splits columns
+    wide = dict(head_dim=128, dtype="bfloat16", causal=True, score_mod="score + bias[b, h, q_idx, kv_idx]")
+    assert not plan_backward(attngen.Spec(**wide)).columns
+    assert plan_backward(attngen.Spec(**wide, learnable=["bias"])).columns
 
 
 def test_attention_gives_the_score_mods_tensors_and_alibi_slopes_their_gradients():

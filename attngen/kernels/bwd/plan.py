@@ -37,6 +37,11 @@ BWD_REG_OVERHEAD = 32
 # at the edge (hd128 64x128 softcap 238 used, varlen 232), both spilled at an estimate of 240:
 # softcap + varlen 28 B (hd128 64x128), a score_mod + varlen 336 B (hd256 by columns).
 BWD_VARLEN_VARIANT_REGS = 8
+# ...and with learnable tensors, split by keys: the scatter's loop (P recomputed from the raw S^T beside
+# dP^T, the entry's index) spilled 8 B at the edge: hd128 bf16 causal, `score + bias[b, h, q_idx, kv_idx]`
+# learnable, 64 x 128 by keys (estimate 240); the same spec without it: 0 B. By columns it fit at the
+# edge: hd256 (estimate 240) 0 B, so the term is the key split's.
+BWD_LEARNABLE_REGS = 8
 # Refused: packed sequences, a variant that may read the head (ALiBi, score_mod, mask_mod) and
 # deterministic GQA together (the CTA loops over the group's heads) spilled at every head dim
 # measured, whatever the tile: causal, window [511, -1], ALiBi, varlen, deterministic, GQA 8 by
@@ -106,7 +111,8 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     packed = elementwise_variant(spec) and spec.layout == "varlen"
-    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
+    return (acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
+            + (BWD_LEARNABLE_REGS if spec.learnable and columns == 1 else 0))
 
 
 def bwd_dq_regs_needed(spec: Spec) -> int:
