@@ -615,8 +615,8 @@ def test_the_learnable_peer_check_fails_on_a_wrong_derivative(monkeypatch):
     from attngen.kernels.common import variants
 
     honest = variants.Variant.tensor_grads
-    monkeypatch.setattr(variants.Variant, "tensor_grads", lambda self, learnable: [(target, "") for target, _ in
-                                                                                  honest(self, learnable)])
+    monkeypatch.setattr(variants.Variant, "tensor_grads", lambda self, learnable, at=None: [
+        (target, "") for target, _ in honest(self, learnable, at)])
     make, value, kw = LEARNABLE["a 0-d scalar"]
     with pytest.raises(AssertionError, match="dtensor"):
         learnable_peer(make, value, **kw)
