@@ -305,9 +305,10 @@ def _check_literal(node) -> None:
 
 
 # -- float64 evaluation (the reference) ------------------------------------------------
-def evaluate(expr: Expr, env: dict, tensors: dict):
-    """numpy value of `expr`; `env` maps score/b/h/q_idx/kv_idx to broadcastable arrays,
-    `tensors` maps each tensor name to a numpy array. Tensor indices are clamped to the extent."""
+def evaluate(expr: Expr, env: dict, tensors: dict, node=None):
+    """numpy value of `expr` (or of `node`, one of its subtrees); `env` maps score/b/h/q_idx/kv_idx
+    to broadcastable arrays, `tensors` maps each tensor name to a numpy array. Tensor indices are
+    clamped to the extent."""
 
     def ev(node):
         if isinstance(node, ast.Constant):
@@ -317,9 +318,7 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
         if isinstance(node, ast.Subscript):
             name, is_int = tensor_name(node)
             arr = np.asarray(tensors[name], np.int64 if is_int else np.float64)
-            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            parts = np.broadcast_arrays(*[np.asarray(ev(i)) for i in idx])
-            return arr[tuple(np.clip(p, 0, n - 1) for p, n in zip(parts, arr.shape))]
+            return arr[read_index(node, arr.shape, ev)]
         if isinstance(node, ast.UnaryOp):
             v = ev(node.operand)
             return -v if isinstance(node.op, ast.USub) else (np.logical_not(v) if isinstance(node.op, ast.Not) else v)
@@ -364,12 +363,27 @@ def evaluate(expr: Expr, env: dict, tensors: dict):
                 return NUMPY_FUNCS[fn](*args)
         raise AssertionError(ast.dump(node))
 
-    return ev(expr.tree)
+    return ev(expr.tree if node is None else node)
+
+
+def read_index(sub: ast.Subscript, shape: tuple, ev) -> tuple:
+    """The entry a tensor read `name[i, ...]` takes in a tensor of `shape`: each index as `ev`
+    (an evaluator of index nodes) gives it, broadcast, clamped to the extent (as `emit` clamps).
+    The reference reads through it, and its backward scatters through it (tensor_grad_terms)."""
+    idx = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+    parts = np.broadcast_arrays(*[np.asarray(ev(i)) for i in idx])
+    return tuple(np.clip(p, 0, n - 1) for p, n in zip(parts, shape))
+
+
+def tensor_reads(e: Expr, name: str) -> list:
+    """The read sites `name[...]` of a float tensor in `e`, in the tree's walk order: each is one
+    term of the tensor's gradient (derivative(e, wrt=site), scattered at the site's index)."""
+    return [n for n in ast.walk(e.tree) if isinstance(n, ast.Subscript) and tensor_name(n) == (name, False)]
 
 
 # -- TileLang text (the kernel) --------------------------------------------------------
-def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
-    """TileLang source of `expr`.
+def emit(expr: Expr, names: dict, tensor_ref, extent, node=None) -> str:
+    """TileLang source of `expr` (or of `node`, one of its subtrees: a tensor read's element).
 
     names: score/b/h/q_idx/kv_idx -> kernel text; tensor_ref(name) -> the kernel parameter;
     extent(name, axis) -> the axis extent's kernel text (indices are clamped to [0, extent)).
@@ -449,13 +463,15 @@ def emit(expr: Expr, names: dict, tensor_ref, extent) -> str:
             return f"T.{fn}({', '.join(args)})"
         raise AssertionError(ast.dump(node))
 
-    return ev(expr.tree)
+    return ev(expr.tree if node is None else node)
 
 
 # -- the symbolic derivative (the backward pass) ------------------------------------------
-def derivative(e: Expr) -> Expr:
+def derivative(e: Expr, wrt: ast.Subscript | None = None) -> Expr:
     """d(score_mod)/d(score) as an expression of the same language, parsed like any score_mod: the
-    reference evaluates it with `evaluate` and a backward kernel prints it with `emit`.
+    reference evaluates it with `evaluate` and a backward kernel prints it with `emit`. With `wrt`,
+    one tensor read site of `e` (tensor_reads), d(score_mod)/d(that entry) instead, by the same
+    rules: the site's derivative is 1, score's and every other read's 0 (a learnable tensor).
 
     Rules: d score = 1; a literal, b, h, q_idx, kv_idx or a tensor entry (its indices are integers)
     has derivative 0; sums, products and quotients by the usual rules; tanh(u)' = (1 - tanh(u)^2) u',
@@ -496,7 +512,9 @@ def derivative(e: Expr) -> Expr:
 
     def d(n):
         if isinstance(n, ast.Name):
-            return one if n.id == "score" else zero
+            return one if n.id == "score" and wrt is None else zero
+        if n is wrt:
+            return one
         if isinstance(n, (ast.Constant, ast.Subscript)):
             return zero
         if isinstance(n, ast.UnaryOp):

@@ -136,6 +136,9 @@ class Spec:
     splits: int | str = 1  # split-KV: partial outputs per split, merged by a combine kernel; "auto": at call time
     # The backward pass (docs/backward.md); the forward kernel ignores it.
     deterministic: bool = False  # the backward sums dQ (and GQA's dK/dV) in one fixed order: no atomics
+    # call-time tensors the backward differentiates (float tensors the score_mod reads, alibi_slopes):
+    # their gradients scattered into their own shapes (docs/backward.md, "Learnable tensors")
+    learnable: tuple = ()
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -144,6 +147,8 @@ class Spec:
             value = plain_value(f.name, fields.get(f.name, f.default))
             if f.name == "window" and isinstance(value, (list, tuple)):
                 value = tuple(plain_value(f.name, x) for x in value)  # TOML arrays: a tuple keeps the spec hashable
+            if f.name == "learnable" and isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+                value = tuple(sorted(set(value)))  # one kernel per set of names
             if f.name == "softcap" and type(value) is int:
                 value = float(value)  # 30 and 30.0 are one spec
             object.__setattr__(self, f.name, value)
@@ -168,7 +173,7 @@ STEADY_LOOPS = ("one", "split")
 VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
-                    "deterministic": False}
+                    "deterministic": False, "learnable": ()}
 
 
 def did_you_mean(name: str, choices, where: str = "") -> str:
@@ -259,6 +264,23 @@ def check_variant_fields(s: Spec) -> None:
             except expr.ExprError as e:  # a text too long to repeat is shown by its start
                 shown = text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
                 raise SpecError(field, shown, str(e)) from None
+    if s.learnable != ():
+        check_learnable(s)
+
+
+def check_learnable(s: Spec) -> None:
+    """Each learnable name is a float tensor the score_mod reads, or alibi_slopes with alibi = true:
+    what has a derivative in the score (a mask_mod's tensors and int32 ones have none; sinks always
+    get theirs)."""
+    if not isinstance(s.learnable, tuple) or not all(isinstance(x, str) for x in s.learnable):
+        raise SpecError("learnable", s.learnable, f"expected an array of tensor names, got {type_name(s.learnable)}")
+    reads = expr.parse(s.score_mod, "score_mod") if s.score_mod.strip() else None
+    floats = {n for n, _ in reads.tensors if n not in reads.int_tensors} if reads else set()
+    valid = sorted(floats) + (["alibi_slopes"] if s.alibi else [])
+    for name in s.learnable:
+        if name not in valid:
+            raise SpecError("learnable", list(s.learnable), f"`{name}` is not a float tensor the score_mod reads nor "
+                            f"alibi_slopes with alibi = true; valid: {valid or 'none in this spec'}")
 
 
 def check_window(w) -> None:

@@ -566,3 +566,86 @@ def test_compiled_translations_are_bounded_and_a_dropped_one_is_traced_again(mon
     for mod in (_doc_bias, shifted, _doc_bias):
         assert torch.equal(compiled(mod, q, k, v), attngen.flex_attention(q, k, v, score_mod=mod))
         assert len(flex._TRACED) == 1
+
+
+# -- learnable captured tensors: the gradients of what a score_mod captures (issue 27, item 3) --------------------
+_learn = torch.Generator().manual_seed(5)
+LEARNABLE = {  # name: (a make(t) -> score_mod, t's value, kw)
+    "bias[h]": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t[h], torch.randn(H, generator=_learn), {}),
+    "bias[q_idx - kv_idx]": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t[q_idx - kv_idx],  # negatives wrap
+                             torch.randn(S, generator=_learn), {}),
+    "bias[b, h, q_idx, kv_idx]": (lambda t: lambda score, b, h, q_idx, kv_idx: torch.where(
+        q_idx >= kv_idx, score + t[b, h, q_idx, kv_idx], -float("inf")), torch.randn(2, H, S, S, generator=_learn),
+        {"B": 2}),
+    "a 0-d scalar": (lambda t: lambda score, b, h, q_idx, kv_idx: score * t, torch.tensor(0.8), {}),
+    "ALiBi slopes": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t[h] * (kv_idx - q_idx),
+                     torch.rand(H, generator=_learn), {"Q": 32, "KV": S}),
+}
+
+
+def learnable_peer(make, value, *, B=1, Q=S, KV=S, seed=9):
+    """peer() for a captured tensor that requires grad: out and the gradients of q, k, v and the tensor
+    against torch's flex_attention in float64 (whose eager CPU backward takes no 0-d capture: a 0-d
+    tensor is given to it as a 1-entry one, t[0], and its gradient read back as 0-d)."""
+    q, k, v, dout = _inputs(B, H, Q, KV, seed)
+    mine = value.clone().requires_grad_()
+    theirs = value.double().reshape(value.shape or (1,)).clone().requires_grad_()
+    ours = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    out = attngen.flex_attention(*ours, score_mod=make(mine))
+    mod = make(theirs) if value.dim() else lambda *idx: make(theirs[0])(*idx)  # (t[0] taken inside torch's vmap)
+    ref = F.flex_attention(*ref_in, score_mod=mod)
+    _close("out", out, ref, 1e-2)
+    (out.float() * dout.float()).sum().backward()
+    (ref * dout.double()).sum().backward()
+    for name, a, b in zip("qkv", ours, ref_in):
+        _close(f"d{name}", a.grad, b.grad, 2e-2)
+    assert mine.grad is not None and mine.grad.shape == value.shape and mine.grad.dtype == value.dtype
+    _close("dtensor", mine.grad, theirs.grad.reshape(value.shape), 2e-2)
+
+
+@pytest.mark.parametrize("name", sorted(LEARNABLE))
+def test_a_captured_tensor_that_requires_grad_gets_torchs_gradient(name):
+    make, value, kw = LEARNABLE[name]
+    learnable_peer(make, value, **kw)
+
+
+def test_the_learnable_peer_check_fails_on_a_wrong_derivative(monkeypatch):
+    """d(score * t)/d t is the score: the kernel that scatters dZ alone (the derivative's factor dropped) is caught."""
+    from attngen.kernels.common import variants
+
+    honest = variants.Variant.tensor_grads
+    monkeypatch.setattr(variants.Variant, "tensor_grads", lambda self, learnable, at=None: [
+        (target, "") for target, _ in honest(self, learnable, at)])
+    make, value, kw = LEARNABLE["a 0-d scalar"]
+    with pytest.raises(AssertionError, match="dtensor"):
+        learnable_peer(make, value, **kw)
+
+
+_rel_learn = torch.linspace(-1.0, 1.0, 2 * S).requires_grad_()
+
+
+def _learnable_doc_bias(score, b, h, q_idx, kv_idx):
+    return torch.where(_doc[q_idx] == _doc[kv_idx], score + _rel_learn[q_idx - kv_idx], -float("inf"))
+
+
+def test_fullgraph_compile_of_a_learnable_bias_has_no_graph_break_and_equals_eager():
+    torch._dynamo.reset()
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attngen.flex_attention(q, k, v, score_mod=_learnable_doc_bias)
+
+    q, k, v, dout = _inputs(1, 2, S, S, seed=7)
+    explained = torch._dynamo.explain(Attend())(q, k, v)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    grads = []
+    for module in (torch.compile(Attend(), fullgraph=True), Attend()):
+        _rel_learn.grad = None
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = module(*leaves)
+        (out.float() * dout.float()).sum().backward()
+        grads.append([out.detach(), _rel_learn.grad.clone()] + [x.grad for x in leaves])
+    assert grads[0][1].abs().max() > 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)  # one kernel, the same inputs

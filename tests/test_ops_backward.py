@@ -4,7 +4,7 @@ kernel and the emitted backward kernels (preprocess, main, postprocess) on the C
 Gradients against reference.backward's fp64 ones under its tolerance rule, torch.compile of forward
 plus backward (0 graph breaks, eager's values, one compilation over three lengths), opcheck of
 both ops with autograd, the backward op's fake against the real gradients (every preset the
-backward takes, hypothesis-drawn specs and shapes), the constants' refusal, the inference
+backward takes, hypothesis-drawn specs and shapes), the call-time tensors' gradients, the inference
 layouts' refusal, the CPU-time refusal, and the front doors. Shapes stay tiny: a backward on the
 CPU model costs about 2.5 forwards.
 """
@@ -271,33 +271,35 @@ def test_a_varlen_lse_gets_its_gradient():
     ({"alibi_slopes": torch.tensor([0.5, 0.25])}, "alibi_slopes"),
     ({"score_mod": "score + bias[h]", "bias": torch.tensor([0.1, -0.2])}, "bias"),
 ])
-def test_a_constant_that_requires_grad_is_refused_not_given_none(kw, name):
+def test_a_call_time_tensor_that_requires_grad_gets_the_kernels_gradient(kw, name):
+    """alibi_slopes and a score_mod's tensor that require grad were refused at backward() (issue 17);
+    they are learnable now (issue 27): the backward kernels scatter their gradients (the spec field
+    learnable; tests/test_learnable.py holds them to the reference), the same as emulate_backward's."""
     q, k, v = qkv(20)
     kw = {n: x.clone().requires_grad_() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
-    out = attngen.attention(q, k, v, **kw)  # the forward runs; the gradient is what cannot be had
-    with pytest.raises(InputError, match=rf"^{name} = a tensor that requires grad: expected a constant: "
-                                         r"attngen's backward has no gradient for alibi_slopes"):
-        out.float().sum().backward()
-    q.grad = None  # the same call with the constant detached differentiates
-    attngen.attention(q, k, v, **{n: x.detach() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
-                      ).float().sum().backward()
-    assert q.grad is not None and q.grad.abs().max() > 0
+    out = attngen.attention(q, k, v, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    (out.float() * dout.float()).sum().backward()
+    spec = attngen.Spec(head_dim=q.shape[-1], alibi="alibi_slopes" in kw, score_mod=kw.get("score_mod", ""),
+                        learnable=[name])
+    tensors = {n: x.detach() for n, x in kw.items() if isinstance(x, torch.Tensor)}
+    want = attngen.emulate_backward(spec, q.detach(), k.detach(), v.detach(), dout, **tensors)[-1]
+    assert kw[name].grad.abs().max() > 0 and torch.equal(kw[name].grad, want)
 
 
-def test_flex_attention_refuses_a_captured_tensor_that_requires_grad_as_attention_does():
+def test_flex_attention_gives_a_captured_tensor_that_requires_grad_its_gradient():
     """A learnable bias captured by a score_mod was detached by the Flex door and given no gradient
-    without a word (issue 25); it now reaches attention, whose backward refuses it by its name."""
+    without a word (issue 25), then refused at backward(); it gets its gradient now (issue 27)."""
     q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv(20))  # [B, H, S, D]
     bias = torch.tensor([0.1, -0.2], requires_grad=True)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + bias[h]
     out = attngen.flex_attention(q, k, v, score_mod=score_mod)
-    with pytest.raises(InputError, match=r"^bias = a tensor that requires grad: expected a constant: .*\(detach it"):
-        out.float().sum().backward()
-    with torch.no_grad():  # inference with the parameter is not refused
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    assert bias.grad is not None and bias.grad.shape == bias.shape and bias.grad.abs().max() > 0
+    with torch.no_grad():  # inference with the parameter
         attngen.flex_attention(q, k, v, score_mod=score_mod)
-    assert bias.grad is None
 
 
 @pytest.mark.parametrize("bad, deterministic", [(float("inf"), False), (float("nan"), False), (float("inf"), True)])

@@ -143,15 +143,18 @@ def emulated_grads(bp: BackwardPlan, batch, heads, kv_heads, q_len, kv_len, *, s
     grads = emulate_backward(bp.spec, q, k, v, dout, seed=seed, policy=policy, source=source, softmax_scale=softmax_scale,
                              stats=stats, **packing, **tensors)
     seconds = time.perf_counter() - t0
-    grads = dict(zip(GRADS, grads))
+    learnable = bp.spec.learnable  # their gradients come last, in learnable's order
+    named = {f"d{n}": g for n, g in zip(learnable, grads[len(grads) - len(learnable):])}
+    grads = dict(zip(GRADS, grads[:len(grads) - len(learnable)]), **named)
     mods = {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")}
     variant = variant_of(bp.spec, tensors.get("alibi_slopes"), tensors.get("sinks"), mods)
-    if packing:
+    if packing:  # (the learnable tensors' gradients are checked on bshd only: the reference's varlen takes none)
         checks = varlen_checks(grads, q, k, v, dout, packing, bp.spec, softmax_scale, variant)
         lengths = [np.diff(packing[c]).tolist() for c in ("cu_seqlens_q", "cu_seqlens_k")]
         ran = f"H={heads} HKV={kv_heads}, {len(lengths[0])} sequences (q {lengths[0]}, kv {lengths[1]})"
     else:
-        checks = check_grads(grads, q, k, v, dout, bp.spec.causal, dtype=bp.spec.dtype, scale=softmax_scale, **variant)
+        checks = check_grads(grads, q, k, v, dout, bp.spec.causal, dtype=bp.spec.dtype, scale=softmax_scale,
+                             learnable=learnable, **variant)
         ran = f"B={batch} H={heads} HKV={kv_heads} Sq={q_len} Skv={kv_len}"
     return checks, stats, seconds, ran
 

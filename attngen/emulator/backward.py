@@ -25,7 +25,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     rounded to the spec's dtype as the kernels read them). The forward kernel (the spec with
     lse = true) runs first on the CPU model unless `out` and `lse` ([B, H, Sq] float32, natural log)
     are given. `dlse` (shaped like lse): the LSE output's gradient, none (zeros) by default.
-    Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks: torch
+    Returns (dq, dk, dv), plus dsinks [H] (float32) when the spec has sinks, then the gradient of
+    each of the spec's learnable tensors (float32, the tensor's shape, in spec.learnable's order): torch
     tensors for torch input, else float32 numpy arrays holding values of the dtype. `seed` and
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
     `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
@@ -34,7 +35,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     from attngen.kernels.bwd.plan import plan_backward
     from attngen.kernels.fwd.plan import Plan
     from attngen.run.inputs import backward_block_mask
-    from attngen.kernels.bwd.render import call_tensors, render_backward_source
+    from attngen.kernels.bwd.render import call_tensors, learnable_tensors, render_backward_source, term_names
     from attngen.spec import Spec
 
     if isinstance(spec, Plan):
@@ -45,10 +46,10 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     seed = check_schedule(seed, policy, block_order)
     sm_scale = check_scale(resolve_scale(softmax_scale, scale, head_dim=spec.head_dim), spec.head_dim)
     named = {n: t for n, t in dict(tensors, alibi_slopes=alibi_slopes, sinks=sinks).items() if t is not None}
-    for n, t in named.items():  # only sinks get a gradient; the other call-time tensors are constants
-        if n != "sinks" and getattr(t, "requires_grad", False):
-            raise InputError(n, "a tensor that requires grad", "a constant: the backward gives no gradient for "
-                             "alibi_slopes or a score_mod/mask_mod tensor (detach it)")
+    for n, t in named.items():  # sinks and the spec's learnable tensors get gradients; the others are constants
+        if n != "sinks" and n not in spec.learnable and getattr(t, "requires_grad", False):
+            raise InputError(n, "a tensor that requires grad", f"a constant, or a name in the spec's learnable "
+                             f"{list(spec.learnable)} (whose gradients the backward returns)")
     if (out is None) != (lse is None):
         raise InputError("out" if out is None else "lse", "None", "both out and lse, or neither (the forward then runs)")
     varlen = bp.forward.varlen
@@ -86,6 +87,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         dims = {"batch": b, "q_len": lead[1], "kv_len": ka.shape[1], "kv_heads": hkv, "heads": h}
         ints = []
     extra = call_tensors(bp)
+    grads_in = [np.zeros(np.shape(to_numpy(named[t.name])), np.float32) for t in learnable_tensors(bp)]  # atomics add here
+    # deterministic: the main kernel stores each read's terms (zeros where it visits nothing), walked in one order after
+    terms = [np.zeros((b, h, lead[1], ka.shape[1]), np.float32) for _ in term_names(bp)]
     bm_lists, bm_dims = backward_block_mask(bp, named, dims.get("q_len", 0), dims.get("kv_len", 0))
     dims.update(bm_dims)
     for t in extra:  # free axes of the call-time tensors are T.dynamic extents
@@ -104,7 +108,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         lse2, dpsum = t["LSE2"], t["dPsum"]
         sm = [np.float32(sm_scale)]
         calls = [call_time_array(x, named[x.name]) for x in extra]
-        main_calls = calls + bm_lists[:4] + ints  # the main kernel's transposed lists, the dq kernel's kv_*
+        main_calls = calls + (terms if bp.deterministic else grads_in) + bm_lists[:4] + ints  # (transposed lists; dq's kv_*)
         calls = calls + bm_lists[4:] + ints
         kv_in = ([np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)] if bp.kv_accum else [None, None])
         main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
@@ -113,6 +117,10 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         rt.run(main + main_calls + sm, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
+        if terms:  # one thread adds every term in order
+            rt.run([t[n] for n in term_names(bp)] + calls[:len(extra)] + grads_in, entry="build_dtensors_kernel", **run)
+            t = rt.tensors
+        dtensors = {x.name: np.array(t["d" + x.param]) for x in learnable_tensors(bp)}
         if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics
             dq_in = [qa, ka, va, do, lse2, dpsum, np.zeros(qa.shape, np.float32) if varlen else None]
             dq = rt.run(dq_in + calls + sm, entry="build_dq_kernel", **run)
@@ -125,7 +133,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
             dsinks = rt.run([la, dpsum, _host_array(named["sinks"]), None] + ints, entry="build_dsinks_kernel", **run)
         if bp.kv_accum:
             dk, dv = rt.run([dk, dv, None, None] + ints, entry="build_postprocess_kv_kernel", **run)
-    grads = [dq, dk, dv] + ([dsinks] if spec.sinks else [])
+    grads = [dq, dk, dv] + ([dsinks] if spec.sinks else []) + [dtensors[n] for n in spec.learnable]
     if hasattr(q, "detach"):
         import torch
 

@@ -285,7 +285,10 @@ class _Translator:
             raise FlexTranslationError(fn, node.lineno, f"`{ast.unparse(node)}` leaves out a middle argument")
         return out
 
-    def literal(self, fn, value, line) -> ast.expr:
+    def literal(self, fn, value, line, name: str | None = None) -> ast.expr:
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and value.requires_grad:
+            # a learnable scalar: a 1-entry tensor read, so that its gradient flows (a literal is a constant)
+            return ast.Subscript(ast.Name(self.tensor(value, name or "scalar"), ast.Load()), ast.Constant(0), ast.Load())
         if isinstance(value, bool):
             return _literal_bool(value)
         if isinstance(value, numbers.Integral):
@@ -316,7 +319,7 @@ class _Translator:
             value = value.value if node.id in env else self.lookup(fn, node.id, line)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise FlexTranslationError(fn, line, f"the tensor `{node.id}` used whole (index it, like {node.id}[h])")
-            return self.literal(fn, value, line)
+            return self.literal(fn, value, line, node.id)
         if isinstance(node, ast.Attribute) and node.attr == "min" and isinstance(node.value, ast.Call) \
                 and self.resolve(fn, node.value.func, env) is torch.finfo:
             return self.literal(fn, -math.inf, line)  # torch.finfo(dtype).min: a masked key, as -inf
@@ -327,7 +330,7 @@ class _Translator:
                                                      f"(use torch.{node.attr}(x) or a supported function)")
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise FlexTranslationError(fn, line, f"the tensor `{ast.unparse(node)}` used whole (index it)")
-            return self.literal(fn, value, line)
+            return self.literal(fn, value, line, node.attr)
         if isinstance(node, ast.Subscript):
             chain, base = [], node
             while isinstance(base, ast.Subscript):  # bias[h][q_idx] is bias[h, q_idx]
@@ -458,9 +461,10 @@ def _fits_int32(t: torch.Tensor) -> bool:
 
 
 def stored_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A captured tensor as the kernel takes it: int32 for integers and bools, else float32. Not
-    detached: one that requires grad (a learnable bias) reaches attngen.attention as it is, whose
-    backward refuses it by name (no gradient for mod tensors yet), never a silent constant."""
+    """A captured tensor as the kernel takes it: int32 for integers and bools, else float32 (a 0-d
+    one, a learnable scalar, as 1 entry). Not detached: one that requires grad (a learnable bias)
+    reaches attngen.attention as it is, whose backward gives it its gradient through these casts."""
+    t = t.reshape(1) if t.dim() == 0 else t
     return t.to(torch.int32 if _exact_integers(t) else torch.float32).contiguous()
 
 

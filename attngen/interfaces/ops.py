@@ -12,7 +12,8 @@ The ops (docs/torch.md):
 - `attngen::bwd` runs the backward kernels of that spec (preprocess, main, postprocess) from the
   forward's out and LSE: on CUDA runtime's compiled backward, on CPU the CPU model
   (attngen.emulate_backward). register_autograd wires fwd to it, so attngen.attention is
-  differentiable in q, k, v and sinks.
+  differentiable in q, k, v and sinks. `attngen::bwd_tensors` is bwd that also returns the
+  gradients of the learnable tensors (alibi_slopes, the score_mod's float tensors) its fields name.
 - `attngen::append_kv` writes new keys and values into a paged KV cache in place (the append
   companion kernel of flash_attn_with_kvcache's k=, v=; its schema marks the caches mutated).
 
@@ -29,6 +30,7 @@ it resolves to and the op's checks are interfaces/op_arguments.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -56,6 +58,9 @@ FWD_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"  # (out, lse); lse is empty [0] wh
 # (dq, dk, dv, dsinks); dsinks is empty [0] without sinks. dlse: the LSE output's gradient (float32,
 # lse's shape), None when the loss did not read the LSE
 BWD_SCHEMA = f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor)"
+# bwd's, and the gradients of the learnable tensors `fields` names (spec field learnable), float32, each its tensor's shape
+BWD_TENSORS_SCHEMA = (f"(Tensor dout, Tensor out, Tensor lse, {_ARGS}, Tensor? dlse=None) -> "
+                      f"(Tensor, Tensor, Tensor, Tensor, Tensor[])")
 # the backward's work against the forward's (FlashAttention's FLOP count: 5 GEMMs to 2, each as large)
 BACKWARD_WORK = 2.5
 
@@ -169,6 +174,14 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
     and LSE: the backward kernels (preprocess, main, postprocess) on the CPU model for CPU
     tensors, runtime's compiled backward for CUDA ones. dsinks is [0] without sinks. dlse, the LSE
     output's gradient, folds into the preprocess's row term (docs/backward.md); None: zeros."""
+    return _bwd_tensors(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
+                        tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse)[:4]
+
+
+def _bwd_tensors(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
+                 tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
+    """_bwd's gradients and a list of the learnable tensors' (the spec field `learnable` in `fields`: the
+    main kernel scatters them, docs/backward.md "Learnable tensors"), float32, in learnable's order."""
     plan, scale, named, keywords, call, extra, devices = _checked(
         q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, work=BACKWARD_WORK, what="backward")
@@ -181,19 +194,23 @@ def _bwd(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, so
         checks.check_device(devices)  # one sm_90 device
     else:
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
+    learnable = plan.spec.learnable
     if call is not None and call.empty:  # no query row (as the forward): nothing to launch, every gradient 0
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (
-            (torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device),) if "sinks" in named else ())
+            (torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device),) if "sinks" in named else ()) + tuple(
+            torch.zeros(named[n].shape, dtype=torch.float32, device=q.device) for n in learnable)
     elif q.device.type == "cpu":
         serving_given = {n: x for n, x in keywords.items() if x is not None}  # varlen's; the backward refuses the others
-        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, dlse=dlse, softmax_scale=scale, **named,
+        values = {n: t.detach() for n, t in named.items()}  # (emulate_backward asks a tensor that requires grad to be learnable)
+        grads = emulate_backward(plan, q, k, v, dout, out=out, lse=lse, dlse=dlse, softmax_scale=scale, **values,
                                  **serving_given)
     else:
         grads = backward.compile_backward(plan).run(q, k, v, out, lse, dout, call=call, extra=extra,
                                                    softmax_scale=scale, dlse=dlse)
     dq, dk, dv, *rest = grads
+    dtensors, rest = rest[len(rest) - len(learnable):], rest[:len(rest) - len(learnable)]  # (spec.learnable's, last)
     dsinks = rest[0] if rest and rest[0] is not None else torch.empty((0,), dtype=torch.float32, device=q.device)
-    return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks)
+    return _packed(dq), _packed(dk), _packed(dv), _packed(dsinks), [_packed(d) for d in dtensors]
 
 
 def _check_saved(plan: Plan, dout, out, lse, dlse=None) -> None:
@@ -221,6 +238,8 @@ def emulate_backward(*args, **kwargs):
 
 
 bwd = torch.library.custom_op(f"{NAMESPACE}::bwd", _bwd, mutates_args=(), schema=BWD_SCHEMA)
+bwd_tensors = torch.library.custom_op(f"{NAMESPACE}::bwd_tensors", _bwd_tensors, mutates_args=(),
+                                      schema=BWD_TENSORS_SCHEMA)
 
 
 @bwd.register_fake
@@ -232,7 +251,14 @@ def _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softca
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks, dtype=torch.float32)
 
 
-CONSTANTS = "alibi_slopes and the score_mod/mask_mod tensors"
+@bwd_tensors.register_fake
+def _bwd_tensors_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
+                      tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse=None):
+    grads = _bwd_fake(dout, out, lse, q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names,
+                      tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits, dlse)
+    named = dict(zip(_names(tensor_names), tensors))
+    learnable = sorted(json.loads(fields).get("learnable", ())) if fields else []
+    return (*grads, [named[n].new_empty(named[n].shape, dtype=torch.float32) for n in learnable])
 
 
 def _setup_context(ctx, inputs, output):
@@ -242,27 +268,43 @@ def _setup_context(ctx, inputs, output):
     # takes dPsum = rowsum(dO * O) and LSE), plus every tensor the forward took
     ctx.save_for_backward(q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors)
     ctx.args = (fields, left, right, softcap, tensor_names, max_q, splits)
-    # a tensor without a gradient in the kernels that asks for one is refused in the backward,
-    # never given a silent None (issue 17: ALiBi slopes and mod tensors are constants)
-    ctx.constants = [n for n, t in zip(_names(tensor_names), tensors) if n != "sinks" and t.requires_grad]
+    # the tensors that ask for a gradient (besides sinks): the score's learnable ones get the kernels'
+    # scatter, the others (read by a mask_mod only) the zero gradient a boolean mask has (learnable_names)
+    ctx.wanted = tuple(n for n, t in zip(_names(tensor_names), tensors) if n != "sinks" and t.requires_grad)
     # an output the loss does not read gets None, not a zero tensor: an unused LSE costs no check
     ctx.set_materialize_grads(False)
 
 
+def learnable_names(fields: str, wanted) -> tuple:
+    """The tensors of `wanted` whose entries the score reads (the score_mod's float tensors, alibi_slopes):
+    the spec field learnable, sorted as the Spec sorts it."""
+    score_mod = (json.loads(fields).get("score_mod") or "") if fields else ""
+    reads = expr.parse(score_mod, "score_mod") if score_mod.strip() else None
+    floats = {n for n, _ in reads.tensors if n not in reads.int_tensors} if reads else set()
+    return tuple(sorted(n for n in wanted if n in floats or n == "alibi_slopes"))
+
+
 def _backward(ctx, dout, dlse):
-    if ctx.constants:
-        raise InputError(ctx.constants[0], "a tensor that requires grad",
-                         f"a constant: attngen's backward has no gradient for {CONSTANTS} (detach it, or "
-                         f"set requires_grad=False); q, k, v and sinks have gradients")
     q, k, v, out, lse, softmax_scale, cu_q, cu_k, table, used, *tensors = ctx.saved_tensors
     fields, left, right, softcap, tensor_names, max_q, splits = ctx.args
     if dout is None:  # the loss reads the LSE alone
         dout = torch.zeros_like(out)
+    learnable = learnable_names(fields, ctx.wanted)
     # autograd may hand a strided view (flex_attention returns out.transpose(1, 2)); the kernels take packed
-    dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
-                             tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits, dlse)
-    # the sinks' gradient goes to its slot; dlse (None when the loss reads no LSE) folds into the row term
-    grads = [dsinks if n == "sinks" else None for n in _names(tensor_names)]
+    if learnable:
+        fields = encode_fields({**json.loads(fields), "learnable": list(learnable)})
+        dq, dk, dv, dsinks, dtensors = bwd_tensors(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap,
+                                                   softmax_scale, tensor_names, tensors, cu_q, cu_k, max_q, table,
+                                                   used, splits, dlse)
+    else:
+        dq, dk, dv, dsinks = bwd(dout.contiguous(), out, lse, q, k, v, fields, left, right, softcap, softmax_scale,
+                                 tensor_names, tensors, cu_q, cu_k, max_q, table, used, splits, dlse)
+        dtensors = []
+    # the sinks' gradient goes to its slot, each learnable tensor's (float32) to its own in its dtype, a
+    # mask_mod's tensor that asked gets 0; dlse (None when the loss reads no LSE) folds into the row term
+    found = dict(zip(learnable, dtensors))
+    grads = [dsinks if n == "sinks" else found[n].to(t.dtype) if n in found else
+             torch.zeros_like(t) if n in ctx.wanted else None for n, t in zip(_names(tensor_names), tensors)]
     return dq, dk, dv, None, None, None, None, None, None, grads, None, None, None, None, None, None
 
 
@@ -280,6 +322,7 @@ def _double_backward(ctx, *grads):
 
 
 bwd.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
+bwd_tensors.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 # -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
@@ -353,8 +396,9 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     A bool is the spec field itself, with kv_num_blocks, kv_indices, full_kv_num_blocks and
     full_kv_indices passed by name.
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
-    gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
-    asked of them is an InputError); a loss that reads the returned LSE differentiates it too."""
+    gradients by the backward kernels, and alibi_slopes and the score_mod's float tensors theirs when
+    they require grad (learnable: the main kernel scatters them); a mask_mod's tensor gets 0; a loss
+    that reads the returned LSE differentiates it too."""
     args, asked_lse = fwd_arguments(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -381,7 +425,11 @@ def check_training(args: tuple) -> None:
     if q.device.type == "cpu":
         _checked(*args, work=1.0 + BACKWARD_WORK, what="forward and its backward")
     plan = resolve(q, k, v, fields, (left, right), softcap, tensor_names, cu_q, table, splits)
-    if _trainable.get(id(plan)) is not plan:
+    wanted = [n for n, t in zip(_names(tensor_names), args[9]) if n != "sinks" and t.requires_grad]
+    learnable = learnable_names(fields, wanted)
+    if learnable:  # the backward the autograd node will run (deterministic varlen refuses learnable tensors)
+        plan_backward(dataclasses.replace(plan.spec, learnable=learnable))
+    elif _trainable.get(id(plan)) is not plan:
         plan_backward(plan.spec)  # the SpecError backward() would raise, before the forward runs
         if len(_trainable) >= MAX_PLANS:
             _trainable.clear()
@@ -478,4 +526,5 @@ def block_mask_arguments(bm, q, k, overrides: dict, tensors: dict) -> None:
         tensors[name] = getattr(bm, name).to(q.device)
 
 
-__all__ = ["BACKWARD_WORK", "append_kv", "attention", "check_attention", "bwd", "fwd", "fwd_arguments", "out_metadata"]
+__all__ = ["BACKWARD_WORK", "append_kv", "attention", "check_attention", "bwd", "bwd_tensors", "fwd", "fwd_arguments",
+           "out_metadata"]

@@ -87,7 +87,34 @@ def attention_grad(q, k, v, dout, causal: bool = False, scale: float | None = No
     return _attention_grad(q, k, v, dout, causal, scale, batch_offset, False, dlse=dlse, **variant)[0]
 
 
-def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse=None, **variant):
+def learnable_shapes(learnable, variant) -> dict:
+    """name -> shape of each learnable tensor (alibi_slopes or a score_mod tensor of `variant`)."""
+    given = dict(variant.get("tensors") or {}, alibi_slopes=variant.get("alibi_slopes"))
+    for name in learnable:
+        if given.get(name) is None:
+            raise InputError("learnable", name, f"a tensor the call gives: {sorted(n for n, t in given.items() if t is not None)}")
+    return {n: np.shape(to_numpy(given[n])) for n in learnable}
+
+
+def _scatter(dtensors: dict, terms, dz, visible, dtype) -> None:
+    """dT[entry] += dZ * d(score)/d(entry) over the visible elements of each term (a masked one adds 0, never NaN)."""
+    for name, at, value in terms:
+        np.add.at(dtensors[name], at, np.where(visible, dz * np.where(visible, value, 0), 0).astype(dtype))
+
+
+def tensor_grads(q, k, v, dout, causal: bool = False, scale: float | None = None, *, learnable=(), dlse=None,
+                 lowprec: str | None = None, out=None, **variant) -> dict:
+    """The learnable tensors' gradients {name: array of the tensor's shape}: fp64 (the oracle), or with
+    `lowprec` the kernel's arithmetic in that dtype (attention_grad_lowprec's twin: dZ and each term
+    in float32, summed in float32). dT[entry] = sum over (b, h, q, kv) of dZ * d(score)/d(entry)
+    through the score_mod's symbolic derivative (expr.derivative with wrt), dZ = P (dP - D)."""
+    if lowprec:
+        return attention_grad_lowprec(q, k, v, dout, causal, lowprec, scale, out=out, dlse=dlse, learnable=learnable,
+                                      **variant)[1]
+    return _attention_grad(q, k, v, dout, causal, scale, 0, False, dlse=dlse, learnable=learnable, **variant)[2]
+
+
+def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse=None, learnable=(), **variant):
     """(Grads, magnitudes or None). With `magnitudes`, also the size of what cancels in dS = P (dP - D):
     dq_mag = scale * (P (|dO| |V|^T + |dO| . |O|) |dz/ds|) |K| and dk_mag likewise with |Q| (each dot
     product's sum of absolute terms), the scale of the float32 rounding noise that dq and dk carry
@@ -100,13 +127,14 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsinks = np.zeros(h) if variant.get("sinks") is not None else None
     dq_mag, dk_mag = (np.zeros_like(q), np.zeros_like(k)) if magnitudes else (None, None)
+    dtensors = {n: np.zeros(shape) for n, shape in learnable_shapes(learnable, variant).items()}
     for bi in range(b):
         for hk in range(hkv):
             heads = slice(hk * group, (hk + 1) * group)
             qg, do = q[bi, :, heads].transpose(1, 0, 2), dout[bi, :, heads].transpose(1, 0, 2)  # [g, Sq, D]
             s = qg @ k[bi, :, hk].T * scale
-            z, visible, sink, dzds = _variant_scores(s, bi + batch_offset, range(hk * group, (hk + 1) * group), sq, skv,
-                                                     causal, grad=True, **variant)
+            z, visible, sink, dzds, *terms = _variant_scores(s, bi + batch_offset, range(hk * group, (hk + 1) * group),
+                                                             sq, skv, causal, grad=True, learnable=learnable, **variant)
             m = z.max(axis=-1, keepdims=True, initial=-np.inf)  # (a sequence may have no key)
             if sink is not None:
                 m = np.maximum(m, sink)
@@ -118,6 +146,8 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse
             dp = do @ v[bi, :, hk].T
             dpsum = (do * out).sum(axis=-1, keepdims=True) - dlse[bi, heads, :, None]
             ds = np.where(visible, p * (dp - dpsum) * np.where(visible, dzds, 0.0), 0.0)
+            if terms:
+                _scatter(dtensors, terms[0], np.where(visible, p * (dp - dpsum), 0.0), visible, np.float64)
             dq[bi, :, heads] = (ds @ k[bi, :, hk] * scale).transpose(1, 0, 2)
             dk[bi, :, hk] += np.einsum("gqk,gqd->kd", ds, qg) * scale
             dv[bi, :, hk] += np.einsum("gqk,gqd->kd", p, do)
@@ -130,11 +160,11 @@ def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse
                 m = np.where(visible, p * terms * np.abs(np.where(visible, dzds, 0.0)), 0.0)
                 dq_mag[bi, :, heads] = (m @ np.abs(k[bi, :, hk]) * scale).transpose(1, 0, 2)
                 dk_mag[bi, :, hk] += np.einsum("gqk,gqd->kd", m, np.abs(qg)) * scale
-    return Grads(dq, dk, dv, dsinks), (Grads(dq_mag, dk_mag, None, None) if magnitudes else None)
+    return Grads(dq, dk, dv, dsinks), (Grads(dq_mag, dk_mag, None, None) if magnitudes else None), dtensors
 
 
 def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "float16", scale: float | None = None, *,
-                           batch_offset: int = 0, out=None, dlse=None, **variant) -> Grads:
+                           batch_offset: int = 0, out=None, dlse=None, learnable=(), **variant) -> Grads:
     """The backward kernel's arithmetic on the CPU (FlashAttention-3's): inputs and dout rounded to
     `dtype`; O the low-precision forward's output (in `dtype`, as the kernel reads it); S = Q K^T
     in float32; P = exp2(z - LSE2) in float32 with LSE2 the float32 log2-sum-exp (0 where it is
@@ -160,6 +190,8 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
     dq = np.zeros(q.shape, f32)
     dk, dv = np.zeros(k.shape, f32), np.zeros(v.shape, f32)
     dsinks = np.zeros(h, f32) if variant.get("sinks") is not None else None
+    dtensors = {n: np.zeros(shape, f32) for n, shape in learnable_shapes(learnable, variant).items()}
+    terms = []
     for bi in range(b):
         for hk in range(hkv):
             heads = slice(hk * group, (hk + 1) * group)
@@ -168,8 +200,9 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
             with np.errstate(invalid="ignore", over="ignore"):
                 s = qg @ k[bi, :, hk].T  # float32
                 if prescaled:  # the kernel's transform on q . k * scale, then base 2
-                    z, visible, sink, dzds = _variant_scores(s * f32(scale), bi + batch_offset, head_ids, sq, skv, causal,
-                                                             dtype=f32, grad=True, **variant)
+                    z, visible, sink, dzds, *terms = _variant_scores(s * f32(scale), bi + batch_offset, head_ids, sq, skv,
+                                                                     causal, dtype=f32, grad=True, learnable=learnable,
+                                                                     **variant)
                     z = z * f32(LOG2E)
                 else:
                     z, visible, sink, _ = _variant_scores(s, bi + batch_offset, head_ids, sq, skv, causal, dtype=f32,
@@ -187,6 +220,8 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
                 dpsum = (do * out[bi, :, heads].transpose(1, 0, 2).astype(f32)).sum(axis=-1, keepdims=True, dtype=f32)
                 dpsum = (dpsum - dlse[bi, heads, :, None]).astype(f32)
                 ds = np.where(visible, p * (dp - dpsum) * np.where(visible, dzds, f32(0)), f32(0)).astype(f32)
+                if terms:
+                    _scatter(dtensors, terms[0], np.where(visible, p * (dp - dpsum), f32(0)).astype(f32), visible, f32)
             p16, ds16 = round_to(p, dtype), round_to(ds, dtype)
             dq[bi, :, heads] = (ds16 @ k[bi, :, hk]).transpose(1, 0, 2) * f32(scale)
             dk[bi, :, hk] += np.einsum("gqk,gqd->kd", ds16, qg, dtype=f32) * f32(scale)
@@ -195,7 +230,10 @@ def attention_grad_lowprec(q, k, v, dout, causal: bool = False, dtype: str = "fl
                 p_sink = np.where(den > 0, np.exp2(sink2 - lse2), f32(0))
                 dsinks[heads] -= (p_sink * dpsum).sum(axis=(1, 2), dtype=f32)
     rounded = [round_to(g, dtype).astype(np.float64) for g in (dq, dk, dv)]
-    return Grads(*rounded, None if dsinks is None else dsinks.astype(np.float64))
+    grads = Grads(*rounded, None if dsinks is None else dsinks.astype(np.float64))
+    if learnable:  # (tensor_grads' twin)
+        return grads, {n: g.astype(np.float64) for n, g in dtensors.items()}
+    return grads
 
 
 def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None,
@@ -224,28 +262,33 @@ def attention_grad_varlen(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: boo
 
 
 def check_grads(grads, q, k, v, dout, causal: bool, *, dtype: str, eps: float | None = None,
-                scale: float | None = None, out=None, dlse=None, **variant) -> dict:
+                scale: float | None = None, out=None, dlse=None, learnable=(), **variant) -> dict:
     """Each gradient of `grads` (a Grads, or a dict with dq, dk, dv and dsinks) against the fp64
     reference under the rule above: {name: reference.Check}. The reference is computed from the
     inputs rounded to `dtype` (what the kernel reads). A shape mismatch is a FAIL (err = inf).
     `out`: the forward output the backward kernel read, for the twin's D (attention_grad_lowprec);
     check that output with reference.check_close, since this check then takes it as given.
-    `dlse`: the LSE output's gradient [B, H, Sq] the backward was given (None: zeros)."""
+    `dlse`: the LSE output's gradient [B, H, Sq] the backward was given (None: zeros). `learnable`:
+    also each named tensor's gradient, got as "d<name>" (tensor_grads and its twin)."""
     if dtype not in ("float16", "bfloat16"):
         raise InputError("dtype", repr(dtype), "'float16' or 'bfloat16'")
     q, k, v, dout = (round_to(to_numpy(t), dtype) for t in (q, k, v, dout))
-    ref, mag = _attention_grad(q, k, v, dout, causal, scale, 0, True, dlse=dlse, **variant)
-    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, dlse=dlse, **variant)
+    ref, mag, dtensors = _attention_grad(q, k, v, dout, causal, scale, 0, True, dlse=dlse, learnable=learnable, **variant)
+    low = attention_grad_lowprec(q, k, v, dout, causal, dtype, scale, out=out, dlse=dlse, learnable=learnable, **variant)
+    low, low_tensors = low if learnable else (low, {})
     got = grads._asdict() if isinstance(grads, Grads) else dict(grads)
     out = {}
-    for name in Grads._fields:
-        r, lo = getattr(ref, name), getattr(low, name)
+    for name in Grads._fields + tuple(f"d{n}" for n in learnable):
+        if name in Grads._fields:
+            r, lo, m = getattr(ref, name), getattr(low, name), getattr(mag, name)
+        else:
+            r, lo, m = dtensors[name[1:]], low_tensors[name[1:]], None
         if r is None:
             continue
         g = got.get(name)
         bound = tolerance(r, lo, dtype, eps)
-        if eps is None and getattr(mag, name) is not None:  # the float32 noise where dP and D cancel
-            bound = max(bound, tolerance(r, lo, dtype, CANCELLATION * float(getattr(mag, name).max(initial=0.0))))
+        if eps is None and m is not None:  # the float32 noise where dP and D cancel
+            bound = max(bound, tolerance(r, lo, dtype, CANCELLATION * float(m.max(initial=0.0))))
         if g is None or np.shape(to_numpy(g)) != r.shape:
             out[name] = Check(False, float("inf"), bound)
             continue

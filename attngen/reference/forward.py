@@ -197,12 +197,15 @@ def _prescaled(variant: dict) -> bool:
 
 
 def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                    score_mod="", mask_mod="", tensors=None, dtype=np.float64, grad=False):
+                    score_mod="", mask_mod="", tensors=None, dtype=np.float64, grad=False, learnable=()):
     """Scores s [g, Sq, Skv] (q . k * scale, natural units) of batch bi and query heads `heads`
     through softcap, ALiBi, score_mod, then the masks (causal, window, mask_mod): masked -> -inf.
     Returns (scores, visible [g, Sq, Skv], the heads' sink logits [g, 1, 1] or None), and with
     `grad` a fourth value: d(score)/d(s) [g, Sq, Skv] through the same chain (softcap's
-    1 - tanh^2, ALiBi's 1, score_mod's symbolic derivative, expr.derivative), meaningful where visible."""
+    1 - tanh^2, ALiBi's 1, score_mod's symbolic derivative, expr.derivative), meaningful where visible.
+    With `learnable` (names of tensors: alibi_slopes, the score_mod's float tensors) a fifth: per read
+    site (name, the entry each element reads [index arrays], d(score)/d(that entry) [g, Sq, Skv]),
+    the terms a learnable tensor's gradient is scattered from (expr.derivative with `wrt`)."""
     off = skv - sq
     qi = np.arange(sq)[None, :, None]
     kj = np.arange(skv)[None, None, :]
@@ -210,6 +213,7 @@ def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0,
     tensors = {n: to_numpy(t).astype(np.float64) for n, t in (tensors or {}).items()}
     env = {"b": bi, "h": hh, "q_idx": qi, "kv_idx": kj}
     dsds = 1.0
+    terms = []
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         if softcap:
             t = np.tanh(s / softcap)
@@ -217,17 +221,31 @@ def _variant_scores(s, bi, heads, sq, skv, causal, window=(-1, -1), softcap=0.0,
         if alibi_slopes is not None:
             slopes = to_numpy(alibi_slopes).astype(np.float64)[hh]
             s = s - slopes * np.abs(qi + off - kj)
+        dmod = 1.0  # d(score_mod)/d(its input)
         if score_mod and score_mod.strip():
             e = expr_mod.parse(score_mod, "score_mod")
             if grad:
-                dsds = dsds * expr_mod.evaluate(expr_mod.derivative(e), {**env, "score": s}, tensors)
+                dmod = expr_mod.evaluate(expr_mod.derivative(e), {**env, "score": s}, tensors)
+                dsds = dsds * dmod
+            for name in learnable:
+                for site in expr_mod.tensor_reads(e, name):
+                    at = expr_mod.read_index(site, tensors[name].shape,
+                                             lambda n: expr_mod.evaluate(e, env, tensors, node=n))
+                    terms.append((name, at, expr_mod.evaluate(expr_mod.derivative(e, site), {**env, "score": s}, tensors)))
             s = expr_mod.evaluate(e, {**env, "score": s}, tensors)
+        if "alibi_slopes" in learnable:  # score -= slope[h] |q + off - k|
+            terms.append(("alibi_slopes", (hh,), -np.abs(qi + off - kj) * dmod))
         s = np.broadcast_to(np.asarray(s, dtype), (len(heads), sq, skv))
     visible = np.broadcast_to(tiles.visible(qi, kj, sq, skv, tiles.edges(causal, window)), (len(heads), sq, skv)).copy()
     if mask_mod and mask_mod.strip():
         visible &= np.asarray(expr_mod.evaluate(expr_mod.parse(mask_mod, "mask_mod"), env, tensors), bool)
     s = np.where(visible, s, dtype(-np.inf))
     sink = None if sinks is None else to_numpy(sinks).astype(dtype)[hh]
+    if grad and learnable:
+        shape = s.shape
+        terms = [(n, tuple(np.broadcast_to(i, shape) for i in at), np.broadcast_to(np.asarray(v, dtype), shape))
+                 for n, at, v in terms]
+        return s, visible, sink, np.broadcast_to(np.asarray(dsds, dtype), shape), terms
     if grad:
         return s, visible, sink, np.broadcast_to(np.asarray(dsds, dtype), s.shape)
     return s, visible, sink

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from attngen.kernels.bwd.plan import autograd_spec, plan_backward
+from attngen.kernels.bwd.render import term_names
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS, Shape
 from attngen.kernels.fwd.plan import Plan
 from attngen.reference.forward import InputError
@@ -42,7 +43,8 @@ class BackwardKernel:
         return self.plan.name
 
     def run(self, q, k, v, out, lse, dout, *, extra=(), softmax_scale: float, call=None, dlse=None) -> tuple:
-        """(dq, dk, dv) and, with sinks, dsinks [H] float32: gradients of sum(out * dout) + sum(lse * dlse)
+        """(dq, dk, dv), with sinks dsinks [H] float32, then each of spec.learnable's gradients (float32,
+        its tensor's shape): gradients of sum(out * dout) + sum(lse * dlse)
         for the forward (out, lse [B, H, Sq]) that the plan's forward kernel returned (dlse: float32,
         packed, lse's shape; None: zeros, one memset of 4 bytes a row). `extra` are the
         forward's call-time tensors in its kernel order (check_extra). The inputs are checked by
@@ -84,7 +86,12 @@ class BackwardKernel:
         calls = [tensors[n] for n in names if n != "sinks" and n not in lists]
         bm, _ = backward_block_mask(bp, tensors, int(q.shape[1]), int(k.shape[1])) if bp.forward.block_mask else ([], {})
         bm = [torch.from_numpy(x).to(q.device) for x in bm]
-        main_calls = calls + bm[:4] + seq  # the main kernel's transposed q_* lists ...
+        # the learnable tensors' float32 gradients: the main kernel's atomics add into them (kernels.bwd.render)
+        dtensors = [torch.zeros(tuple(tensors[n].shape), **f32) for n in names if n in bp.spec.learnable]
+        # deterministic: the main kernel stores each read's terms, the dtensors kernel walks them in one order
+        terms = [torch.zeros((int(q.shape[0]), h, int(q.shape[1]), int(k.shape[1])), **f32) for _ in term_names(bp)]
+        constants = list(calls)  # the call-time tensors alone (the dtensors kernel's)
+        main_calls = calls + (terms if bp.deterministic else dtensors) + bm[:4] + seq  # the main kernel's transposed q_* lists ...
         calls = calls + bm[4:] + seq  # ... and the dq kernel's kv_*
         scale = [float(softmax_scale)]
         main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + main_calls + scale
@@ -98,13 +105,16 @@ class BackwardKernel:
                 self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
             if bp.deterministic and bp.spec.sinks:  # one block per head sums the rows in order
                 self.jits["dsinks"](*(_detach(a) for a in [lse, dpsum, tensors["sinks"], dsinks] + seq))
+            if terms:
+                self.jits["dtensors"](*(_detach(a) for a in terms + constants + dtensors))
             if bp.kv_accum:
                 dk, dv = torch.zeros_like(k) if varlen else torch.empty_like(k), \
                     torch.zeros_like(v) if varlen else torch.empty_like(v)
                 self.jits["postprocess_kv"](*(_detach(a) for a in [dk_main, dv_main, dk, dv] + seq))
             else:
                 dk, dv = dk_main, dv_main
-        return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
+        found = dict(zip([n for n in names if n in bp.spec.learnable], dtensors))
+        return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ()) + tuple(found[n] for n in bp.spec.learnable)
 
 
 _bwd_memo: dict = {}

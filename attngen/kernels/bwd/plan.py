@@ -37,6 +37,11 @@ BWD_REG_OVERHEAD = 32
 # at the edge (hd128 64x128 softcap 238 used, varlen 232), both spilled at an estimate of 240:
 # softcap + varlen 28 B (hd128 64x128), a score_mod + varlen 336 B (hd256 by columns).
 BWD_VARLEN_VARIANT_REGS = 8
+# ...and with learnable tensors, split by keys: the scatter's loop (P recomputed from the raw S^T beside
+# dP^T, the entry's index) spilled 8 B at the edge: hd128 bf16 causal, `score + bias[b, h, q_idx, kv_idx]`
+# learnable, 64 x 128 by keys (estimate 240); the same spec without it: 0 B. By columns it fit at the
+# edge: hd256 (estimate 240) 0 B, so the term is the key split's.
+BWD_LEARNABLE_REGS = 8
 # Refused: packed sequences, a variant that may read the head (ALiBi, score_mod, mask_mod) and
 # deterministic GQA together (the CTA loops over the group's heads) spilled at every head dim
 # measured, whatever the tile: causal, window [511, -1], ALiBi, varlen, deterministic, GQA 8 by
@@ -92,6 +97,8 @@ def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     parts = [f"fa3_bwd_hd{spec.head_dim}", hw.DTYPES[spec.dtype].tag, "causal" if spec.causal else "full",
              f"g{spec.gqa_group}", f"c{consumers}", f"q{q_stages}", f"m{block_m}n{block_n}"] + (["cols"] if columns else [])
     tail = ["det"] if spec.deterministic else []
+    if spec.learnable:  # the tensors whose gradients the main kernel scatters
+        tail.append("dt" + hashlib.sha256(",".join(spec.learnable).encode()).hexdigest()[:6])
     return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
@@ -104,7 +111,8 @@ def bwd_regs_needed(spec: Spec, block_m: int, columns: int = 1) -> int:
     scores = 2 * r(hw.WGMMA_M * block_m, 4) + r(hw.WGMMA_M * block_m, 2)
     dq = r(block_m * spec.head_dim // columns, 4) + r(hw.WGMMA_M * block_m, 2)
     packed = elementwise_variant(spec) and spec.layout == "varlen"
-    return acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
+    return (acc + max(scores, dq) + BWD_REG_OVERHEAD + (BWD_VARLEN_VARIANT_REGS if packed else 0)
+            + (BWD_LEARNABLE_REGS if spec.learnable and columns == 1 else 0))
 
 
 def bwd_dq_regs_needed(spec: Spec) -> int:
@@ -171,12 +179,17 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
     # A block mask's backward visits its listed tiles (BWD_BLOCK_MASK_TENSORS, docs/backward.md)
-    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False), shape)
+    if spec.learnable and spec.deterministic and spec.layout != "bshd":
+        raise ruled_out("deterministic", True, "false", f"learnable = {list(spec.learnable)} and layout "
+                        f"{spec.layout!r}", "the fixed-order walk over the learnable tensors' terms is laid out for "
+                        "bshd (a [batch, heads, q_len, kv_len] buffer)")
+    forward = make_plan(dataclasses.replace(spec, lse=True, deterministic=False, learnable=()), shape)
     forward_spec = forward.spec
     # The backward's identity (name, hash, header): the fields its kernels read; the forward's own tiling,
     # stages, ping-pong, alignment and loop form at their defaults, so specs that differ only there
     # share one backward module (default and seed_parity did, under one name with two headers)
-    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, **FORWARD_ONLY_FIELDS)
+    rspec = dataclasses.replace(forward_spec, deterministic=spec.deterministic, learnable=spec.learnable,
+                                **FORWARD_ONLY_FIELDS)
     masked = rspec.causal or rspec.window != (-1, -1) or bool(rspec.mask_mod.strip()) or rspec.softcap
     per_head = rspec.alibi or rspec.score_mod.strip() or rspec.mask_mod.strip()  # may read the visit's head
     if check_registers and per_head and rspec.layout == "varlen" and rspec.deterministic and rspec.gqa_group > 1:

@@ -124,6 +124,7 @@ def consumer_args(bp: BackwardPlan) -> str:
     names.append("kv_partial")
     names += seq_names(bp)
     names += [t.param for t in call_tensors(bp)]
+    names += term_names(bp) if bp.deterministic else ["d" + t.param for t in learnable_tensors(bp)]
     names += block_mask_args(bp)
     return ", ".join(names + ["softmax_scale"])
 
@@ -170,6 +171,19 @@ def call_tensors(bp: BackwardPlan) -> list:
     return [t for t in bp.forward.extra if not t.output and t.name != "sinks" and t.name not in lists]
 
 
+def learnable_tensors(bp: BackwardPlan) -> list:
+    """The call-time tensors whose gradients the main kernel scatters (spec.learnable), in kernel order."""
+    return [t for t in call_tensors(bp) if t.name in bp.spec.learnable]
+
+
+def term_names(bp: BackwardPlan) -> list:
+    """Deterministic: the main kernel stores each learnable read's term per (batch, head, row, key)
+    in one of these (no atomics); build_dtensors_kernel sums them in one order."""
+    if not (bp.deterministic and bp.spec.learnable):
+        return []
+    return [f"Terms{k}" for k in range(len(Variant.of(bp.forward).tensor_grads(bp.spec.learnable)))]
+
+
 def params(bp: BackwardPlan, dv: str) -> dict:
     """Each kernel's prim_func parameter lines (docs/backward.md, "The kernels' parameters")."""
     layout = layout_of(bp.forward)
@@ -203,7 +217,11 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     calls = [tensor_param(t.param, [t.dim(a) for a in range(len(t.shape))], f'"{t.dtype}"', f"call time: {t.name}")
              for t in call_tensors(bp)]
     scale = "softmax_scale: T.float32,  # call time: score = q . k * softmax_scale"
-    main += calls + block_mask_params(bp) + seq + [scale]
+    grads = [tensor_param("d" + t.param, [t.dim(a) for a in range(len(t.shape))], '"float32"',
+                          f"in/out: zeroed by the caller; d(loss)/d({t.name}) atomically added") for t in learnable_tensors(bp)]
+    terms = [tensor_param(n, ["batch", "heads", "q_len", "kv_len"], '"float32"', "in/out: zeroed by the caller; "
+                          "a learnable read's term per element (0 where masked)") for n in term_names(bp)]
+    main += calls + (terms if bp.deterministic else grads) + block_mask_params(bp) + seq + [scale]
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
           tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
@@ -214,8 +232,11 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                tensor_param("dK", kv_shape("HEAD_DIM"), "DTYPE", "output"), tensor_param("dV", kv_shape(dv), "DTYPE", "output")]
     pre += seq
     post_kv += seq
+    dtensors = [p.replace("atomically added", "summed in one order") for p in grads]
+    dtensors = [tensor_param(n, ["batch", "heads", "q_len", "kv_len"], '"float32"', "the main kernel's terms")
+                for n in term_names(bp)] + calls + dtensors
     return {"pre_params": pre, "main_params": main, "post_params": post, "post_kv_params": post_kv, "dq_params": dq,
-            "dsinks_params": dsinks}
+            "dsinks_params": dsinks, "dtensors_params": dtensors}
 
 
 def header_lines(bp: BackwardPlan) -> list[str]:
@@ -245,6 +266,8 @@ def entries(bp: BackwardPlan) -> list:
     out.append("build_dq_kernel" if bp.deterministic else "build_postprocess_kernel")
     if bp.deterministic and bp.spec.sinks:
         out.append("build_dsinks_kernel")
+    if term_names(bp):
+        out.append("build_dtensors_kernel")
     if bp.kv_accum:
         out.append("build_postprocess_kv_kernel")
     return out
@@ -366,6 +389,10 @@ def template_context(bp: BackwardPlan) -> dict:
         **(dq_context(bp) if bp.deterministic else {}),
         **params(bp, dv),
         "variant": Variant.of(f),
+        "tensor_grads": Variant.of(f).tensor_grads(spec.learnable),
+        "terms": term_names(bp),  # (deterministic: the main kernel's stores, the walk's sources)
+        "walk_targets": [t for t, _ in Variant.of(f).tensor_grads(spec.learnable, at=("bi", "hi", "qi", "kj"))],
+        "tensor_grads_mask": Variant.of(f).bwd_mask_cond(inline=True) if spec.learnable else "",
         "bmask": backward_walk(f),
         "dq_bmask": backward_walk(f, dq=True),
     }

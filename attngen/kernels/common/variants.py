@@ -151,6 +151,33 @@ class Variant:
                 factors.append(f"({self.mod_at(d, row, key, 'head', u)})")
         return " * ".join(factors)
 
+    def tensor_grads(self, learnable: tuple, at: tuple | None = None) -> list[tuple[str, str]]:
+        """The main kernel's scatter of the learnable tensors' gradients (docs/backward.md, "Learnable
+        tensors"): (target element, d(final score)/d(that entry) from the raw acc_s, "" where 1) per read site;
+        dT[target] += dZ * value, dZ = P (dP - dPsum) the gradient of the score_mod's output. The
+        target is the read's own element (its index clamped as the read's), in dT = "d" + the param,
+        at the main kernel's (batch, head, row, key), or `at`'s names (the deterministic walk's)."""
+        row, key = MAIN[:2]
+        b, h, q, kv = at or ("batch_idx", "head", f"({row})", f"({key})")
+        e = self.plan.score_expr
+        u = self.score("acc_s[i, j]", row, key, "head", mods=False)  # the score_mod's input
+        tensors = {t.name: t for t in self.plan.extra}
+        grads = []
+        for name in learnable:
+            if name == "alibi_slopes":  # score -= slope[h] |row + offset - key|: d/d slope = -|...| times the mod's d/d score
+                value = f'(-T.Cast("float32", T.abs({row} + causal_offset - ({key}))))'
+                if e is not None and expr.derivative(e).canonical.strip() != "1":
+                    value = f"{value} * ({self.mod_at(expr.derivative(e), row, key, 'head', u)})"
+                grads.append((f"d{tensors[name].param}[{h}]", value))
+                continue
+            for site in expr.tensor_reads(e, name):
+                target = expr.emit(e, {"b": b, "h": h, "q_idx": q, "kv_idx": kv},
+                                   lambda n: "d" + tensors[n].param if n == name else tensors[n].param,
+                                   lambda n, axis: tensors[n].dim(axis), node=site)
+                d = expr.derivative(e, site)
+                grads.append((target, "" if d.canonical.strip() == "1" else f"({self.mod_at(d, row, key, 'head', u)})"))
+        return grads
+
     # -- the element mask: the forward's [rows, keys] tile ----------------------------------------------
     def causal_diag(self, tile: str) -> tuple[str, str] | None:
         """The diagonal in visit `tile`: (name, value), row i's diagonal key being j = i + name.
@@ -221,13 +248,15 @@ class Variant:
             return "diag = q0 + row0 + causal_offset - kv_tile * DQ_BLOCK_N  # row i's diagonal key is j = i + diag"
         return "diag = m0 + causal_offset - key0  # row m0 + j's diagonal key is key0 + j + diag"
 
-    def bwd_mask_cond(self, dq: bool = False) -> str:
+    def bwd_mask_cond(self, dq: bool = False, inline: bool = False) -> str:
         """Does the query row see the key (the edges of tiles.visible, with the diagonal bound per
         tile), and, in the main kernel, is the row a real one (< q_len: its rows past q_len are loaded
-        as zeros, but a score_mod could make P infinite there)?"""
+        as zeros, but a score_mod could make P infinite there)? `inline`: the main kernel's diagonal
+        written out, not read from bwd_mask_bind's `diag` (a test of every visit, before any bind)."""
         p = self.plan
         row, key, ri, ki = DQ if dq else MAIN
-        parts = self._edges(f"{ri} + diag", ki)
+        diag = "(m0 + causal_offset - key0)" if inline and not dq else "diag"
+        parts = self._edges(f"{ri} + {diag}", ki)
         if p.window_right != 0:  # right == 0 keeps a real row's keys below kv_len
             parts.append(f"{key} < kv_len")
         if not dq:
