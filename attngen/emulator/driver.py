@@ -31,6 +31,7 @@ from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
 from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
+from attngen.reference.kv_cache import dequantize, quantize, random_descales, row_batches
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -595,7 +596,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     """
     from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
 
-    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | set(DESCALES)  # descales: drawn with the fp8 cache, below
     spec = plan.spec
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
@@ -614,7 +615,23 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
     if plan.block_mask:
         tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
+    if spec.kv_dtype is not None:  # an fp8 cache: k and v quantized by descales per (batch, KV head)
+        kd, vd = random_descales(batch, kv_heads, seed + 2)
+        tensors.update(k_descale=kd, v_descale=vd)
+        k, v = quantize(k, kd), quantize(v, vd)
     return q, k, v, tensors
+
+
+DESCALES = ("k_descale", "v_descale")  # an fp8 cache's call-time descales (kernels/fwd/kv_cache.py)
+
+
+def reference_kv(k, v, tensors: dict, row_batch=None) -> tuple:
+    """The k and v the fp64 reference takes, and the call-time tensors that are the variant's: an
+    fp8 cache dequantized by its descales (reference/kv_cache.py), which are no variant's tensors."""
+    if "k_descale" not in tensors:
+        return k, v, tensors
+    rest = {n: x for n, x in tensors.items() if n not in DESCALES}
+    return dequantize(k, tensors["k_descale"], row_batch), dequantize(v, tensors["v_descale"], row_batch), rest
 
 
 def block_mask_lists(plan, batch: int, heads: int, q_len: int, kv_len: int, tensors: dict) -> dict:
@@ -653,6 +670,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            tensors=tensors, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
+    k, v, tensors = reference_kv(k, v, tensors)
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
@@ -714,11 +732,18 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         q = np.concatenate([q, np.zeros((PADDING_ROWS, *q.shape[1:]), np.float32)])
     if plan.split_kv:
         keywords["num_splits"] = CHECK_SPLITS
-    result, stats = (run or emulate_stats)(plan, q, x.k, x.v, seed=seed, policy=policy, source=source, filename=filename,
-                                           serving=keywords, softmax_scale=softmax_scale)
+    k, v, tensors, row_batch = x.k, x.v, {}, None
+    if spec.kv_dtype is not None:  # an fp8 cache: descales per (page, or sequence; KV head)
+        kd, vd = random_descales(k.shape[0] if spec.paged_kv else len(lk), kv_heads, seed + 2)
+        if plan.varlen and not spec.paged_kv:
+            row_batch = row_batches(x.cu_seqlens_k[:-1], lk, k.shape[0])
+        k, v, tensors = quantize(k, kd, row_batch), quantize(v, vd, row_batch), {"k_descale": kd, "v_descale": vd}
+    result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
+                                           serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)
-    call = check_serving(plan, q, x.k, x.v, **keywords)
-    res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
+    call = check_serving(plan, q, k, v, **keywords)
+    k, v, _ = reference_kv(k, v, tensors, row_batch)
+    res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
                               **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
