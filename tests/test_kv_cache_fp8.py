@@ -203,3 +203,111 @@ def test_attngen_emulate_takes_the_descales_by_name():
     out = attngen.emulate(plan, x.q, k8, v8, **x.keywords, **tensors)
     ref, _ = emulate_stats(plan, x.q, k8, v8, serving=x.keywords, tensors=tensors)
     assert np.array_equal(out, ref)
+
+
+# -- the KV-append kernel into an fp8 cache ------------------------------------------------------------
+def _append_case(seed=0, page_size=16, batch=2, kv_heads=2, s_new=5, dtype="bfloat16"):
+    """An e4m3 paged cache of noise, new keys that are e4m3 values times their page's descale (the
+    round trip must give those e4m3 values back), shuffled pages, and the expected cache."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, 2 * page_size, batch)
+    pages_per = -(-(lens + s_new) // page_size)
+    num_pages = int(pages_per.sum()) + 2
+    order = rng.permutation(num_pages)
+    table = np.zeros((batch, int(pages_per.max())), np.int32)
+    start = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = order[start:start + n]
+        start += n
+    cache = round_to(rng.standard_normal((num_pages, page_size, kv_heads, 64)) * 4, E4M3)
+    kd, vd = random_descales(num_pages, kv_heads, seed)
+    e4m3 = round_to(rng.standard_normal((2, batch, s_new, kv_heads, 64)) * 4, E4M3)
+    new, expected = [], []
+    for x, d, which in ((e4m3[0], kd, 0), (e4m3[1], vd, 1)):
+        out = cache.copy()
+        vals = np.empty_like(x)
+        for b in range(batch):
+            pos = lens[b] + np.arange(s_new)
+            page, row = table[b, pos // page_size], pos % page_size
+            vals[b] = round_to(x[b] * d[page][:, :, None], dtype)  # what a 16-bit caller holds
+            out[page, row] = x[b]
+        new.append(torch.from_numpy(vals).to(getattr(torch, dtype)))
+        expected.append(out)
+    fp8 = getattr(torch, E4M3)
+    caches = [torch.from_numpy(cache).to(fp8), torch.from_numpy(cache).to(fp8)]
+    args = (*caches, *new, torch.from_numpy(table), torch.from_numpy(lens.astype(np.int32)))
+    return args, {"k_descale": torch.from_numpy(kd), "v_descale": torch.from_numpy(vd)}, expected
+
+
+def test_the_append_quantizes_by_the_page_descale_and_round_trips_e4m3_values_exactly():
+    from attngen.emulator.driver import emulate_append
+
+    args, descales, (want_k, want_v) = _append_case()
+    got_k, got_v = emulate_append(*args, **descales)
+    assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("old, new", [
+    (" / K_descale[", " / V_descale["),  # the other tensor's descale
+    (" / K_descale[block_table[batch_idx, (start + r0 + i) // PAGE_SIZE], kv_head]",
+     " / K_descale[block_table[batch_idx, 0], kv_head]"),  # the sequence's first page's
+    (" / V_descale[block_table[batch_idx, (start + r0 + i) // PAGE_SIZE], kv_head]", ""),  # no quantization
+])
+def test_an_append_with_a_wrong_descale_fails(old, new):
+    from attngen.emulator.driver import emulate_append
+    from attngen.kernels.append.plan import append_plan
+    from attngen.kernels.append.render import render_append_source
+
+    args, descales, (want_k, want_v) = _append_case()
+    source = render_append_source(append_plan("bfloat16", 64, 64, 16, E4M3))
+    assert old in source
+    got_k, got_v = emulate_append(*args, **descales, source=source.replace(old, new))
+    assert not (np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v))
+
+
+def test_an_append_saturates_at_448():
+    from attngen.emulator.driver import emulate_append
+
+    args, descales, _ = _append_case()
+    big = [args[2] * 1000, args[3]]
+    got_k, _ = emulate_append(*args[:2], *big, *args[4:], **descales)
+    assert np.isfinite(got_k).all() and np.abs(got_k).max() == 448.0
+
+
+def test_an_fp8_append_needs_its_descales_and_a_16_bit_one_takes_none():
+    from attngen.emulator.driver import emulate_append
+
+    args, descales, _ = _append_case()
+    with pytest.raises(InputError) as e:
+        emulate_append(*args, k_descale=descales["k_descale"])
+    assert "v_descale" in str(e.value) and "num_pages" in str(e.value)
+    with pytest.raises(InputError) as e:
+        emulate_append(*args, **{**descales, "v_descale": descales["v_descale"][:, :1]})
+    assert "v_descale.shape" in str(e.value)
+    sixteen = [a.to(args[2].dtype) for a in args[:2]]
+    with pytest.raises(InputError) as e:
+        emulate_append(*sixteen, *args[2:], **descales)
+    assert "k_descale" in str(e.value) and "None" in str(e.value)
+
+
+def test_a_decode_step_appends_into_the_fp8_cache_and_attends_over_it():
+    """The append's stores and the forward's loads agree on every page's descale."""
+    torch = pytest.importorskip("torch")
+    from attngen.emulator.driver import emulate_append
+    from attngen.reference.serving import check_serving_close
+    from attngen.run.serving import check_serving
+
+    args, descales, _ = _append_case(s_new=1)
+    k_cache, v_cache = emulate_append(*args, **descales)
+    table, lens = args[4].numpy(), args[5].numpy() + 1
+    plan = make_plan(kv8(dtype="bfloat16", paged_kv=True, page_size=16, block_n=16, gqa_group=2))
+    q = round_to(np.random.default_rng(9).standard_normal((2, 1, 4, 64)), "bfloat16")
+    keywords = {"block_table": table, "seqused_k": lens.astype(np.int32)}
+    tensors = {n: t.numpy() for n, t in descales.items()}
+    out, _ = emulate_stats(plan, q, k_cache, v_cache, serving=keywords, tensors=tensors)
+    call = check_serving(plan, q, k_cache, v_cache, **keywords)
+    k, v = dequantize(k_cache, tensors["k_descale"]), dequantize(v_cache, tensors["v_descale"])
+    res = check_serving_close(out, q, k, v, call, False, "bfloat16")
+    assert res.ok, res
+    assert torch is not None

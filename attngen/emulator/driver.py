@@ -388,27 +388,30 @@ def append_ownership(call, rows_per_block: int):
 
 
 def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: int = 0, policy: str = "random",
-                   source: str | None = None, stats: Stats | None = None):
+                   source: str | None = None, stats: Stats | None = None, k_descale=None, v_descale=None):
     """Run the KV-cache append kernel (render.render_append_source) on the CPU model: k, v
     [batch, seqlen_new, kv_heads, D(v)] into the paged caches [num_pages, page_size, kv_heads, D(v)]
     at cache_seqlens[b] through block_table. Returns the caches as the kernel left them (float32
     numpy arrays holding the cache dtype's values; the caller copies them back for in-place
     semantics). Every store is held to append_ownership: a write outside the block's appended rows
-    is a KernelError. Inputs are checked first (append.check_append, inputs.check_append_tensors)."""
+    is a KernelError. Inputs are checked first (append.check_append, inputs.check_append_tensors).
+    An e4m3 cache (an fp8 KV cache) takes k_descale and v_descale, float32 [num_pages, kv_heads]."""
     from attngen.kernels.append.plan import append_plan
     from attngen.kernels.append.render import render_append_source
-    from attngen.run.append import check_append
+    from attngen.run.append import check_append, check_append_descales
 
     seed = check_schedule(seed, policy)
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
     dtype = call_checks.check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, cpu=True)
-    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size, call_checks.dtype_name(k_cache))
+    descales = check_append_descales(plan, call, k_descale, v_descale, cpu=True)
     caches = [_host_array(x) for x in (k_cache, v_cache)]
     if call.empty:  # no new key: nothing to launch
         return caches[0], caches[1]
     text = render_append_source(plan) if source is None else source
     stats = stats if stats is not None else Stats()
     inputs = caches + [_host_array(x) for x in (k, v)] + [call.block_table, call.cache_seqlens.astype(np.int32)]
+    inputs += [_host_array(x) for x in descales]
     t0 = time.perf_counter()
     rt = Runtime(text, f"<emitted {plan.name}>", call.dims)
     rt.run(inputs, seed=seed, policy=policy, stats=stats, entry="build_append_kernel",

@@ -85,6 +85,13 @@ def element_dtype(spec, name: str) -> str:
     return kv_dtype if name in ("k", "v") and kv_dtype is not None else spec.dtype
 
 
+def check_contiguous(name: str, t) -> None:
+    """A call-time tensor the kernel indexes element by element (no TMA): packed."""
+    shape, strides, _, _, packed = _layout(t)
+    if not packed:
+        raise InputError(f"{name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+
+
 def check_layout(name: str, t) -> None:
     """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
     check_tma_layout(name, t)
@@ -214,9 +221,7 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         if len(x.shape) != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
                 or math.prod(x.shape) == 0:
             raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
-        shape, strides, _, _, packed = _layout(x)
-        if not packed:
-            raise InputError(f"{t.name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+        check_contiguous(t.name, x)
         if t.name == "sinks":
             _check_finite(t.name, x)
         ordered.append(x)
@@ -407,23 +412,29 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
 
 def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
     """The tensor side of a KV-cache append that append.check_append (shapes and values) leaves:
-    a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
-    declare no strides, and the caches are written in place: a copy would lose the append), int32
-    tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
-    Device not checked (checks.check_device). `cpu`: numpy arrays too."""
+    a float16/bfloat16 cache with k and v of its dtype, or an e4m3 cache (an fp8 KV cache) with k
+    and v of one 16-bit dtype, contiguous tensors (the kernel's buffers declare no strides, and the
+    caches are written in place: a copy would lose the append), int32 tensors contiguous, and new
+    keys sharing no memory with the cache. Returns the new keys' dtype name (the cache's is
+    k_cache's). Device not checked (checks.check_device). `cpu`: numpy arrays too."""
     from attngen.hw import DTYPES
+    from attngen.spec import KV_DTYPES
 
     if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):
         raise InputError("k_cache", type(k_cache).__name__, "a torch.Tensor")
-    dtype = dtype_name(k_cache)
+    cache = dtype_name(k_cache)
+    if cache not in DTYPES and cache not in KV_DTYPES:
+        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in (*DTYPES, *KV_DTYPES)))
+    dtype = cache if cache in DTYPES else dtype_name(k)
     if dtype not in DTYPES:
-        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in DTYPES))
+        raise InputError("k.dtype", k.dtype, " or ".join(f"torch.{d}" for d in DTYPES) + f" (new keys for a {cache} cache)")
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     for name, t in given.items():
         if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
             raise InputError(name, type(t).__name__, "a torch.Tensor")
-        if dtype_name(t) != dtype:
-            raise InputError(f"{name}.dtype", t.dtype, f"{k_cache.dtype}, the dtype of k_cache")
+        want, whose = (cache, "k_cache") if name.endswith("cache") else (dtype, "k")
+        if dtype_name(t) != want:
+            raise InputError(f"{name}.dtype", t.dtype, f"{want}, the dtype of {whose}")
         if cpu and is_torch(t) and t.device.type == "meta":
             raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them)")
     for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
