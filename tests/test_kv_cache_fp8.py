@@ -311,3 +311,99 @@ def test_a_decode_step_appends_into_the_fp8_cache_and_attends_over_it():
     res = check_serving_close(out, q, k, v, call, False, "bfloat16")
     assert res.ok, res
     assert torch is not None
+
+
+# -- the doors: flash_attn_with_kvcache's k_descale/v_descale, attngen.attention, the torch op -----------
+def _door_case(seed=0):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(seed)
+    fp8 = getattr(torch, E4M3)
+    batch, heads, kv_heads, dim, page, pages = 2, 4, 2, 64, 16, 8
+    k_cache = (torch.randn(pages, page, kv_heads, dim, generator=g) * 2).to(fp8)
+    v_cache = (torch.randn(pages, page, kv_heads, dim, generator=g) * 2).to(fp8)
+    table = torch.tensor([[3, 5, 1], [0, 7, 2]], dtype=torch.int32)
+    seqlens = torch.tensor([20, 9], dtype=torch.int32)
+    kd, vd = (torch.rand(batch, kv_heads, generator=g) * 2 + 0.25 for _ in range(2))
+    q = torch.randn(batch, 1, heads, dim, generator=g).bfloat16()
+    new = [torch.randn(batch, 1, kv_heads, dim, generator=g).bfloat16() for _ in range(2)]
+    return q, k_cache, v_cache, new, table, seqlens, kd, vd
+
+
+def _sequence_check(out, q, k_cache, v_cache, table, lens, kd, vd):
+    """Each sequence against the fp64 reference on its pages dequantized by ITS descale (FA3's per
+    sequence); returns whether all pass."""
+    from attngen.reference.forward import check_close
+
+    ok = True
+    for b in range(q.shape[0]):
+        pages, n = table[b].tolist(), int(lens[b])
+        kb, vb = (dequantize(c[pages].float().reshape(-1, *c.shape[2:])[:n].numpy()[None], d[b:b + 1].numpy())
+                  for c, d in ((k_cache, kd), (v_cache, vd)))
+        ok = ok and check_close(out[b:b + 1].float().numpy(), q[b:b + 1].float().numpy(), kb, vb, False, dtype="bfloat16").ok
+    return ok
+
+
+def test_flash_attn_with_kvcache_appends_into_an_fp8_cache_and_attends_with_fa3_descales():
+    from attngen.interfaces.flash_attn_interface import flash_attn_with_kvcache
+
+    q, k_cache, v_cache, (k, v), table, seqlens, kd, vd = _door_case()
+    before = k_cache.float().clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, page_table=table,
+                                  k_descale=kd, v_descale=vd)
+    assert out.dtype == q.dtype
+    assert _sequence_check(out, q, k_cache, v_cache, table, seqlens + 1, kd, vd)
+    assert not _sequence_check(out, q, k_cache, v_cache, table, seqlens + 1, vd, kd)  # the descales matter
+    for b in range(2):  # the appended row: k / its sequence's descale in e4m3; no other row changed
+        pos = int(seqlens[b])
+        page, row = int(table[b, pos // 16]), pos % 16
+        assert np.array_equal(k_cache[page, row].float().numpy(), quantize(k[b, 0].float().numpy()[None, None], kd[b:b + 1].numpy())[0, 0])
+    assert int((k_cache.float() != before).any(-1).any(-1).sum()) == 2
+
+
+def test_a_dense_fp8_cache_read_as_pages_takes_per_sequence_descales():
+    torch = pytest.importorskip("torch")
+    from attngen.interfaces.flash_attn_interface import flash_attn_with_kvcache
+
+    q, k_cache, v_cache, _, _, seqlens, kd, vd = _door_case(seed=1)
+    dense_k, dense_v = (c[:4].reshape(2, 32, *c.shape[2:]).contiguous() for c in (k_cache, v_cache))
+    out = flash_attn_with_kvcache(q, dense_k, dense_v, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    assert _sequence_check(out, q, dense_k.reshape(4, 16, 2, 64), dense_v.reshape(4, 16, 2, 64), table, seqlens, kd, vd)
+
+
+def test_a_page_two_sequences_share_with_different_descales_is_refused():
+    torch = pytest.importorskip("torch")
+    from attngen.interfaces.flash_attn_interface import flash_attn_with_kvcache
+
+    q, k_cache, v_cache, _, _, seqlens, kd, vd = _door_case()
+    shared = torch.tensor([[3, 5, 1], [3, 7, 2]], dtype=torch.int32)
+    with pytest.raises(InputError) as e:
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=shared, k_descale=kd, v_descale=vd)
+    assert "k_descale" in str(e.value) and "page 3" in str(e.value)
+    same = torch.stack([kd[0], kd[0]])  # equal descales on the shared page: served
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=shared, k_descale=same, v_descale=same)
+
+
+def test_the_torch_op_takes_an_fp8_cache_its_fake_and_compile_too():
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k_cache, v_cache, _, table, seqlens, _, _ = _door_case()
+    pages_kd = torch.rand(k_cache.shape[0], 2) + 0.5
+
+    def call(q, k, v, table, seqlens, kd):
+        return attngen.attention(q, k, v, block_table=table, seqused_k=seqlens, k_descale=kd, v_descale=kd)
+
+    out = call(q, k_cache, v_cache, table, seqlens, pages_kd)
+    per_sequence = [dequantize(c.float().numpy(), pages_kd.numpy()) for c in (k_cache, v_cache)]  # per page
+    from attngen.reference.serving import check_serving_close
+    from attngen.run.serving import check_serving
+
+    plan = make_plan(Spec(head_dim=64, dtype="bfloat16", gqa_group=2, paged_kv=True, page_size=16, kv_dtype=E4M3))
+    served = check_serving(plan, q, k_cache, v_cache, block_table=table, seqused_k=seqlens)
+    assert check_serving_close(out, q, *per_sequence, served, False, "bfloat16").ok
+    with FakeTensorMode():
+        fake = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k_cache, v_cache, table, seqlens, pages_kd)]
+        got = call(*fake)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert torch._dynamo.explain(call)(q, k_cache, v_cache, table, seqlens, pages_kd).graph_break_count == 0

@@ -32,6 +32,7 @@ from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
 from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
 from attngen.reference.kv_cache import dequantize, quantize, random_descales, row_batches
+from attngen.kernels.fwd.kv_cache import DESCALES
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -624,8 +625,6 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
         k, v = quantize(k, kd), quantize(v, vd)
     return q, k, v, tensors
 
-
-DESCALES = ("k_descale", "v_descale")  # an fp8 cache's call-time descales (kernels/fwd/kv_cache.py)
 
 
 def reference_kv(k, v, tensors: dict, row_batch=None) -> tuple:

@@ -29,6 +29,7 @@ from attngen.spec import Spec
 
 
 E4M3_BYTES = 1  # hw.E4M3's element
+DESCALES = ("k_descale", "v_descale")  # FA3's names, the call-time tensors of an fp8 cache
 
 
 def kv_fp8(spec: Spec) -> bool:
@@ -41,7 +42,7 @@ def descale_tensors(spec: Spec) -> list:
     if not kv_fp8(spec):
         return []
     rows = "num_pages" if spec.paged_kv else "batch"
-    return [ExtraTensor(name, name[0].upper() + name[1:], (rows, "kv_heads")) for name in ("k_descale", "v_descale")]
+    return [ExtraTensor(name, name[0].upper() + name[1:], (rows, "kv_heads")) for name in DESCALES]
 
 
 def staging_bytes(spec: Spec, block_n: int, head_dim_v: int) -> dict:
