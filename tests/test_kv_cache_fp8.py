@@ -407,3 +407,17 @@ def test_the_torch_op_takes_an_fp8_cache_its_fake_and_compile_too():
         got = call(*fake)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert torch._dynamo.explain(call)(q, k_cache, v_cache, table, seqlens, pages_kd).graph_break_count == 0
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_the_cli_emulates_an_fp8_cache_spec_and_the_timeline_refuses_it_in_one_line(tmp_path, capsys):
+    from attngen.cli import main
+
+    path = tmp_path / "kv8.toml"
+    path.write_text(to_toml(kv8(paged_kv=True, page_size=64, gqa_group=2)))
+    assert main(["emulate", str(path), "--q-len", "40", "--kv-len", "100"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    path.write_text(to_toml(kv8()))
+    rc = main(["timeline", str(path), "-o", str(tmp_path / "t.html")])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and "kv_dtype" in err and len(err.splitlines()) == 1
