@@ -10,6 +10,7 @@ removed (a race, in every schedule policy).
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import attngen
 from attngen.emulator import HazardError
@@ -421,3 +422,35 @@ def test_the_cli_emulates_an_fp8_cache_spec_and_the_timeline_refuses_it_in_one_l
     rc = main(["timeline", str(path), "-o", str(tmp_path / "t.html")])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and "kv_dtype" in err and len(err.splitlines()) == 1
+
+
+# -- drawn cases: fp8-cache specs x layouts x variants x lengths x descales x schedules ------------------
+DRAWN_LAYOUTS = {  # spec fields of each layout an fp8 cache serves (small kernels: hd64, block_n 32)
+    "paged": dict(paged_kv=True, page_size=32),
+    "paged_split": dict(paged_kv=True, page_size=64, splits=2),
+    "varlen_paged": dict(layout="varlen", paged_kv=True, page_size=32),
+    "varlen": dict(layout="varlen"),
+    "dense": dict(),
+}
+
+
+@st.composite
+def fp8_cache_cases(draw):
+    fields = dict(DRAWN_LAYOUTS[draw(st.sampled_from(sorted(DRAWN_LAYOUTS)))])
+    fields.update(dtype=draw(st.sampled_from(["float16", "bfloat16"])), causal=draw(st.booleans()),
+                  lse=draw(st.booleans()), gqa_group=draw(st.sampled_from([1, 2, 4])))
+    if not fields.get("splits") and draw(st.booleans()):
+        fields["softcap"] = 30.0
+    kv_heads = draw(st.integers(1, 2))
+    shape = (draw(st.integers(1, 2)), kv_heads * fields["gqa_group"], kv_heads, draw(st.sampled_from([1, 7, 64, 70])),
+             draw(st.integers(1, 140)))
+    return fields, shape, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(POLICIES))
+
+
+@settings(max_examples=max(4, settings().max_examples // 2))
+@given(case=fp8_cache_cases())
+def test_drawn_fp8_cache_kernels_match_the_dequantized_reference(case):
+    """check_emulated draws the descales from the seed and quantizes the cache by them."""
+    fields, shape, seed, policy = case
+    ok, text, _ = check_emulated(make_plan(kv8(**fields)), *shape, seed=seed, policy=policy)
+    assert ok, text
