@@ -23,6 +23,7 @@ from attngen.reference.forward import InputError, round_to
 from attngen.reference.kv_cache import dequantize, quantize, random_descales
 from attngen.reference.serving import random_serving_inputs
 from attngen.spec import Spec, SpecError, to_toml
+from gpu_marks import NEEDS_TOOLKIT
 
 POLICIES = ("random", "producer-first", "consumers-first")
 SMALL = dict(head_dim=64, consumers=1, block_n=32)
@@ -454,3 +455,26 @@ def test_drawn_fp8_cache_kernels_match_the_dequantized_reference(case):
     fields, shape, seed, policy = case
     ok, text, _ = check_emulated(make_plan(kv8(**fields)), *shape, seed=seed, policy=policy)
     assert ok, text
+
+
+# -- built for sm_90a (a CUDA toolkit, no GPU) ----------------------------------------------------------
+@NEEDS_TOOLKIT
+def test_an_fp8_cache_kernel_builds_with_its_own_shared_memory_and_no_spill(tmp_path):
+    """TileLang 0.1.15's shared-memory reuse put the producer-only staging tile on the consumers'
+    Q_shared; the kernel turns reuse off, so TileLang allocates what the plan counts, every byte."""
+    from attngen.build.nvcc import build
+
+    plan = make_plan(kv8(paged_kv=True, page_size=64, gqa_group=2, splits="auto", block_n=64))
+    report = build(plan, cache_dir=tmp_path).report
+    assert report["dynamic_smem_bytes"] == plan.smem_bytes
+    assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0 and report["stack_frame_bytes"] == 0
+    assert report["sass"]["HGMMA"] > 0 and report["sass"]["LDL"] == 0
+
+
+@NEEDS_TOOLKIT
+def test_the_fp8_append_kernel_builds_without_spills(tmp_path):
+    from attngen.build.nvcc import build_append
+    from attngen.kernels.append.plan import append_plan
+
+    report = build_append(append_plan("bfloat16", 128, 128, 128, E4M3), cache_dir=tmp_path).report
+    assert report["kernel"].endswith("_kv8") and report["spill_store_bytes"] == 0 and report["stack_frame_bytes"] == 0
