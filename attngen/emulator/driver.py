@@ -566,6 +566,8 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     Serving (docs/serving.md): a varlen spec takes packed q (total_q, H, D) with cu_seqlens_q,
     cu_seqlens_k and max_seqlen_q; a paged one k/v caches (num_pages, page_size, HKV, D) with
     block_table and seqused_k; a split one num_splits (None: "auto"). Each is validated first.
+    An fp8 cache (spec kv_dtype, docs/fp8-kv-cache.md): e4m3 k/v (or float32 holding values to
+    round) with k_descale and v_descale (float32 [batch or num_pages, kv_heads]) by name.
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError);
     a store outside the rows its block owns is a KernelError.
     """

@@ -355,6 +355,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     BLOCK_SIZE sets the kernel's tiles (consumers = BLOCK_SIZE[0] / 64, block_n = BLOCK_SIZE[1]).
     A bool is the spec field itself, with kv_num_blocks, kv_indices, full_kv_num_blocks and
     full_kv_indices passed by name.
+    An e4m3 k/v (torch.float8_e4m3fn) with 16-bit q is an fp8 KV cache (spec kv_dtype): pass
+    k_descale and v_descale by name, float32 [batch or num_pages, kv_heads] (docs/fp8-kv-cache.md).
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
     gradients by the backward kernels; alibi_slopes and mod tensors are constants (a gradient
     asked of them is an InputError); a loss that reads the returned LSE differentiates it too."""
