@@ -362,15 +362,24 @@ def test_flash_attn_with_kvcache_appends_into_an_fp8_cache_and_attends_with_fa3_
     assert int((k_cache.float() != before).any(-1).any(-1).sum()) == 2
 
 
-def test_a_dense_fp8_cache_read_as_pages_takes_per_sequence_descales():
+@pytest.mark.parametrize("batch_idx", [None, [2, 0]])
+def test_a_dense_fp8_cache_read_as_pages_takes_per_sequence_descales(batch_idx):
+    """A dense cache [3, 256, ..] read through its page view (two pages of 128 keys a row; a
+    sequence of 200 keys spans both), the rows cache_batch_idx picks, or the first ones."""
     torch = pytest.importorskip("torch")
     from attngen.interfaces.flash_attn_interface import flash_attn_with_kvcache
 
-    q, k_cache, v_cache, _, _, seqlens, kd, vd = _door_case(seed=1)
-    dense_k, dense_v = (c[:4].reshape(2, 32, *c.shape[2:]).contiguous() for c in (k_cache, v_cache))
-    out = flash_attn_with_kvcache(q, dense_k, dense_v, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
-    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    assert _sequence_check(out, q, dense_k.reshape(4, 16, 2, 64), dense_v.reshape(4, 16, 2, 64), table, seqlens, kd, vd)
+    q, _, _, _, _, _, kd, vd = _door_case(seed=1)
+    g = torch.Generator().manual_seed(2)
+    dense_k, dense_v = ((torch.randn(3, 256, 2, 64, generator=g) * 2).to(getattr(torch, E4M3)) for _ in range(2))
+    seqlens = torch.tensor([200, 9], dtype=torch.int32)
+    idx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, dense_k, dense_v, cache_seqlens=seqlens, cache_batch_idx=idx, k_descale=kd,
+                                  v_descale=vd)
+    rows = [0, 1] if batch_idx is None else batch_idx
+    table = torch.tensor([[2 * r, 2 * r + 1] for r in rows], dtype=torch.int32)
+    pages_k, pages_v = (c.reshape(6, 128, 2, 64) for c in (dense_k, dense_v))
+    assert _sequence_check(out, q, pages_k, pages_v, table, seqlens, kd, vd)
 
 
 def test_a_page_two_sequences_share_with_different_descales_is_refused():

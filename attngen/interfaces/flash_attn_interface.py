@@ -418,7 +418,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
         old_seqlens = cache_seqlens
         cache_seqlens = cache_seqlens + int(k.shape[1])  # what the attention reads (an int32 tensor stays int32)
-    kw.update(_cache_descales(k_cache, k_descale, v_descale, table, cache_seqlens, batch))
+    kw.update(_cache_descales(k_pages, k_descale, v_descale, table, cache_seqlens, batch))
     serving = {}
     if table is not None:
         serving.update(block_table=table, seqused_k=cache_seqlens)
