@@ -298,29 +298,30 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
 FP8_CACHE = getattr(torch, E4M3)  # an fp8 KV cache's element type (docs/fp8-kv-cache.md)
 
 
-def _cache_descales(k_cache, k_descale, v_descale, table, seqlens, batch: int) -> dict:
-    """FA3's k_descale / v_descale of an e4m3 cache, float32 [batch, nheads_k] (one per sequence and
-    KV head; absent means 1), as the kernels take them: as given for a dense cache read whole, else
+def _cache_descales(k_pages, k_descale, v_descale, table, seqlens, batch: int) -> dict:
+    """FA3's k_descale / v_descale of an e4m3 cache (`k_pages`: the cache as the kernel reads it),
+    float32 [batch, nheads_k] (one per sequence and KV head; absent means 1), as the kernels take
+    them: as given for a dense cache read whole, else
     one per page of the page view, [num_pages, nheads_k], from the sequences that list the page
     (pages no sequence uses get 1). A page two sequences list with different descales is refused.
     A 16-bit cache takes none. The per-page expansion reads the values on the host, as the serving
     call's checks read the page table."""
     given = {"k_descale": k_descale, "v_descale": v_descale}
-    if k_cache.dtype != FP8_CACHE:
+    if k_pages.dtype != FP8_CACHE:
         for name, x in given.items():
-            _unsupported(name, x, None, f"the cache holds {k_cache.dtype}: only an e4m3 (fp8) cache is descaled; "
+            _unsupported(name, x, None, f"the cache holds {k_pages.dtype}: only an e4m3 (fp8) cache is descaled; "
                                         f"q_descale is FA3's fp8 forward's")
         return {}
-    hk = int(k_cache.shape[2])
+    hk = int(k_pages.shape[2])
     out = {}
     for name, x in given.items():
         if x is None:
-            x = torch.ones((batch, hk), dtype=torch.float32, device=k_cache.device)
+            x = torch.ones((batch, hk), dtype=torch.float32, device=k_pages.device)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != (batch, hk):
             shown = f"a {x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise InputError(name, shown, f"a float32 tensor [batch, nheads_k] = [{batch}, {hk}]: FA3's descale per "
                                           f"sequence and KV head (the cache holds e4m3)")
-        out[name] = x if table is None else _per_page(name, x, k_cache, table, seqlens)
+        out[name] = x if table is None else _per_page(name, x, k_pages, table, seqlens)
     return out
 
 
