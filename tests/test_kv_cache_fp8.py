@@ -27,7 +27,7 @@ from gpu_marks import NEEDS_TOOLKIT
 
 POLICIES = ("random", "producer-first", "consumers-first")
 SMALL = dict(head_dim=64, consumers=1, block_n=32)
-# (spec fields, batch, heads, kv_heads, q_len, kv_len) of each layout an fp8 cache serves
+# (spec fields, batch, heads, kv_heads, q_len, kv_len) of each layout an fp8 cache serves, and variants
 LAYOUTS = {
     "paged": (dict(paged_kv=True, page_size=64, gqa_group=2), 2, 4, 2, 40, 100),
     "paged-split-decode": (dict(paged_kv=True, page_size=32, gqa_group=4, splits=2), 2, 8, 2, 1, 100),
@@ -35,6 +35,10 @@ LAYOUTS = {
     "varlen": (dict(layout="varlen", gqa_group=2), 2, 4, 2, 40, 100),
     "dense-causal-lse": (dict(causal=True, lse=True), 2, 2, 2, 40, 100),
     "dense-split": (dict(splits=2, softcap=20.0), 2, 2, 2, 40, 100),
+    "block-mask": (dict(block_mask=True, mask_mod="q_idx >= kv_idx", block_n=64), 1, 2, 2, 100, 150),
+    "window": (dict(window=(30, 0), causal=True), 1, 2, 2, 100, 150),
+    "alibi-sinks": (dict(alibi=True, sinks=True), 1, 2, 2, 100, 150),
+    "score-mod-head-dim-v": (dict(score_mod="score * 0.5", head_dim_v=128), 1, 2, 2, 100, 150),
 }
 
 
