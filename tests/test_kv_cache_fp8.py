@@ -123,6 +123,8 @@ MUTANTS = {  # name -> (text in the kernel, its replacement)
 RACES = {
     "the staging read before its TMA lands": ("T.mbarrier_wait_parity(kv8_full", "pass  # T.mbarrier_wait_parity(kv8_full"),
     "no proxy fence after the conversion": ("T.fence_proxy_async()  # generic stores", "pass  #"),
+    "the next tile's TMA before every warp has read the staging": ("T.sync_threads(DEQUANT_BAR, WARPGROUP_THREADS)",
+                                                                   "pass  # no DEQUANT_BAR"),
     "a K stage announced before its conversion": (
         "for i, d in T.Parallel(BLOCK_N, HEAD_DIM):  # float32",
         "T.mbarrier_arrive(k_full[k_stage])\n" + " " * 20 + "for i, d in T.Parallel(BLOCK_N, HEAD_DIM):  # float32"),
