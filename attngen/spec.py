@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import expr
-from attngen.hw import DTYPES, WGMMA_M
+from attngen.hw import DTYPES, E4M3, WGMMA_M
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MAX_CONSUMERS = 3
@@ -134,6 +134,9 @@ class Spec:
     paged_kv: bool = False  # K and V in a paged cache (num_pages, page_size, kv_heads, D) with a block_table
     page_size: int | None = None  # keys per page (paged_kv only); None: DEFAULT_PAGE_SIZE
     splits: int | str = 1  # split-KV: partial outputs per split, merged by a combine kernel; "auto": at call time
+    # an fp8 KV cache (docs/fp8-kv-cache.md): K and V stored in e4m3 with float32 k_descale/v_descale
+    # per (batch, or page of a paged cache; KV head), dequantized into the 16-bit GEMMs; None: dtype
+    kv_dtype: str | None = None
     # The backward pass (docs/backward.md); the forward kernel ignores it.
     deterministic: bool = False  # the backward sums dQ (and GQA's dK/dV) in one fixed order: no atomics
     # call-time tensors the backward differentiates (float tensors the score_mod reads, alibi_slopes):
@@ -174,6 +177,9 @@ VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "sof
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
                     "deterministic": False, "learnable": ()}
+
+
+VARIANT_DEFAULTS["kv_dtype"] = None  # an fp8 KV cache (docs/fp8-kv-cache.md): left out of names and hashes at its default
 
 
 def did_you_mean(name: str, choices, where: str = "") -> str:
@@ -239,6 +245,7 @@ def check_fields(s: Spec) -> None:
                         '(an unmasked and a masked copy of the loop)')
     check_variant_fields(s)
     check_serving_fields(s)
+    check_kv_dtype(s)
     if s.pingpong and s.consumers < 2:
         raise ruled_out("pingpong", s.pingpong, "false (or no pingpong)", f"consumers = {s.consumers}",
                         "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
@@ -329,6 +336,20 @@ def check_serving_fields(s: Spec) -> None:
     if s.splits != 1 and s.window != (-1, -1):
         raise ruled_out("splits", s.splits, "1", f"window = {toml_value(s.window)}", "split-KV with a sliding window "
                         "is not supported (a window already bounds each row's keys)")
+
+
+KV_DTYPES = (E4M3,)  # what a KV cache may hold besides the spec's dtype
+
+
+def check_kv_dtype(s: Spec) -> None:
+    """An fp8 KV cache: e4m3 keys and values for 16-bit queries (the GEMMs stay 16-bit)."""
+    if s.kv_dtype is None or s.kv_dtype == s.dtype:
+        return
+    if not isinstance(s.kv_dtype, str) or s.kv_dtype not in KV_DTYPES:
+        raise SpecError("kv_dtype", s.kv_dtype, f'expected "{E4M3}" (an fp8 KV cache) or nothing (K and V hold dtype)')
+    if s.dtype not in ("float16", "bfloat16"):
+        raise ruled_out("kv_dtype", s.kv_dtype, "nothing", f"dtype = {toml_value(s.dtype)}", "an fp8 KV cache "
+                        "serves 16-bit queries (its tiles are dequantized into the 16-bit GEMMs)")
 
 
 def check_block_mask_field(s: Spec) -> None:

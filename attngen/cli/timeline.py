@@ -100,6 +100,9 @@ def command(args) -> int:
         if plan.varlen or plan.page_size or plan.split_kv:
             raise SpecError(*serving_field(plan.spec), "the timeline models one bshd, dense, unsplit kernel; "
                             "chart the same spec without layout, paged_kv and splits")
+        if plan.spec.kv_dtype is not None:
+            raise SpecError("kv_dtype", plan.spec.kv_dtype, "the timeline's latency model has no cost for an fp8 cache's "
+                            "dequantization (docs/fp8-kv-cache.md); chart the same spec without kv_dtype")
     if args.max_blocks < 1:
         raise InputError("--max-blocks", args.max_blocks, "a positive integer")
     check_output_file("--output", args.output)

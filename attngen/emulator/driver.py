@@ -31,6 +31,8 @@ from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
 from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
+from attngen.reference.kv_cache import dequantize, quantize, random_descales, row_batches
+from attngen.kernels.fwd.kv_cache import DESCALES
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -387,27 +389,30 @@ def append_ownership(call, rows_per_block: int):
 
 
 def emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, *, seed: int = 0, policy: str = "random",
-                   source: str | None = None, stats: Stats | None = None):
+                   source: str | None = None, stats: Stats | None = None, k_descale=None, v_descale=None):
     """Run the KV-cache append kernel (render.render_append_source) on the CPU model: k, v
     [batch, seqlen_new, kv_heads, D(v)] into the paged caches [num_pages, page_size, kv_heads, D(v)]
     at cache_seqlens[b] through block_table. Returns the caches as the kernel left them (float32
     numpy arrays holding the cache dtype's values; the caller copies them back for in-place
     semantics). Every store is held to append_ownership: a write outside the block's appended rows
-    is a KernelError. Inputs are checked first (append.check_append, inputs.check_append_tensors)."""
+    is a KernelError. Inputs are checked first (append.check_append, inputs.check_append_tensors).
+    An e4m3 cache (an fp8 KV cache) takes k_descale and v_descale, float32 [num_pages, kv_heads]."""
     from attngen.kernels.append.plan import append_plan
     from attngen.kernels.append.render import render_append_source
-    from attngen.run.append import check_append
+    from attngen.run.append import check_append, check_append_descales
 
     seed = check_schedule(seed, policy)
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
     dtype = call_checks.check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, cpu=True)
-    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size, call_checks.dtype_name(k_cache))
+    descales = check_append_descales(plan, call, k_descale, v_descale, cpu=True)
     caches = [_host_array(x) for x in (k_cache, v_cache)]
     if call.empty:  # no new key: nothing to launch
         return caches[0], caches[1]
     text = render_append_source(plan) if source is None else source
     stats = stats if stats is not None else Stats()
     inputs = caches + [_host_array(x) for x in (k, v)] + [call.block_table, call.cache_seqlens.astype(np.int32)]
+    inputs += [_host_array(x) for x in descales]
     t0 = time.perf_counter()
     rt = Runtime(text, f"<emitted {plan.name}>", call.dims)
     rt.run(inputs, seed=seed, policy=policy, stats=stats, entry="build_append_kernel",
@@ -561,6 +566,8 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     Serving (docs/serving.md): a varlen spec takes packed q (total_q, H, D) with cu_seqlens_q,
     cu_seqlens_k and max_seqlen_q; a paged one k/v caches (num_pages, page_size, HKV, D) with
     block_table and seqused_k; a split one num_splits (None: "auto"). Each is validated first.
+    An fp8 cache (spec kv_dtype, docs/fp8-kv-cache.md): e4m3 k/v (or float32 holding values to
+    round) with k_descale and v_descale (float32 [batch or num_pages, kv_heads]) by name.
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError);
     a store outside the rows its block owns is a KernelError.
     """
@@ -595,7 +602,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     """
     from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
 
-    lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | set(DESCALES)  # descales: drawn with the fp8 cache, below
     spec = plan.spec
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
@@ -614,7 +621,21 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
     if plan.block_mask:
         tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
+    if spec.kv_dtype is not None:  # an fp8 cache: k and v quantized by descales per (batch, KV head)
+        kd, vd = random_descales(batch, kv_heads, seed + 2)
+        tensors.update(k_descale=kd, v_descale=vd)
+        k, v = quantize(k, kd), quantize(v, vd)
     return q, k, v, tensors
+
+
+
+def reference_kv(k, v, tensors: dict, row_batch=None) -> tuple:
+    """The k and v the fp64 reference takes, and the call-time tensors that are the variant's: an
+    fp8 cache dequantized by its descales (reference/kv_cache.py), which are no variant's tensors."""
+    if "k_descale" not in tensors:
+        return k, v, tensors
+    rest = {n: x for n, x in tensors.items() if n not in DESCALES}
+    return dequantize(k, tensors["k_descale"], row_batch), dequantize(v, tensors["v_descale"], row_batch), rest
 
 
 def block_mask_lists(plan, batch: int, heads: int, q_len: int, kv_len: int, tensors: dict) -> dict:
@@ -653,6 +674,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            tensors=tensors, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
+    k, v, tensors = reference_kv(k, v, tensors)
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
@@ -714,11 +736,18 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         q = np.concatenate([q, np.zeros((PADDING_ROWS, *q.shape[1:]), np.float32)])
     if plan.split_kv:
         keywords["num_splits"] = CHECK_SPLITS
-    result, stats = (run or emulate_stats)(plan, q, x.k, x.v, seed=seed, policy=policy, source=source, filename=filename,
-                                           serving=keywords, softmax_scale=softmax_scale)
+    k, v, tensors, row_batch = x.k, x.v, {}, None
+    if spec.kv_dtype is not None:  # an fp8 cache: descales per (page, or sequence; KV head)
+        kd, vd = random_descales(k.shape[0] if spec.paged_kv else len(lk), kv_heads, seed + 2)
+        if plan.varlen and not spec.paged_kv:
+            row_batch = row_batches(x.cu_seqlens_k[:-1], lk, k.shape[0])
+        k, v, tensors = quantize(k, kd, row_batch), quantize(v, vd, row_batch), {"k_descale": kd, "v_descale": vd}
+    result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
+                                           serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)
-    call = check_serving(plan, q, x.k, x.v, **keywords)
-    res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
+    call = check_serving(plan, q, k, v, **keywords)
+    k, v, _ = reference_kv(k, v, tensors, row_batch)
+    res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
                               **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "

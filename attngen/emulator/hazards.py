@@ -50,6 +50,11 @@ A bulk store's global writes (a TMA store, a TMA reduce-add) complete at an unkn
 emit) waits for the shared-memory read only; only `T.tma_store_wait(n, read=False)` orders
 the writes (a component per warpgroup: its bulk groups whose writes completed).
 
+An operation issued by fewer of a warpgroup's threads than made an ordinary access of the same
+bytes (a TMA load one warp issues into a tile all four warps read) is ordered after the other
+warps' part of that access only by a synchronization of the warpgroup after it: warps are not
+in lockstep, and program order is one thread's.
+
 One elected thread issues a TMA store or reduce-add that waits for its own read (T.copy to
 global, T.atomic_add(use_tma=True): TileLang 0.1.15 lowers both to store + commit +
 `tma_store_wait<0, read>` in that thread). Its read of shared memory is an *elected* record:
@@ -288,10 +293,10 @@ class Tracker:
                 is_acc = r is acc
                 hist = self.hist.get(buf)
                 if hist:
-                    self._against(hist, buf, r.box, write, vc, agent, op.kind, op.line, op, is_acc)
+                    self._against(hist, buf, r.box, write, vc, agent, op.kind, op.line, op, is_acc, issuers=agent.nthreads)
                 self._record(buf, Access(r.box, write, op.comp, op.clock, agent, op.kind, op.line, op, is_acc))
 
-    def _against(self, hist, buf, box, write, vc, agent, kind, line, op, acc=False, atomic=False):
+    def _against(self, hist, buf, box, write, vc, agent, kind, line, op, acc=False, atomic=False, issuers=None):
         n = len(vc)
         for r in hist:
             if not (write or r.write):
@@ -300,7 +305,11 @@ class Tracker:
                 continue  # atomics commute
             c = r.comp
             if c < n and vc[c] >= r.clock:
-                if not r.elected or agent is not r.agent or agent.selfsync >= r.clock:
+                own = agent is r.agent and agent.selfsync < r.clock  # not covered by a bar.sync of the warpgroup
+                # an operation issued by fewer threads (a TMA warp) than made an ordinary access of its
+                # warpgroup is ordered after the other warps' part of it only by such a bar.sync
+                others = issuers is not None and r.op is None and r.threads > issuers
+                if not (own and (r.elected or others)):
                     continue  # r happens-before this access
             if not overlap(box, r.box):
                 continue
@@ -404,6 +413,10 @@ class Tracker:
                 why = (f"one elected thread of {agent.name} made it (and waited for it); the warpgroup's other "
                        f"threads are ordered after it only by a synchronization of the warpgroup after it "
                        f"(a T.sync_threads of its threads); a T.tma_store_wait does not order them")
+            elif op is not None and r.agent is agent:
+                why = (f"{r.threads} threads of {agent.name} made it; the {agent.nthreads} that issue this {kind} "
+                       f"are ordered after the other warps' part only by a synchronization of the warpgroup after it "
+                       f"(a T.sync_threads of its threads)")
             elif op is not None:
                 why = f"{r.agent.name}'s access does not happen-before the issue of this {kind}"
             else:

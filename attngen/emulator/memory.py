@@ -20,11 +20,12 @@ import threading
 import numpy as np
 
 from attngen.emulator.errors import KernelError, UnsupportedConstruct
-from attngen.hw import DTYPES as KERNEL_DTYPES
+from attngen.hw import DTYPES as KERNEL_DTYPES, E4M3
 from attngen.reference.forward import round_to
 
 # TileLang's buffer dtype spellings -> how the emulator stores and rounds them
-DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32", "int32": "int32"}
+DTYPES = {**{name: name for name in KERNEL_DTYPES}, "float": "float32", "float32": "float32", "int32": "int32",
+          E4M3: E4M3}  # an fp8 KV cache's tiles (rounded as cvt.rn.satfinite does)
 INT_POISON = np.iinfo(np.int32).min  # what an unwritten int32 element holds (NaN for floats)
 
 # T.Parallel hands out cached broadcast aranges; this maps id(array) -> (position, extent),

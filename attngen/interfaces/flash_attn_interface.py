@@ -22,8 +22,10 @@ import contextlib
 import numbers
 import re
 
+import numpy as np
 import torch
 
+from attngen.hw import E4M3
 from attngen.run.inputs import check_tma_layout
 from attngen.interfaces.op_arguments import compiling, plain_argument
 from attngen.interfaces.ops import append_kv, attention, check_attention
@@ -275,7 +277,11 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
     if v.dim() != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != v_cache.shape[3]:
         raise InputError("v.shape", list(v.shape), f"{[*k.shape[:3], int(v_cache.shape[3])]}: k's shape with v_cache's headdim")
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if t.dtype != cache.dtype:
+        if cache.dtype == FP8_CACHE:  # an fp8 cache: new keys of q's dtype, quantized by the append
+            if t.dtype != q.dtype:
+                raise InputError(f"{name}.dtype", t.dtype, f"{q.dtype}, the dtype of q (the append quantizes them into "
+                                                           f"{name}_cache's {cache.dtype})")
+        elif t.dtype != cache.dtype:
             raise InputError(f"{name}.dtype", t.dtype, f"{cache.dtype}, the dtype of {name}_cache")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
@@ -287,6 +293,53 @@ def _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, pag
             if len(set(rows)) != len(rows):
                 raise InputError("cache_batch_idx", rows, "distinct rows with k and v: two sequences appending "
                                                           "into one cache row would race")
+
+
+FP8_CACHE = getattr(torch, E4M3)  # an fp8 KV cache's element type (docs/fp8-kv-cache.md)
+
+
+def _cache_descales(k_pages, k_descale, v_descale, table, seqlens, batch: int) -> dict:
+    """FA3's k_descale / v_descale of an e4m3 cache (`k_pages`: the cache as the kernel reads it),
+    float32 [batch, nheads_k] (one per sequence and KV head; absent means 1), as the kernels take
+    them: as given for a dense cache read whole, else
+    one per page of the page view, [num_pages, nheads_k], from the sequences that list the page
+    (pages no sequence uses get 1). A page two sequences list with different descales is refused.
+    A 16-bit cache takes none. The per-page expansion reads the values on the host, as the serving
+    call's checks read the page table."""
+    given = {"k_descale": k_descale, "v_descale": v_descale}
+    if k_pages.dtype != FP8_CACHE:
+        for name, x in given.items():
+            _unsupported(name, x, None, f"the cache holds {k_pages.dtype}: only an e4m3 (fp8) cache is descaled; "
+                                        f"q_descale is FA3's fp8 forward's")
+        return {}
+    hk = int(k_pages.shape[2])
+    out = {}
+    for name, x in given.items():
+        if x is None:
+            x = torch.ones((batch, hk), dtype=torch.float32, device=k_pages.device)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != (batch, hk):
+            shown = f"a {x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InputError(name, shown, f"a float32 tensor [batch, nheads_k] = [{batch}, {hk}]: FA3's descale per "
+                                          f"sequence and KV head (the cache holds e4m3)")
+        out[name] = x if table is None else _per_page(name, x, k_pages, table, seqlens)
+    return out
+
+
+def _per_page(name: str, descale, pages, table, seqlens):
+    """A per-sequence descale [batch, nheads_k] as one per page of `pages` [num_pages, page_size, ..]."""
+    num_pages, page_size = int(pages.shape[0]), int(pages.shape[1])
+    rows, used = table.cpu().numpy(), -(-seqlens.cpu().numpy().astype(np.int64) // page_size)
+    values = descale.detach().cpu().numpy()
+    per_page = np.ones((num_pages, values.shape[1]), np.float32)
+    owner = np.full(num_pages, -1)
+    for b, n in enumerate(used):
+        listed = rows[b, :n]
+        for p in listed[owner[listed] >= 0]:
+            if not np.array_equal(per_page[p], values[b]):
+                raise InputError(name, f"rows {owner[p]} and {b} differing", f"one descale for page {p}, which "
+                                 f"sequences {owner[p]} and {b} both read (a page holds one scale per KV head)")
+        per_page[listed], owner[listed] = values[b], b
+    return torch.from_numpy(per_page).to(descale.device)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -302,6 +355,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     k, v [B, S_new, HKV, D(v)], when given, are written into the caches in place at rows
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (a generated append kernel: on the CPU model
     for CPU tensors), and the attention then reads cache_seqlens + S_new keys per sequence.
+    An e4m3 cache (torch.float8_e4m3fn, for 16-bit q) takes k_descale and v_descale, float32
+    [B, HKV] as FA3's (absent: 1): the kernel dequantizes each tile, the append quantizes k and v.
     Causal aligns each sequence bottom-right at that length, as FA3. num_splits 0 is attngen's
     "auto". Returns out, or (out, softmax_lse) with return_softmax_lse."""
     _unsupported("cu_seqlens_k_new", cu_seqlens_k_new, None, "attngen appends k and v of one length per sequence, "
@@ -313,8 +368,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise InputError("rotary_interleaved", rotary_interleaved, "a bool (it matters only with rotary_cos)")
     _unsupported("cache_leftpad", cache_leftpad, None, "attngen's caches start at key 0")
     _unsupported("scheduler_metadata", scheduler_metadata, None, "attngen plans its grid per call")
-    kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descale, v_descale, pack_gqa,
-                 sm_margin, False)
+    kw = _common(softmax_scale, causal, window_size, softcap, qv, q_descale, None, None, pack_gqa,
+                 sm_margin, False)  # k and v's descales: an fp8 cache's (_cache_descales)
     kw.update(_chunk_mask(attention_chunk, 0, 0, "flash_attn_with_kvcache"))
     varlen = cu_seqlens_q is not None
     layout = "[total_q, nheads, headdim] with cu_seqlens_q" if varlen else BSHD
@@ -364,6 +419,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         _check_append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, batch)
         old_seqlens = cache_seqlens
         cache_seqlens = cache_seqlens + int(k.shape[1])  # what the attention reads (an int32 tensor stays int32)
+    kw.update(_cache_descales(k_pages, k_descale, v_descale, table, cache_seqlens, batch))
     serving = {}
     if table is not None:
         serving.update(block_table=table, seqused_k=cache_seqlens)
@@ -384,7 +440,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
             check_attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
         with _door_names(APPEND_RENAMES):
-            append_kv(k_pages, v_pages, k, v, table, old_seqlens)  # in place: k_pages views k_cache
+            append_kv(k_pages, v_pages, k, v, table, old_seqlens, kw.get("k_descale"), kw.get("v_descale"))  # in place
     with _door_names(KVCACHE_RENAMES, {"num_splits": num_splits}):
         return attention(q, k_pages, v_pages, return_lse=bool(return_softmax_lse), **serving, **kw)
 

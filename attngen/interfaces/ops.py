@@ -328,16 +328,19 @@ bwd_tensors.register_autograd(_double_backward, setup_context=lambda ctx, inputs
 # -- the KV-cache append op (flash_attn_with_kvcache's k=, v=) -------------------------------------
 
 APPEND_SCHEMA = ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor block_table, "
-                 "Tensor cache_seqlens) -> ()")
+                 "Tensor cache_seqlens, Tensor? k_descale=None, Tensor? v_descale=None) -> ()")
 
 
-def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens, k_descale=None, v_descale=None) -> None:
     """Write k, v into the paged caches in place at cache_seqlens (docs/interfaces.md): on CUDA the
     compiled append kernel (append.append_kv); on CPU the same emitted kernel on the CPU model,
     whose rows are then copied into the caller's caches (only the appended rows: the CPU model's
-    ownership rule has held every store of the kernel to them, and the rest keeps its bytes)."""
+    ownership rule has held every store of the kernel to them, and the rest keeps its bytes).
+    An e4m3 cache takes k_descale, v_descale float32 [num_pages, kv_heads] (docs/fp8-kv-cache.md)."""
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
              "cache_seqlens": cache_seqlens}
+    descales = {n: t for n, t in (("k_descale", k_descale), ("v_descale", v_descale)) if t is not None}
+    given.update(descales)
     if k_cache.device.type == "cpu":
         _one_device(given)
         call = append.check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
@@ -345,7 +348,7 @@ def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
         if est > cpu_max_seconds():
             raise InputError("k.shape", list(k.shape), f"an append the CPU model runs within {cpu_max_seconds():g} s: "
                                                        f"this one would take about {est:.0f} s; run it on CUDA tensors")
-        new_k, new_v = emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        new_k, new_v = emulate_append(k_cache, v_cache, k, v, block_table, cache_seqlens, **descales)
         if call.empty:
             return
         slots = call.slots()
@@ -354,7 +357,7 @@ def _append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
             k_cache[pages, rows] = torch.from_numpy(new_k[slots]).to(k_cache.dtype)
             v_cache[pages, rows] = torch.from_numpy(new_v[slots]).to(v_cache.dtype)
     elif k_cache.device.type == "cuda":
-        append.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens)
+        append.append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens, **descales)
     else:
         raise InputError("k_cache.device", str(k_cache.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
 
@@ -364,7 +367,7 @@ append_kv = torch.library.custom_op(f"{NAMESPACE}::append_kv", _append_kv, mutat
 
 
 @append_kv.register_fake
-def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
+def _append_kv_fake(k_cache, v_cache, k, v, block_table, cache_seqlens, k_descale=None, v_descale=None) -> None:
     return None
 
 
@@ -395,6 +398,8 @@ def attention(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi
     BLOCK_SIZE sets the kernel's tiles (consumers = BLOCK_SIZE[0] / 64, block_n = BLOCK_SIZE[1]).
     A bool is the spec field itself, with kv_num_blocks, kv_indices, full_kv_num_blocks and
     full_kv_indices passed by name.
+    An e4m3 k/v (torch.float8_e4m3fn) with 16-bit q is an fp8 KV cache (spec kv_dtype): pass
+    k_descale and v_descale by name, float32 [batch or num_pages, kv_heads] (docs/fp8-kv-cache.md).
     Differentiable (docs/torch.md, "Autograd"): out.backward() gives q, k, v and sinks their
     gradients by the backward kernels, and alibi_slopes and the score_mod's float tensors theirs when
     they require grad (learnable: the main kernel scatters them); a mask_mod's tensor gets 0; a loss

@@ -18,7 +18,7 @@ from attngen.kernels.append.render import render_append_source
 from attngen.reference.forward import InputError
 from attngen.run.checks import _detach, _torch, check_device
 from attngen.run.entries import KernelBuildError, _built_entry, _failure_message, _load_entry, _once, runtime_entry
-from attngen.run.inputs import check_append_tensors
+from attngen.run.inputs import check_append_tensors, check_contiguous, check_kind, dtype_name
 from attngen.run.serving import _host, _int_tensor, _shape
 
 
@@ -132,6 +132,27 @@ def check_append(k_cache, v_cache, k, v, block_table, cache_seqlens) -> AppendCa
                       head_dim_v=head_dim_v, dims=dims, cache_seqlens=lens, block_table=table)
 
 
+def check_append_descales(plan: AppendPlan, call: AppendCall, k_descale, v_descale, *, cpu: bool = False) -> list:
+    """An fp8 cache's descales, float32 [num_pages, kv_heads] (the value stored is new / descale of
+    the page it goes to; docs/fp8-kv-cache.md), in the kernel's order; [] for a 16-bit cache, which
+    takes none."""
+    given = {"k_descale": k_descale, "v_descale": v_descale}
+    if not plan.kv_dtype:
+        for name, t in given.items():
+            if t is not None:
+                raise InputError(name, "a tensor", f"None: the cache holds {plan.dtype}, which has no descale")
+        return []
+    want = [call.dims["num_pages"], call.kv_heads]
+    for name, t in given.items():
+        if t is None:
+            raise InputError(name, None, f"a float32 tensor [num_pages, kv_heads] = {want}: the cache holds {plan.kv_dtype}")
+        check_kind(name, t, "float32", cpu=cpu)
+        if list(t.shape) != want:
+            raise InputError(f"{name}.shape", list(t.shape), f"[num_pages, kv_heads] = {want}, one descale per page and KV head")
+        check_contiguous(name, t)
+    return [k_descale, v_descale]
+
+
 # -- the compiled kernel ------------------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class AppendKernel:
@@ -144,13 +165,14 @@ class AppendKernel:
     origin: str  # "compiled" or "disk", as Kernel.origin
     compile_seconds: float
 
-    def launch(self, call: AppendCall, k_cache, v_cache, k, v, block_table, cache_seqlens) -> None:
-        """Launch on a checked call (append_kv's checks); nothing for an append of no key."""
+    def launch(self, call: AppendCall, k_cache, v_cache, k, v, block_table, cache_seqlens, descales=()) -> None:
+        """Launch on a checked call (append_kv's checks; `descales` an fp8 cache's, checked); nothing
+        for an append of no key."""
         torch = _torch()
         if call.empty:  # seqlen_new = 0: an empty grid would be a launch error
             return
         with torch.cuda.device(k_cache.device):
-            self.jit(*(_detach(a) for a in (k_cache, v_cache, k, v, block_table, cache_seqlens)))
+            self.jit(*(_detach(a) for a in (k_cache, v_cache, k, v, block_table, cache_seqlens, *descales)))
 
 
 _append_memo: dict[AppendPlan, AppendKernel] = {}
@@ -177,24 +199,30 @@ def compile_append(plan: AppendPlan) -> AppendKernel:
     return _once(_append_memo, plan, build)
 
 
-def check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens) -> tuple[AppendCall, AppendPlan]:
+def check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens, k_descale=None,
+                      v_descale=None) -> tuple[AppendCall, AppendPlan, list]:
     """Every check of a GPU append, no launch: shapes and values (check_append, one host copy
-    of each int32 tensor), dtypes and layouts (inputs.check_append_tensors), one sm_90 device."""
+    of each int32 tensor), dtypes and layouts (inputs.check_append_tensors), an fp8 cache's
+    descales (check_append_descales), one sm_90 device. Returns the call, the plan, the descales."""
     call = check_append(k_cache, v_cache, k, v, block_table, cache_seqlens)
     dtype = check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens)
+    plan = append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size, dtype_name(k_cache))
+    descales = check_append_descales(plan, call, k_descale, v_descale)
     check_device({"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
-                  "cache_seqlens": cache_seqlens})
-    return call, append_plan(dtype, call.head_dim, call.head_dim_v, call.page_size)
+                  "cache_seqlens": cache_seqlens} | {n: t for n, t in zip(("k_descale", "v_descale"), descales)})
+    return call, plan, descales
 
 
-def append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens) -> AppendCall:
+def append_kv(k_cache, v_cache, k, v, block_table, cache_seqlens, k_descale=None, v_descale=None) -> AppendCall:
     """Write k, v [batch, seqlen_new, kv_heads, D(v)] into the paged CUDA caches k_cache/v_cache
     [num_pages, page_size, kv_heads, D(v)] in place, at positions cache_seqlens[b] .. + seqlen_new - 1
-    through block_table (int32 [batch, max_pages]); returns the checked call (its seqused_k is
-    cache_seqlens + seqlen_new, what the attention then reads)."""
-    call, plan = check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens)
-    compile_append(plan).launch(call, k_cache, v_cache, k, v, block_table, cache_seqlens)
+    through block_table (int32 [batch, max_pages]); an e4m3 cache stores each value / its page's
+    k_descale or v_descale (float32 [num_pages, kv_heads]). Returns the checked call (its seqused_k
+    is cache_seqlens + seqlen_new, what the attention then reads)."""
+    call, plan, descales = check_append_call(k_cache, v_cache, k, v, block_table, cache_seqlens, k_descale, v_descale)
+    compile_append(plan).launch(call, k_cache, v_cache, k, v, block_table, cache_seqlens, descales)
     return call
 
 
-__all__ = ["AppendCall", "AppendKernel", "append_kv", "cache_slots", "check_append", "check_append_call", "compile_append"]
+__all__ = ["AppendCall", "AppendKernel", "append_kv", "cache_slots", "check_append", "check_append_call", "check_append_descales",
+           "compile_append"]

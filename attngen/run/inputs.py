@@ -78,6 +78,20 @@ def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool 
     raise InputError(f"{name}.dtype", t.dtype if torch_ok else kind, want)
 
 
+def element_dtype(spec, name: str) -> str:
+    """The element type the kernel takes for tensor `name` (q, k, v, out): an fp8 cache's k and v
+    hold the spec's kv_dtype, the rest its dtype."""
+    kv_dtype = getattr(spec, "kv_dtype", None)  # (a stand-in spec of a test may lack the field)
+    return kv_dtype if name in ("k", "v") and kv_dtype is not None else spec.dtype
+
+
+def check_contiguous(name: str, t) -> None:
+    """A call-time tensor the kernel indexes element by element (no TMA): packed."""
+    shape, strides, _, _, packed = _layout(t)
+    if not packed:
+        raise InputError(f"{name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+
+
 def check_layout(name: str, t) -> None:
     """Layout the generated kernel can take: TMA's rules, then the packed ABI of the host stub."""
     check_tma_layout(name, t)
@@ -127,7 +141,7 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
             raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
     dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
     for name, t in given.items():
-        check_kind(name, t, spec.dtype, cpu=cpu, spec_dtype=True)
+        check_kind(name, t, element_dtype(spec, name), cpu=cpu, spec_dtype=True)
         if name in ("v", "out") and dv != spec.head_dim:
             if t.shape[3] != dv:
                 raise InputError(f"{name}.shape[3] (head_dim_v)", t.shape[3], f"{dv}, the spec's head_dim_v")
@@ -184,8 +198,10 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     tensors), checked for presence, type, dtype float32, shape, layout and (sinks) finite values;
     returned in the kernel's parameter order (outputs left out). `dims` is check_tensors's result
     (extra_dims for a serving call)."""
-    batch, heads, kv_heads, q_len, kv_len = dims
-    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    batch, heads, kv_heads, q_len, kv_len, *cache = dims
+    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len, "kv_heads": kv_heads}
+    if cache:  # a paged cache's pages (an fp8 cache's per-page descales)
+        extent["num_pages"] = cache[0]
     if getattr(plan, "block_mask", False):  # (a stand-in plan of a test may lack the field)
         extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
@@ -205,9 +221,7 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         if len(x.shape) != len(t.shape) or any(a is not None and x.shape[i] != extent[a] for i, a in enumerate(t.shape)) \
                 or math.prod(x.shape) == 0:
             raise InputError(f"{t.name}.shape", list(x.shape), shape_text)
-        shape, strides, _, _, packed = _layout(x)
-        if not packed:
-            raise InputError(f"{t.name}.stride()", strides, f"a contiguous tensor, strides {packed_strides(shape)} (call .contiguous())")
+        check_contiguous(t.name, x)
         if t.name == "sinks":
             _check_finite(t.name, x)
         ordered.append(x)
@@ -297,7 +311,7 @@ def check_lists_values(lists: dict, n_cols: int, last_runs_past: bool) -> None:
 def block_mask_extents(plan: Plan, dims: tuple, tensors: dict) -> dict:
     """The extents a block mask's tensors must have (plan.BLOCK_MASK_TENSORS): its Q and KV tiles are
     the kernel's (block_m x block_n), and its batch and heads are 1 (broadcast) or the call's."""
-    batch, heads, _, q_len, kv_len = dims
+    batch, heads, _, q_len, kv_len = dims[:5]
     spec = plan.spec
     first = tensors.get("kv_indices")
     shape = tuple(int(n) for n in first.shape) if first is not None and len(first.shape) == 4 else (batch, heads)
@@ -361,9 +375,11 @@ def _overlap(a, b) -> bool:
 
 
 def extra_dims(call: serving.ServingCall) -> tuple:
-    """check_extra's (batch, heads, kv_heads, q_len, kv_len) for a serving call: q_len is the
-    longest query sequence (max_seqlen_q), kv_len the key-length bound of the call."""
-    return (call.batch, call.heads, call.kv_heads, call.max_seqlen_q, call.max_kv_len)
+    """check_extra's (batch, heads, kv_heads, q_len, kv_len[, num_pages]) for a serving call: q_len is
+    the longest query sequence (max_seqlen_q), kv_len the key-length bound of the call; num_pages
+    where the cache is paged."""
+    pages = (call.dims["num_pages"],) if "num_pages" in call.dims else ()
+    return (call.batch, call.heads, call.kv_heads, call.max_seqlen_q, call.max_kv_len, *pages)
 
 
 def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=None,
@@ -374,7 +390,7 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
     spec = plan.spec
     given = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
     for name, t in given.items():
-        check_kind(name, t, spec.dtype, cpu=cpu, spec_dtype=True)
+        check_kind(name, t, element_dtype(spec, name), cpu=cpu, spec_dtype=True)
     if out is not None and tuple(out.shape) != tuple(call.out_shape):
         raise InputError("out.shape", list(out.shape), f"{list(call.out_shape)}, packed like q with head_dim_v")
     for name, t in (int_tensors or {}).items():
@@ -396,23 +412,29 @@ def check_serving_tensors(plan: Plan, call: serving.ServingCall, q, k, v, out=No
 
 def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, cpu: bool = False) -> str:
     """The tensor side of a KV-cache append that append.check_append (shapes and values) leaves:
-    a float16/bfloat16 cache with k and v of its dtype, contiguous tensors (the kernel's buffers
-    declare no strides, and the caches are written in place: a copy would lose the append), int32
-    tensors contiguous, and new keys sharing no memory with the cache. Returns the dtype name.
-    Device not checked (checks.check_device). `cpu`: numpy arrays too."""
+    a float16/bfloat16 cache with k and v of its dtype, or an e4m3 cache (an fp8 KV cache) with k
+    and v of one 16-bit dtype, contiguous tensors (the kernel's buffers declare no strides, and the
+    caches are written in place: a copy would lose the append), int32 tensors contiguous, and new
+    keys sharing no memory with the cache. Returns the new keys' dtype name (the cache's is
+    k_cache's). Device not checked (checks.check_device). `cpu`: numpy arrays too."""
     from attngen.hw import DTYPES
+    from attngen.spec import KV_DTYPES
 
     if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):
         raise InputError("k_cache", type(k_cache).__name__, "a torch.Tensor")
-    dtype = dtype_name(k_cache)
+    cache = dtype_name(k_cache)
+    if cache not in DTYPES and cache not in KV_DTYPES:
+        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in (*DTYPES, *KV_DTYPES)))
+    dtype = cache if cache in DTYPES else dtype_name(k)
     if dtype not in DTYPES:
-        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in DTYPES))
+        raise InputError("k.dtype", k.dtype, " or ".join(f"torch.{d}" for d in DTYPES) + f" (new keys for a {cache} cache)")
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     for name, t in given.items():
         if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):
             raise InputError(name, type(t).__name__, "a torch.Tensor")
-        if dtype_name(t) != dtype:
-            raise InputError(f"{name}.dtype", t.dtype, f"{k_cache.dtype}, the dtype of k_cache")
+        want, whose = (cache, "k_cache") if name.endswith("cache") else (dtype, "k")
+        if dtype_name(t) != want:
+            raise InputError(f"{name}.dtype", t.dtype, f"{want}, the dtype of {whose}")
         if cpu and is_torch(t) and t.device.type == "meta":
             raise InputError(f"{name}.device", "meta", "a tensor with values (the CPU model reads them)")
     for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):

@@ -23,7 +23,8 @@ from attngen.reference.forward import InputError, resolve_scale
 from attngen.run.checks import NAMES, _torch, check_device, check_serving_call, spec_dtype
 from attngen.run.forward import compile_kernel
 from attngen.run.inputs import check_extra, check_tensors
-from attngen.spec import Spec, check_keys
+from attngen.spec import KV_DTYPES, Spec, check_keys
+from attngen.kernels.fwd.kv_cache import DESCALES
 from attngen.run.tuning_table import SCHEDULE_FIELDS, tuned_fields
 
 
@@ -107,9 +108,14 @@ def _spec_for(q, k, causal, overrides: dict, call: str, inferred: dict | None = 
         raise InputError(f"q.shape[{h_axis}] (heads)", heads,
                          f"a positive multiple of k.shape[{k_axis}] (kv_heads) = {kv_heads}")
     fields = {"head_dim": int(q.shape[-1]), "dtype": dtype, "causal": causal, "gqa_group": heads // kv_heads}
+    cache = str(k.dtype).removeprefix("torch.")
+    if cache != dtype and cache in KV_DTYPES:
+        fields["kv_dtype"] = cache  # an fp8 KV cache for 16-bit queries (k_descale, v_descale by name)
     fields.update(chosen)  # an override of a derived field (head_dim, ...) wins, not a TypeError
     spec = Spec(**fields)
-    if not any(f in overrides for f in SCHEDULE_FIELDS) and not serving.serving_fields(spec).uses_serving:
+    # the tuned table holds 16-bit caches' schedules (an fp8 cache's plan adds staging tiles)
+    if not any(f in overrides for f in SCHEDULE_FIELDS) and not serving.serving_fields(spec).uses_serving \
+            and spec.kv_dtype is None:
         tuned = tuned_fields(spec, max(int(q.shape[1]), int(k.shape[1])))  # the caller named no schedule: the tuned one
         if tuned:
             spec = Spec(**{**spec.to_dict(), **tuned})
@@ -142,7 +148,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
 
     overrides = {n: x for n, x in kwargs.items() if n in FIELDS}
     tensors = {n: x for n, x in kwargs.items() if n not in FIELDS}
-    named = set()  # the tensors the call's score_mod/mask_mod read; any other keyword is a typo
+    named = set(DESCALES)  # the tensors the call's score_mod/mask_mod read, and descales; any other keyword is a typo
     for field in ("score_mod", "mask_mod"):
         text = overrides.get(field)
         if isinstance(text, str) and text.strip():

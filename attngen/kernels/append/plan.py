@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from attngen import hw
-from attngen.spec import HEAD_DIMS, MAX_PAGE_SIZE, PAGE_SIZE_STEP, SpecError
+from attngen.spec import HEAD_DIMS, KV_DTYPES, MAX_PAGE_SIZE, PAGE_SIZE_STEP, SpecError
 from attngen.kernels.common.plan import COMPILE_FLAGS
 
 
@@ -30,6 +30,7 @@ class AppendPlan:
     head_dim: int
     head_dim_v: int
     page_size: int
+    kv_dtype: str | None = None  # an e4m3 cache: new keys and values quantized by the page's descales
     rows: int = APPEND_ROWS
     threads: int = APPEND_THREADS
     compile_flags: tuple = COMPILE_FLAGS
@@ -38,17 +39,23 @@ class AppendPlan:
     @property
     def name(self) -> str:
         dv = f"_dv{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
-        return f"fa3_kvappend_hd{self.head_dim}{dv}_{hw.DTYPES[self.dtype].tag}_page{self.page_size}"
+        kv8 = "_kv8" if self.kv_dtype else ""
+        return f"fa3_kvappend_hd{self.head_dim}{dv}_{hw.DTYPES[self.dtype].tag}_page{self.page_size}{kv8}"
 
 
-def append_plan(dtype: str, head_dim: int, head_dim_v: int, page_size: int) -> AppendPlan:
-    """The append kernel of a cache: its dtype, head dims (the spec's HEAD_DIMS) and page size
-    (the spec's page rule). SpecError naming the value otherwise; callers validate tensors first."""
+def append_plan(dtype: str, head_dim: int, head_dim_v: int, page_size: int, kv_dtype: str | None = None) -> AppendPlan:
+    """The append kernel of a cache: its dtype (the new keys'), head dims (the spec's HEAD_DIMS), page
+    size (the spec's page rule) and, for an fp8 cache, kv_dtype (the cache's: the spec's KV_DTYPES).
+    SpecError naming the value otherwise; callers validate tensors first."""
     if dtype not in hw.DTYPES:
         raise SpecError("dtype", dtype, f"expected one of {', '.join(hw.DTYPES)}")
+    if kv_dtype == dtype:
+        kv_dtype = None
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise SpecError("kv_dtype", kv_dtype, f"expected {' or '.join(KV_DTYPES)} (an fp8 cache) or {dtype}, the new keys' dtype")
     for field, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
         if type(value) is not int or value not in HEAD_DIMS:
             raise SpecError(field, value, f"expected one of {', '.join(map(str, HEAD_DIMS))}")
     if type(page_size) is not int or not (PAGE_SIZE_STEP <= page_size <= MAX_PAGE_SIZE and page_size % PAGE_SIZE_STEP == 0):
         raise SpecError("page_size", page_size, f"expected a multiple of {PAGE_SIZE_STEP} from {PAGE_SIZE_STEP} to {MAX_PAGE_SIZE}")
-    return AppendPlan(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size)
+    return AppendPlan(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size, kv_dtype=kv_dtype)

@@ -28,9 +28,10 @@ def append_context(plan: AppendPlan) -> dict:
     cache_seqlens[z] + those rows, through the block table."""
     new = "r0 + i"
     position = f"start + {new}"
-    params = [tensor_param("K_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM"], "DTYPE",
+    cache_dtype = "KV_DTYPE" if plan.kv_dtype else "DTYPE"
+    params = [tensor_param("K_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM"], cache_dtype,
                       "written in place: the appended rows only"),
-              tensor_param("V_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM_V"], "DTYPE",
+              tensor_param("V_cache", ["num_pages", "PAGE_SIZE", "kv_heads", "HEAD_DIM_V"], cache_dtype,
                       "written in place: the appended rows only"),
               tensor_param("K_new", ["batch", "seqlen_new", "kv_heads", "HEAD_DIM"], "DTYPE"),
               tensor_param("V_new", ["batch", "seqlen_new", "kv_heads", "HEAD_DIM_V"], "DTYPE"),
@@ -38,6 +39,15 @@ def append_context(plan: AppendPlan) -> dict:
                       "sequence b's key t lives in page block_table[b, t // PAGE_SIZE]"),
               tensor_param("cache_seqlens", ["batch"], '"int32"',
                       "keys of sequence b before the append: its new keys go to positions cache_seqlens[b] ..")]
+    # an fp8 cache stores x / descale of the page the row goes to, rounded to e4m3 (saturating): the
+    # forward dequantizes the same page's rows with the same descale
+    quantize = {"K_cache": "", "V_cache": ""}
+    if plan.kv_dtype:
+        page = f"block_table[batch_idx, ({position}) // PAGE_SIZE], kv_head"
+        for cache, scale in (("K_cache", "K_descale"), ("V_cache", "V_descale")):
+            params.append(tensor_param(scale, ["num_pages", "kv_heads"], '"float32"',
+                                       f"{cache}'s descale per (page, KV head): stored = new / descale"))
+            quantize[cache] = f" / {scale}[{page}]"
     header = [
         "=" * 78,
         "attngen auto-generated kernel: do not edit; emitted by attngen.kernels.append.render.render_append_source.",
@@ -46,7 +56,7 @@ def append_context(plan: AppendPlan) -> dict:
         "role:      flash_attn_with_kvcache(k=, v=): appends the new keys and values into the paged cache",
         "shape:     dynamic: batch, seqlen_new, kv_heads, num_pages, max_pages are runtime values",
         f"fields:    dtype {plan.dtype}, head_dim {plan.head_dim}, head_dim_v {plan.head_dim_v}, "
-        f"page_size {plan.page_size}",
+        f"page_size {plan.page_size}" + (f", cache {plan.kv_dtype}" if plan.kv_dtype else ""),
         "=" * 78,
     ]
     return {
@@ -58,8 +68,8 @@ def append_context(plan: AppendPlan) -> dict:
         "block_vars": "row_block, kv_head, batch_idx",
         "setup": ["r0 = row_block * APPEND_ROWS  # this block's first new row",
                   "start = cache_seqlens[batch_idx]  # the sequence's keys before the append"],
-        "stores": [{"cache": "K_cache", "new": "K_new", "dim": "HEAD_DIM"},
-                   {"cache": "V_cache", "new": "V_new", "dim": "HEAD_DIM_V"}],
+        "stores": [{"cache": "K_cache", "new": "K_new", "dim": "HEAD_DIM", "quantize": quantize["K_cache"]},
+                   {"cache": "V_cache", "new": "V_new", "dim": "HEAD_DIM_V", "quantize": quantize["V_cache"]}],
         "guard": f"{new} < seqlen_new",
         "new_index": f"batch_idx, {new}, kv_head, d",
         "cache_index": f"{cache_slot(position)}, kv_head, d",

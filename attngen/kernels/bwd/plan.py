@@ -175,6 +175,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
+    if spec.kv_dtype is not None and spec.kv_dtype != spec.dtype:
+        raise SpecError("kv_dtype", spec.kv_dtype, "an fp8 KV cache is for inference: the backward takes k and v of dtype")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")

@@ -270,10 +270,11 @@ class Dense:
         return count
 
     # -- parameters and arguments ------------------------------------------------------------
-    def io_params(self, dv: str) -> list:
-        """The forward's Q, K, V and output parameter lines (each split's partial O and LSE)."""
-        lines = [tensor_param("Q", self.q_shape(), "DTYPE"), tensor_param("K", self.kv_shape("HEAD_DIM"), "DTYPE"),
-                 tensor_param("V", self.kv_shape(dv), "DTYPE")]
+    def io_params(self, dv: str, kv_dtype: str = "DTYPE") -> list:
+        """The forward's Q, K, V and output parameter lines (each split's partial O and LSE);
+        `kv_dtype` names K's and V's element type (an fp8 cache's KV_DTYPE)."""
+        lines = [tensor_param("Q", self.q_shape(), "DTYPE"), tensor_param("K", self.kv_shape("HEAD_DIM"), kv_dtype),
+                 tensor_param("V", self.kv_shape(dv), kv_dtype)]
         if not self.split_kv:
             return lines + [tensor_param("O", self.q_shape(dv), "DTYPE")]
         return lines + [tensor_param("O_partial", ["num_splits"] + self.q_shape(dv), '"float32"',

@@ -128,6 +128,8 @@ def serving_tags(spec: Spec) -> list:
         tags.append(f"paged{spec.page_size}")
     if spec.splits != 1:
         tags.append("splitkv")
+    if spec.kv_dtype is not None:
+        tags.append("kv8")  # K and V in an e4m3 cache
     return tags
 
 

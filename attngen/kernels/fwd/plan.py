@@ -14,6 +14,7 @@ import dataclasses
 
 from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError
+from attngen.kernels.fwd.kv_cache import descale_tensors, kv_fp8, staging_bytes
 from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
                                          WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
                                          transforms_scores, variant_tags)
@@ -92,7 +93,7 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     }
     if spec.splits != 1:
         del smem["O"]  # float32 partial outputs go straight from registers to global memory
-    return smem
+    return smem | staging_bytes(spec, block_n, dv)
 
 
 def variant_regs(spec: Spec) -> int:
@@ -127,7 +128,8 @@ def regs_needed(spec: Spec, block_n: int) -> int:
 def reg_split(spec: Spec) -> tuple:
     """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
-    if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
+    # a block mask's producer walks its lists per tile; an fp8 cache's producer dequantizes each tile
+    if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec):
         return walking_split(spec.consumers)
     return hw.REG_SPLIT[spec.consumers]
 
@@ -175,6 +177,8 @@ def canonical(spec: Spec) -> Spec:
     NFKC-normalised as Python reads them). The presets' expressions are canonical as written.
     """
     fields = {}
+    if spec.kv_dtype == spec.dtype:
+        fields["kv_dtype"] = None  # a cache of the queries' own dtype is the plain kernel
     if spec.causal and spec.window[1] >= 0:
         fields["window"] = (spec.window[0], -1)
     for field in ("score_mod", "mask_mod"):
@@ -302,6 +306,7 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         extra.append(ExtraTensor("alibi_slopes", "Alibi", ("heads",)))
     if spec.sinks:
         extra.append(ExtraTensor("sinks", "Sinks", ("heads",)))
+    extra += descale_tensors(spec)
     used = {}
     for field, e in (("score_mod", score_expr), ("mask_mod", mask_expr)):
         for name, axes in (e.tensors if e else ()):

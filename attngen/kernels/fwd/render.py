@@ -14,6 +14,7 @@ from pathlib import Path
 from attngen import hw, tiles
 from attngen.version import __version__
 from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, KernelNumbers, Shape
+from attngen.kernels.fwd.kv_cache import KvCache
 from attngen.kernels.fwd.plan import Plan, as_plan, masks_some_tile
 from attngen.spec import Spec, to_toml
 from attngen.kernels.combine.render import combine_context
@@ -155,7 +156,7 @@ def split_exprs(plan: Plan) -> dict:
 def kernel_params(plan: Plan, dv: str) -> list[str]:
     """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
     layout = layout_of(plan)
-    lines = layout.io_params(dv)
+    lines = layout.io_params(dv, KvCache.of(plan).k_dtype)
     for t in plan.extra:
         if t.output and not layout.kernel_writes_lse:
             continue  # the combine kernel writes the LSE
@@ -306,6 +307,7 @@ def template_context(plan: Plan) -> dict:
         "variant": Variant.of(plan),
         "serving_constants": layout.constants(),
         "bmask": visits,
+        "kv_cache": KvCache.of(plan),
     }
 
 
