@@ -136,6 +136,9 @@ class Spec:
     splits: int | str = 1  # split-KV: partial outputs per split, merged by a combine kernel; "auto": at call time
     # The backward pass (docs/backward.md); the forward kernel ignores it.
     deterministic: bool = False  # the backward sums dQ (and GQA's dK/dV) in one fixed order: no atomics
+    # "single": a block per tile; "persistent": a block per SM loops over tiles an atomic counter hands
+    # out (longest first under causal or a window; docs/build.md). At "single" the kernel is unchanged.
+    scheduler: str = "single"
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -165,10 +168,11 @@ class Spec:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 STEADY_LOOPS = ("one", "split")
+SCHEDULERS = ("single", "persistent")
 VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
-                    "deterministic": False}
+                    "deterministic": False, "scheduler": "single"}
 
 
 def did_you_mean(name: str, choices, where: str = "") -> str:
@@ -234,6 +238,7 @@ def check_fields(s: Spec) -> None:
                         '(an unmasked and a masked copy of the loop)')
     check_variant_fields(s)
     check_serving_fields(s)
+    check_scheduler_field(s)
     if s.pingpong and s.consumers < 2:
         raise ruled_out("pingpong", s.pingpong, "false (or no pingpong)", f"consumers = {s.consumers}",
                         "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
@@ -326,6 +331,21 @@ def check_block_mask_field(s: Spec) -> None:
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), "block_mask = true",
                             "a block mask serves bshd, dense, unsplit kernels")
+
+
+def check_scheduler_field(s: Spec) -> None:
+    """The persistent scheduler serves bshd, dense, unsplit kernels without a block mask so far: the
+    others choose their tile's sequence, split or visits from grid axes it replaces (not done yet)."""
+    if not isinstance(s.scheduler, str) or s.scheduler not in SCHEDULERS:
+        raise SpecError("scheduler", s.scheduler, 'expected "single" (a block per tile) or "persistent" (a block '
+                        'per SM looping over tiles from an atomic counter)')
+    if s.scheduler == "single":
+        return
+    for field in ("layout", "paged_kv", "splits", "block_mask"):
+        if getattr(s, field) != VARIANT_DEFAULTS[field]:
+            raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
+                            "the persistent scheduler serves bshd, dense, unsplit kernels without a block mask "
+                            "(a tile's sequence, split or block-mask visits are not handed out yet)")
 
 
 def serving_given(s: Spec) -> str:

@@ -167,6 +167,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
+    if spec.scheduler != "single":
+        raise SpecError("scheduler", spec.scheduler, 'expected "single" for the backward: its kernels launch a block '
+                        "per tile (the persistent scheduler is the forward's so far)")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")

@@ -77,6 +77,8 @@ def kernel_name(spec: Spec) -> str:
     if spec.steady_loop != "one":
         parts.append("splitloop")
     parts += variant_tags(spec) + serving_tags(spec)
+    if spec.scheduler != "single":
+        parts.append(spec.scheduler)
     return "_".join(parts)
 
 
