@@ -28,7 +28,7 @@ class TileCounters:
 
     def take_epoch(self) -> int:
         """The next call's epoch, counted before its launch: a call that dies still used its number."""
-        epoch, self.epoch = self.epoch, self.epoch + 1
+        epoch, self.epoch = self.epoch, (self.epoch + 1) % COUNTER_SLOTS  # only its slot matters (run/persistent.py: the same)
         return epoch
 
 

@@ -1,0 +1,236 @@
+"""The persistent scheduler (spec.scheduler = "persistent", issue 30) on the CPU model.
+
+A persistent kernel runs `num_sms` blocks at once, each looping over the tiles an atomic counter
+hands out; the model interleaves every block's warpgroups in one scheduler, so the blocks race
+for tiles. Its outputs and LSE must equal the single-tile kernel's bit for bit, in every
+schedule and block order, and its mutants must be caught in every schedule.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import attngen
+from attngen.emulator import POLICIES, DeadlockError, EmulationError, HazardError, KernelError
+from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats
+from attngen.emulator.persistent import TileCounters
+from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import InputError, random_inputs
+from attngen.spec import SpecError
+
+CAUSAL = {"causal": True}
+SHAPE = (2, 2, 700, 700)  # batch, heads, q_len, kv_len: 6 row tiles x 4 = 24 tiles, 1 to 6 K tiles each
+
+
+def inputs(spec, shape=SHAPE, seed=0):
+    batch, heads, q_len, kv_len = shape
+    return random_inputs(spec.dtype, spec.head_dim, batch, heads, heads // spec.gqa_group, q_len, kv_len, seed)
+
+
+def run(fields, shape=SHAPE, *, num_sms=3, seed=0, policy="random", block_order="grid", source=None, counters=None):
+    spec = attngen.Spec(**fields, scheduler="persistent")
+    q, k, v = inputs(spec, shape)
+    return emulate_stats(spec, q, k, v, seed=seed, policy=policy, block_order=block_order, num_sms=num_sms,
+                         source=source, counters=counters or TileCounters())
+
+
+def single(fields, shape=SHAPE):
+    spec = attngen.Spec(**fields)
+    q, k, v = inputs(spec, shape)
+    return emulate_stats(spec, q, k, v)[0]
+
+
+def same(a, b) -> bool:
+    pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+    return all(np.array_equal(x, y) and not np.isnan(x).any() for x, y in pairs)
+
+
+# -- the spec -------------------------------------------------------------------------------------
+def test_the_default_is_single_and_names_change_only_for_persistent():
+    plain = make_plan(attngen.Spec(causal=True))
+    assert attngen.Spec().scheduler == "single"
+    assert make_plan(attngen.Spec(causal=True, scheduler="single")).hash == plain.hash
+    persistent = make_plan(attngen.Spec(causal=True, scheduler="persistent"))
+    assert persistent.name == plain.name + "_persistent" and persistent.hash != plain.hash
+    assert "num_sms" not in attngen.render_source(plain)
+
+
+@pytest.mark.parametrize("fields, field, text", [
+    ({"scheduler": "dynamic"}, "scheduler", '"single"'),
+    ({"scheduler": 1}, "scheduler", '"persistent"'),
+    ({"scheduler": "persistent", "splits": 2}, "splits", 'scheduler = "persistent"'),
+    ({"scheduler": "persistent", "layout": "varlen"}, "layout", "bshd"),
+    ({"scheduler": "persistent", "paged_kv": True}, "paged_kv", "dense"),
+    ({"scheduler": "persistent", "block_mask": True, "mask_mod": "q_idx >= kv_idx"}, "block_mask", "block mask"),
+])
+def test_what_it_refuses_is_named_in_one_line(fields, field, text):
+    with pytest.raises(SpecError) as e:
+        make_plan(attngen.Spec(**fields))
+    assert e.value.field == field and text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_backward_refuses_it_in_one_line():
+    with pytest.raises(SpecError, match="scheduler.*backward") as e:
+        plan_backward(attngen.Spec(causal=True, scheduler="persistent"))
+    assert "\n" not in str(e.value)
+
+
+def test_num_sms_belongs_to_a_persistent_spec_only():
+    spec = attngen.Spec(causal=True)
+    q, k, v = inputs(spec, (1, 1, 64, 64))
+    with pytest.raises(InputError, match="num_sms"):
+        attngen.emulate(spec, q, k, v, num_sms=4)
+    with pytest.raises(InputError, match="num_sms"):
+        attngen.emulate(attngen.Spec(causal=True, scheduler="persistent"), q, k, v, num_sms=0)
+
+
+# -- bit-identical to the single-tile kernel ---------------------------------------------------------
+@pytest.mark.parametrize("fields", [CAUSAL, {}, {"causal": True, "lse": True, "gqa_group": 2},
+                                    {"window": (200, 0), "lse": True}, {"causal": True, "consumers": 1},
+                                    {"causal": True, "alibi": False, "softcap": 30.0, "k_stages": 3}])
+def test_equal_to_the_single_tile_kernel_bit_for_bit(fields):
+    want = single(fields)
+    for num_sms in (1, 2, 5, 8):
+        got, stats = run(fields, num_sms=num_sms, seed=num_sms)
+        assert same(got, want), (fields, num_sms)
+        assert stats.ctas == num_sms
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("block_order", BLOCK_ORDERS)
+def test_every_schedule_and_block_order_gives_the_same_bits(policy, block_order):
+    want = single(CAUSAL)
+    digests = set()
+    for seed in range(3):
+        got, stats = run(CAUSAL, num_sms=4, seed=seed, policy=policy, block_order=block_order)
+        assert same(got, want)
+        digests.add(stats.schedule)
+    assert policy != "random" or len(digests) > 1  # the seeds did draw different interleavings
+
+
+def test_each_block_walks_many_tiles_and_together_they_take_each_once():
+    _, stats = run(CAUSAL, num_sms=2)
+    tiles_by_block = [n // 2 for n in stats.q_tiles_by_cta.values()]  # 2 consumers load a tile's Q each
+    assert sum(tiles_by_block) == 24 and max(tiles_by_block) >= 12
+    assert stats.atomics == 24 + 2  # each tile once, then one end mark per block
+
+
+def test_the_longest_row_tiles_go_first():
+    """One block, causal: its K loads come in FA3's order, the last row tile (6 K tiles) first."""
+    _, stats = run(CAUSAL, (1, 1, 700, 700), num_sms=1)
+    assert stats.k_tiles == 6 + 5 + 4 + 3 + 2 + 1
+
+
+def test_a_call_after_a_crashed_call_still_works():
+    """A kernel that dies after its blocks took some tiles leaves its counter dirty; the next call
+    (the launcher counts the crashed one) takes another, zeroed slot and gives the same bits."""
+    spec = attngen.Spec(causal=True, scheduler="persistent")
+    text = attngen.render_source(spec)
+    dies = text.replace("            T.mbarrier_arrive(tile_empty)\n",
+                        "            T.mbarrier_arrive(tile_empty)\n            assert tile_iter < 2, 'killed'\n", 1)
+    assert dies != text
+    want, counters = single(CAUSAL), TileCounters()
+    for crashed in range(2):
+        with pytest.raises(KernelError, match="killed"):
+            run(CAUSAL, counters=counters, source=dies)
+        assert counters.slots.any()  # it did take tiles
+        got, _ = run(CAUSAL, counters=counters)
+        assert same(got, want)
+
+
+def test_successive_calls_share_the_counters():
+    want, counters = single(CAUSAL), TileCounters()
+    for call in range(5):  # every slot used twice
+        got, _ = run(CAUSAL, counters=counters, seed=call)
+        assert same(got, want), call
+
+
+# -- mutants ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Mutant:
+    name: str
+    edits: list  # (old, new): every occurrence of old is replaced
+    expect: tuple  # what catches it: "hazard", "deadlock", "kernel" (a KernelError: a tile twice or skipped)
+    report: str = ""  # text the report must contain
+    calls: int = 1  # the mutant is caught at the last of this many calls sharing one set of counters
+
+
+TAKE = "tile_shared[0] = T.atomic_add(tile_counter[slot], 1, return_prev=True)"
+MUTANTS = [
+    Mutant("q_phase_reset_per_tile", [("T.mbarrier_wait_parity(q_full, tile_iter % 2)", "T.mbarrier_wait_parity(q_full, 0)")],
+           ("hazard", "deadlock")),
+    Mutant("kv_phases_reset_per_tile",
+           [("            visit_base = visit_base + n_tiles\n            tile_iter", "            visit_base = 0\n            tile_iter")],
+           ("hazard", "deadlock")),
+    Mutant("next_index_read_before_its_barrier",
+           [("            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n"
+             "            tile = tile_shared[0]\n",
+             "            tile = tile_shared[0]\n"
+             "            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n")],
+           ("hazard",), "tile_shared"),
+    Mutant("a_tile_handed_out_twice", [(TAKE, TAKE.replace("T.atomic_add(", "T.max(0, -1 + T.atomic_add(") + ")")],
+           ("hazard", "kernel")),
+    Mutant("a_tile_skipped", [(TAKE, TAKE + " + 1")], ("kernel",), "0 time(s), expected 1"),
+    Mutant("counter_not_reset_between_calls",
+           [("tile_counter[T.truncmod(epoch + 1, COUNTER_SLOTS)] = 0", "pass"),
+            ("tile_counter[T.truncmod(epoch + 2, COUNTER_SLOTS)] = 0", "pass")],
+           ("kernel",), "0 time(s)", calls=4),
+    Mutant("next_kv_load_over_the_last_pv",
+           [("            T.wait_wgmma(0)\n            T.mbarrier_arrive(v_empty[v_stage_last])\n",
+             "            T.mbarrier_arrive(v_empty[v_stage_last])\n            T.wait_wgmma(0)\n")],
+           ("hazard",), "in-flight wgmma"),
+    Mutant("tile_empty_counts_one_too_many", [("RELEASE_ARRIVALS + TMA_ARRIVALS]", "RELEASE_ARRIVALS + TMA_ARRIVALS + 1]")],
+           ("deadlock",), "tile_empty"),
+]
+CAUGHT_BY = {"hazard": HazardError, "deadlock": DeadlockError, "kernel": KernelError}
+
+
+def mutated(m: Mutant) -> str:
+    text = attngen.render_source(attngen.Spec(causal=True, scheduler="persistent"))
+    for old, new in m.edits:
+        assert old in text, (m.name, old)
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
+def test_mutant_is_caught_in_every_schedule(m: Mutant):
+    source = mutated(m)
+    for policy in POLICIES:
+        for block_order in BLOCK_ORDERS:
+            for seed in range(2):
+                counters = TileCounters()
+                for _ in range(m.calls - 1):  # the earlier calls pass: the mutant shows at the last
+                    run(CAUSAL, num_sms=2, seed=seed, policy=policy, block_order=block_order, source=source,
+                        counters=counters)
+                with pytest.raises(EmulationError) as e:
+                    run(CAUSAL, num_sms=2, seed=seed, policy=policy, block_order=block_order, source=source,
+                        counters=counters)
+                assert isinstance(e.value, tuple(CAUGHT_BY[x] for x in m.expect)), (policy, seed, e.value.report)
+                assert m.report in e.value.report, e.value.report
+
+
+def test_the_unmutated_kernel_passes_where_the_mutants_run():
+    for policy in POLICIES:
+        counters = TileCounters()
+        for call in range(4):
+            got, _ = run(CAUSAL, num_sms=2, seed=call, policy=policy, counters=counters)
+            assert same(got, single(CAUSAL))
+
+
+# -- drawn: specs x shapes x SM counts x schedules -------------------------------------------------------
+FIELDS = st.sampled_from([CAUSAL, {}, {"causal": True, "gqa_group": 2, "lse": True}, {"window": (100, 30)},
+                          {"causal": True, "consumers": 1, "k_stages": 1, "v_stages": 3}, {"lse": True, "sinks": False}])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FIELDS, st.integers(1, 2), st.sampled_from([2, 4]), st.integers(1, 400), st.integers(1, 400), st.integers(1, 8),
+       st.sampled_from(POLICIES), st.sampled_from(BLOCK_ORDERS), st.integers(0, 9))
+def test_drawn_specs_shapes_and_schedules_match_the_single_tile_kernel(fields, batch, heads, q_len, kv_len, num_sms,
+                                                                       policy, block_order, seed):
+    shape = (batch, heads, q_len, kv_len)
+    got, _ = run(fields, shape, num_sms=num_sms, seed=seed, policy=policy, block_order=block_order)
+    assert same(got, single(fields, shape))
