@@ -234,3 +234,21 @@ def test_drawn_specs_shapes_and_schedules_match_the_single_tile_kernel(fields, b
     shape = (batch, heads, q_len, kv_len)
     got, _ = run(fields, shape, num_sms=num_sms, seed=seed, policy=policy, block_order=block_order)
     assert same(got, single(fields, shape))
+
+
+# -- attngen tune ----------------------------------------------------------------------------------------
+def test_tune_explores_both_schedulers_where_the_spec_takes_both(tmp_path):
+    from attngen.run import tune
+
+    found = tune.neighbours(attngen.Spec(head_dim=64, causal=True))
+    single_ones = {s for s in found if s.scheduler == "single"}
+    assert {dataclasses.replace(s, scheduler="single") for s in found if s.scheduler == "persistent"} == single_ones
+    four = [p.spec for p in tune.candidates(attngen.Spec(head_dim=64, causal=True), 4)]
+    assert [(s.scheduler, s.steady_loop) for s in four] == [("single", "one"), ("single", "split"),
+                                                          ("persistent", "one"), ("persistent", "split")]
+    assert len({dataclasses.replace(s, scheduler="single", steady_loop="one") for s in four}) == 1  # one schedule
+    assert {s.scheduler for s in tune.neighbours(attngen.Spec(head_dim=64, layout="varlen"))} == {"single"}
+    winner = tune.Candidate(make_plan(four[2]), tflops=1.0)
+    key = tune.record_winner(four[2], 4096, winner, "a GPU", path=tmp_path / "t.json")
+    import json
+    assert json.loads((tmp_path / "t.json").read_text())["entries"][key]["scheduler"] == "persistent"
