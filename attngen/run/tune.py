@@ -8,7 +8,8 @@
 2. Prune with the plan's budgets (registers, shared memory), then keep the most promising
    `max_candidates` (largest tiles first, then deeper pipelines: what the register and
    shared-memory budgets allow, FlashAttention-3's own preference; each schedule's one loop
-   just before its split loop, so both forms of the best schedules are built and timed).
+   just before its split loop, so both forms of the best schedules are built and timed), a
+   quarter of them the most promising persistent kernels where the spec takes them.
 3. Build the survivors in parallel and prune again with the build report: no spills, no
    local memory, setmaxnreg applied.
 4. On a GPU, time each survivor at one shape (the method of attngen.run.gputime) and write the
@@ -78,8 +79,17 @@ def promise(spec: Spec) -> tuple:
             not spec.pingpong, spec.k_stages, spec.v_stages, spec.scheduler != "single", spec.steady_loop != "one")
 
 
+PERSISTENT_SHARE = 4  # a quarter of the candidates (rounded down) are persistent kernels, where the spec takes them
+
+
 def candidates(spec: Spec, max_candidates: int) -> list[Plan]:
-    return [make_plan(s) for s in sorted(neighbours(spec), key=promise)[:max_candidates]]
+    """The most promising `max_candidates` neighbours, a quarter of them persistent kernels: their
+    producer's larger register share leaves the consumers smaller tiles, so in one ranking by tile
+    size they would all fall behind the single-tile kernels and never be built."""
+    ranked = sorted(neighbours(spec), key=promise)
+    persistent = [s for s in ranked if s.scheduler == "persistent"][:max_candidates // PERSISTENT_SHARE]
+    single = [s for s in ranked if s.scheduler == "single"][:max_candidates - len(persistent)]
+    return [make_plan(s) for s in sorted(single + persistent, key=promise)]
 
 
 def _build_report(plan: Plan, cache_dir) -> dict:

@@ -138,11 +138,14 @@ def reg_split(spec: Spec) -> tuple:
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
     if spec.paged_kv or spec.splits != 1 or spec.block_mask:  # a block mask's producer walks its lists per tile
         return walking_split(spec.consumers)
+    if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B
+        return walking_split(spec.consumers)
     return hw.REG_SPLIT[spec.consumers]
 
 
 def walking_split(n: int) -> tuple:
-    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists)."""
+    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists,
+    a persistent schedule's next tile)."""
     producer, consumer = hw.REG_SPLIT[n]
     producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
     pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
