@@ -258,3 +258,56 @@ def test_tune_explores_both_schedulers_where_the_spec_takes_both(tmp_path):
     key = tune.record_winner(four[2], 4096, winner, "a GPU", path=tmp_path / "t.json")
     import json
     assert json.loads((tmp_path / "t.json").read_text())["entries"][key]["scheduler"] == "persistent"
+
+
+# -- the model's fetch-and-add and concurrent launch, on a hand-written kernel ----------------------------
+TICKETS = '''\
+import tilelang
+import tilelang.language as T
+
+
+def build_kernel():
+    @T.prim_func
+    def tickets(C: T.Tensor([1], "int32"), Got: T.Tensor([8, 4], "int32")):
+        with T.Kernel(8, threads=128) as bx:
+            tx = T.get_thread_binding()
+            for r in T.serial(4):
+                {take}
+
+    return tickets
+'''
+
+
+def run_tickets(take, *, seed=0, policy="random", concurrent=True):
+    from attngen.emulator.driver import Runtime, Stats
+
+    rt = Runtime(TICKETS.format(take=take), "<tickets>", {})
+    rt.run([np.zeros(1, np.int32), np.full((8, 4), -1, np.int32)], seed=seed, policy=policy, stats=Stats(),
+           concurrent=concurrent)
+    return rt.tensors["Got"]
+
+
+ONE_THREAD = "if tx == 0:\n                    Got[bx, r] = T.atomic_add(C[0], 1, return_prev=True)"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fetch_and_add_hands_out_each_ticket_once_and_blocks_interleave(policy):
+    interleaved = False
+    for seed in range(4):
+        got = run_tickets(ONE_THREAD, seed=seed, policy=policy)
+        assert sorted(got.ravel()) == list(range(32))
+        assert all(list(row) == sorted(row) for row in got)  # each block's own tickets in program order
+        interleaved |= any(row[-1] - row[0] > 3 for row in got)  # another block took one between two of its own
+    assert interleaved
+    sequential = run_tickets(ONE_THREAD, concurrent=False)  # one block after another: block b takes 4b..4b+3
+    assert [list(row) for row in sequential] == [list(range(4 * b, 4 * b + 4)) for b in range(8)]
+
+
+def test_fetch_and_add_by_a_whole_warpgroup_is_refused():
+    with pytest.raises(EmulationError, match="return_prev=True\\) by 128 threads"):
+        run_tickets("Got[bx, r] = T.atomic_add(C[0], 1, return_prev=True)")
+
+
+def test_a_plain_read_of_the_counter_races_with_the_other_blocks_atomics():
+    with pytest.raises(HazardError, match="atomic"):
+        run_tickets(ONE_THREAD + "\n                Got[bx, r] = C[0]")
