@@ -100,6 +100,9 @@ def command(args) -> int:
         if plan.varlen or plan.page_size or plan.split_kv:
             raise SpecError(*serving_field(plan.spec), "the timeline models one bshd, dense, unsplit kernel; "
                             "chart the same spec without layout, paged_kv and splits")
+        if plan.spec.scheduler != "single":
+            raise SpecError("scheduler", plan.spec.scheduler, "the timeline charts blocks one after another, and a "
+                            "persistent kernel's run at once; chart the same spec with scheduler = \"single\"")
     if args.max_blocks < 1:
         raise InputError("--max-blocks", args.max_blocks, "a positive integer")
     check_output_file("--output", args.output)
