@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attngen
 from attngen.emulator import POLICIES, DeadlockError, EmulationError, HazardError, KernelError
-from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats
+from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats, variant_inputs
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.fwd.plan import make_plan
-from attngen.reference.forward import InputError, random_inputs
+from attngen.reference.forward import InputError
 from attngen.spec import SpecError
 
 CAUSAL = {"causal": True}
@@ -26,15 +26,16 @@ SHAPE = (2, 2, 700, 700)  # batch, heads, q_len, kv_len: 6 row tiles x 4 = 24 ti
 
 
 def inputs(spec, shape=SHAPE, seed=0):
+    """q, k, v and the call-time tensors (ALiBi slopes, sinks) the spec takes."""
     batch, heads, q_len, kv_len = shape
-    return random_inputs(spec.dtype, spec.head_dim, batch, heads, heads // spec.gqa_group, q_len, kv_len, seed)
+    return variant_inputs(make_plan(spec), batch, heads, heads // spec.gqa_group, q_len, kv_len, seed)
 
 
 def run(fields, shape=SHAPE, *, num_sms=3, seed=0, policy="random", block_order="grid", source=None, counters=None):
     spec = attngen.Spec(**fields, scheduler="persistent")
-    q, k, v = inputs(spec, shape)
+    q, k, v, tensors = inputs(spec, shape)
     return emulate_stats(spec, q, k, v, seed=seed, policy=policy, block_order=block_order, num_sms=num_sms,
-                         source=source, counters=counters or TileCounters())
+                         source=source, counters=counters or TileCounters(), tensors=tensors)
 
 
 def single(fields, shape=SHAPE):
@@ -42,8 +43,8 @@ def single(fields, shape=SHAPE):
     let the plan choose a smaller block_n, and other tiles sum in another order)."""
     block_n = make_plan(attngen.Spec(**fields, scheduler="persistent")).spec.block_n
     spec = attngen.Spec(**fields, block_n=block_n)
-    q, k, v = inputs(spec, shape)
-    return emulate_stats(spec, q, k, v)[0]
+    q, k, v, tensors = inputs(spec, shape)
+    return emulate_stats(spec, q, k, v, tensors=tensors)[0]
 
 
 def same(a, b) -> bool:
@@ -83,7 +84,7 @@ def test_the_backward_refuses_it_in_one_line():
 
 def test_num_sms_belongs_to_a_persistent_spec_only():
     spec = attngen.Spec(causal=True)
-    q, k, v = inputs(spec, (1, 1, 64, 64))
+    q, k, v, _ = inputs(spec, (1, 1, 64, 64))
     with pytest.raises(InputError, match="num_sms"):
         attngen.emulate(spec, q, k, v, num_sms=4)
     with pytest.raises(InputError, match="num_sms"):
@@ -93,7 +94,10 @@ def test_num_sms_belongs_to_a_persistent_spec_only():
 # -- bit-identical to the single-tile kernel ---------------------------------------------------------
 @pytest.mark.parametrize("fields", [CAUSAL, {}, {"causal": True, "lse": True, "gqa_group": 2},
                                     {"window": (200, 0), "lse": True}, {"causal": True, "consumers": 1},
-                                    {"causal": True, "alibi": False, "softcap": 30.0, "k_stages": 3}])
+                                    {"causal": True, "alibi": True, "softcap": 30.0, "k_stages": 3},
+                                    {"sinks": True, "lse": True, "head_dim": 64, "dtype": "bfloat16"},
+                                    {"causal": True, "consumers": 3, "head_dim": 64, "steady_loop": "split"},
+                                    {"score_mod": "score * 0.5 + kv_idx * 0.01", "head_dim_v": 64}])
 def test_equal_to_the_single_tile_kernel_bit_for_bit(fields):
     want = single(fields)
     for num_sms in (1, 2, 5, 8):
@@ -226,7 +230,9 @@ def test_the_unmutated_kernel_passes_where_the_mutants_run():
 
 # -- drawn: specs x shapes x SM counts x schedules -------------------------------------------------------
 FIELDS = st.sampled_from([CAUSAL, {}, {"causal": True, "gqa_group": 2, "lse": True}, {"window": (100, 30)},
-                          {"causal": True, "consumers": 1, "k_stages": 1, "v_stages": 3}, {"lse": True, "sinks": False}])
+                          {"causal": True, "consumers": 1, "k_stages": 1, "v_stages": 3}, {"lse": True, "sinks": True},
+                          {"causal": True, "alibi": True, "head_dim": 64}, {"mask_mod": "(q_idx + kv_idx) % 3 != 0"},
+                          {"causal": True, "steady_loop": "split", "dtype": "bfloat16"}])
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
