@@ -279,6 +279,16 @@ def longest_first(plan: Plan) -> bool:
     return plan.spec.causal or plan.spec.window != (-1, -1)
 
 
+def held_in_vars(lines: list[str]) -> list[str]:
+    """`name = value` lines as T.alloc_var stores. A persistent kernel's steady-loop split points as
+    plain names (lets) inside the tile loop failed to lower with 3 consumers and the split loop
+    ("Let cannot bind the same var to two different values", TileLang 0.1.15); held in vars they lower."""
+    out = []
+    for line in lines:
+        out += [f'{line.split(" = ", 1)[0]} = T.alloc_var("int32", 0)', line]
+    return out
+
+
 def persistent_context(plan: Plan) -> dict:
     """The persistent scheduler's lines (the template's `persistent`): `setup`, the block's tile
     count and counter slot; `tile`, what each tile binds from its index `tile` (persistent_steps'
@@ -340,7 +350,7 @@ def template_context(plan: Plan) -> dict:
         "lead_tiles": lead_tiles_expr(plan),
         "masked_visit": masked_visit,
         "masked_visit_comment": masked_visit_comment,
-        "steady_setup": loop_setup,
+        "steady_setup": held_in_vars(loop_setup) if schedule_of(plan).persistent else loop_setup,
         "steady_loops": loops,
         "params": kernel_params(plan, dv),
         "block_mask": plan.block_mask,
