@@ -308,11 +308,16 @@ def persistent_context(plan: Plan) -> dict:
     if first_tile_expr(plan):
         lines.append(f"first_tile = {first_tile_expr(plan)}  # the window's left edge for the block's first row")
     lines.append(f"n_tiles = {n_tiles_expr(plan)}")
+    # what the loads, masks and epilogue read, held in T.alloc_vars: computed once per tile. As plain
+    # names (lets) TileLang inlined the decoding into every use: a window with softcap and ALiBi built to
+    # 105801 SASS lines and 64 B of spills, against 12153 lines and none for the single-tile kernel
+    held = ["batch_idx", "head", "kv_head", "q0", "n_tiles"] + (["first_tile"] if first_tile_expr(plan) else [])
     setup = ["m_blocks = T.ceildiv(q_len, BLOCK_M)  # row tiles per head",
              "heads_total = batch * heads  # tile t's (batch, head) pair is bh = batch_idx * heads + head",
              "total_tiles = m_blocks * heads_total  # the counter hands out [0, total_tiles), then an end mark per block",
              "slot = T.truncmod(epoch, COUNTER_SLOTS)  # this call's counter: the two calls before it zeroed it"]
-    return {"setup": setup, "tile": lines, "constants": [f"COUNTER_SLOTS = {COUNTER_SLOTS}  # tile counters, used in turn "
+    return {"setup": setup, "tile": lines, "vars": [f'{name} = T.alloc_var("int32", 0)' for name in held],
+            "constants": [f"COUNTER_SLOTS = {COUNTER_SLOTS}  # tile counters, used in turn "
                                                           "by successive calls (schedulers.COUNTER_SLOTS)"]}
 
 
