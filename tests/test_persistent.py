@@ -69,6 +69,7 @@ def test_the_default_is_single_and_names_change_only_for_persistent():
     ({"scheduler": "persistent", "layout": "varlen"}, "layout", "bshd"),
     ({"scheduler": "persistent", "paged_kv": True}, "paged_kv", "dense"),
     ({"scheduler": "persistent", "block_mask": True, "mask_mod": "q_idx >= kv_idx"}, "block_mask", "block mask"),
+    ({"scheduler": "persistent", "consumers": 3, "head_dim": 64}, "consumers", "spilled"),
 ])
 def test_what_it_refuses_is_named_in_one_line(fields, field, text):
     with pytest.raises(SpecError) as e:
@@ -96,7 +97,7 @@ def test_num_sms_belongs_to_a_persistent_spec_only():
                                     {"window": (200, 0), "lse": True}, {"causal": True, "consumers": 1},
                                     {"causal": True, "alibi": True, "softcap": 30.0, "k_stages": 3},
                                     {"sinks": True, "lse": True, "head_dim": 64, "dtype": "bfloat16"},
-                                    {"causal": True, "consumers": 3, "head_dim": 64, "steady_loop": "split"},
+                                    {"causal": True, "consumers": 1, "head_dim": 64, "steady_loop": "split"},
                                     {"score_mod": "score * 0.5 + kv_idx * 0.01", "head_dim_v": 64}])
 def test_equal_to_the_single_tile_kernel_bit_for_bit(fields):
     want = single(fields)

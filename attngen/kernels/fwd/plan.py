@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, Spec, SpecError
+from attngen.spec import FIELDS, Spec, SpecError, ruled_out
 from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
                                          WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
                                          transforms_scores, variant_tags)
@@ -239,6 +239,10 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
+    if check_registers and spec.scheduler == "persistent" and n > 2:
+        raise ruled_out("consumers", n, "1 or 2", 'scheduler = "persistent"', "with 3 consumers (32 producer and "
+                        "160 consumer registers) the persistent kernel's per-tile state spilled, producer and consumers: "
+                        "36 to 120 B measured (hd64 block_n 96 and 112, hd128 block_n 80)")
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)
