@@ -126,10 +126,12 @@ def test_each_block_walks_many_tiles_and_together_they_take_each_once():
     assert stats.atomics == 24 + 2  # each tile once, then one end mark per block
 
 
-def test_the_longest_row_tiles_go_first():
-    """One block, causal: its K loads come in FA3's order, the last row tile (6 K tiles) first."""
-    _, stats = run(CAUSAL, (1, 1, 700, 700), num_sms=1)
-    assert stats.k_tiles == 6 + 5 + 4 + 3 + 2 + 1
+@pytest.mark.parametrize("fields, rows", [(CAUSAL, [640, 512, 384, 256, 128, 0]), ({}, [0, 128, 256, 384, 512, 640])])
+def test_the_longest_row_tiles_go_first_under_causal(fields, rows):
+    """One block: it loads the row tiles' Q in the order the counter hands them out."""
+    _, stats = run(fields, (1, 1, 700, 700), num_sms=1)
+    assert [row for _, row, _, _ in stats.q_boxes[::2]] == rows  # consumer 0's slice of each tile
+    assert stats.k_tiles == (6 + 5 + 4 + 3 + 2 + 1 if fields else 36)
 
 
 def test_a_call_after_a_crashed_call_still_works():
