@@ -123,7 +123,7 @@ def test_each_block_walks_many_tiles_and_together_they_take_each_once():
     _, stats = run(CAUSAL, num_sms=2)
     tiles_by_block = [n // 2 for n in stats.q_tiles_by_cta.values()]  # 2 consumers load a tile's Q each
     assert sum(tiles_by_block) == 24 and max(tiles_by_block) >= 12
-    assert stats.atomics == 24 + 2  # each tile once, then one end mark per block
+    assert stats.atomics == 24 + 2 + 1  # each tile once, one end mark per block, the reset to 0
 
 
 @pytest.mark.parametrize("fields, rows", [(CAUSAL, [640, 512, 384, 256, 128, 0]), ({}, [0, 128, 256, 384, 512, 640])])
@@ -134,14 +134,18 @@ def test_the_longest_row_tiles_go_first_under_causal(fields, rows):
     assert stats.k_tiles == (6 + 5 + 4 + 3 + 2 + 1 if fields else 36)
 
 
-def test_a_call_after_a_crashed_call_still_works():
-    """A kernel that dies after its blocks took some tiles leaves its counter dirty; the next call
-    (the launcher counts the crashed one) takes another, zeroed slot and gives the same bits."""
-    spec = attngen.Spec(causal=True, scheduler="persistent")
-    text = attngen.render_source(spec)
+def killed(text: str) -> str:
+    """The kernel dying once a consumer has finished two tiles (its blocks took tiles from the counter)."""
     dies = text.replace("            T.mbarrier_arrive(tile_empty)\n",
                         "            T.mbarrier_arrive(tile_empty)\n            assert tile_iter < 2, 'killed'\n", 1)
     assert dies != text
+    return dies
+
+
+def test_a_call_after_a_crashed_call_still_works():
+    """A kernel that dies after its blocks took some tiles leaves its counter dirty; the next call
+    (the launcher counts the crashed one) takes another, zeroed slot and gives the same bits."""
+    dies = killed(attngen.render_source(attngen.Spec(causal=True, scheduler="persistent")))
     want, counters = single(CAUSAL), TileCounters()
     for crashed in range(2):
         with pytest.raises(KernelError, match="killed"):
@@ -149,6 +153,15 @@ def test_a_call_after_a_crashed_call_still_works():
         assert counters.slots.any()  # it did take tiles
         got, _ = run(CAUSAL, counters=counters)
         assert same(got, want)
+
+
+def test_a_replayed_call_at_one_epoch_resets_its_own_counter():
+    """A CUDA graph replays one epoch: the block that takes the last end mark puts the slot back to 0."""
+    want, counters = single(CAUSAL), TileCounters()
+    for call in range(4):
+        counters.epoch = 1
+        got, _ = run(CAUSAL, counters=counters, seed=call, num_sms=1 + call)
+        assert same(got, want) and not counters.slots.any(), call
 
 
 def test_successive_calls_share_the_counters():
@@ -166,6 +179,8 @@ class Mutant:
     expect: tuple  # what catches it: "hazard", "deadlock", "kernel" (a KernelError: a tile twice or skipped)
     report: str = ""  # text the report must contain
     calls: int = 1  # the mutant is caught at the last of this many calls sharing one set of counters
+    replay: bool = False  # every call at one epoch (a replayed CUDA graph)
+    crash_first: bool = False  # a killed call first (killed()): its slot is left dirty
 
 
 TAKE = "tile_shared[0] = T.atomic_add(tile_counter[slot], 1, return_prev=True)"
@@ -185,9 +200,12 @@ MUTANTS = [
            ("hazard", "kernel")),
     Mutant("a_tile_skipped", [(TAKE, TAKE + " + 1")], ("kernel",), "0 time(s), expected 1"),
     Mutant("counter_not_reset_between_calls",
+           [("        T.atomic_add(tile_counter[slot], -(total_tiles + num_sms))", "        pass")],
+           ("kernel",), "0 time(s)", calls=2, replay=True),
+    Mutant("next_calls_counters_not_zeroed_after_a_crash",
            [("tile_counter[T.truncmod(epoch + 1, COUNTER_SLOTS)] = 0", "pass"),
             ("tile_counter[T.truncmod(epoch + 2, COUNTER_SLOTS)] = 0", "pass")],
-           ("kernel",), "0 time(s)", calls=4),
+           ("kernel",), "0 time(s)", calls=3, crash_first=True),
     Mutant("next_kv_load_over_the_last_pv",
            [("            T.wait_wgmma(0)\n            T.mbarrier_arrive(v_empty[v_stage_last])\n",
              "            T.mbarrier_arrive(v_empty[v_stage_last])\n            T.wait_wgmma(0)\n")],
@@ -213,9 +231,14 @@ def test_mutant_is_caught_in_every_schedule(m: Mutant):
         for block_order in BLOCK_ORDERS:
             for seed in range(2):
                 counters = TileCounters()
+                if m.crash_first:
+                    with pytest.raises(KernelError, match="killed"):
+                        run(CAUSAL, num_sms=2, seed=seed, policy=policy, source=killed(source), counters=counters)
                 for _ in range(m.calls - 1):  # the earlier calls pass: the mutant shows at the last
+                    counters.epoch = 0 if m.replay else counters.epoch
                     run(CAUSAL, num_sms=2, seed=seed, policy=policy, block_order=block_order, source=source,
                         counters=counters)
+                counters.epoch = 0 if m.replay else counters.epoch
                 with pytest.raises(EmulationError) as e:
                     run(CAUSAL, num_sms=2, seed=seed, policy=policy, block_order=block_order, source=source,
                         counters=counters)

@@ -24,9 +24,9 @@ from attngen import tiles
 from attngen.hw import DTYPES, L2_KV_BYTES
 
 
-# A persistent kernel's tile counters: call e takes tiles from slot e % COUNTER_SLOTS and zeroes the
-# other two for the calls after it, so a slot is zeroed by each of the two calls before its next use:
-# a call that died before zeroing (or never launched) leaves the next call a clean slot all the same.
+# A persistent kernel's tile counters: call e takes tiles from slot e % COUNTER_SLOTS, and the block
+# that takes the last end mark puts it back to 0 (a replayed CUDA graph keeps its epoch); block 0
+# zeroes the other two, so a slot a call died on is clean again before the rotation reaches it.
 COUNTER_SLOTS = 3
 
 
