@@ -142,6 +142,9 @@ class Spec:
     # call-time tensors the backward differentiates (float tensors the score_mod reads, alibi_slopes):
     # their gradients scattered into their own shapes (docs/backward.md, "Learnable tensors")
     learnable: tuple = ()
+    # "single": a block per tile; "persistent": a block per SM loops over tiles an atomic counter hands
+    # out (longest first under causal or a window; docs/build.md). At "single" the kernel is unchanged.
+    scheduler: str = "single"
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -173,10 +176,11 @@ class Spec:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 STEADY_LOOPS = ("one", "split")
+SCHEDULERS = ("single", "persistent")
 VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
-                    "deterministic": False, "learnable": ()}
+                    "deterministic": False, "learnable": (), "scheduler": "single"}
 
 
 VARIANT_DEFAULTS["kv_dtype"] = None  # an fp8 KV cache (docs/fp8-kv-cache.md): left out of names and hashes at its default
@@ -246,6 +250,7 @@ def check_fields(s: Spec) -> None:
     check_variant_fields(s)
     check_serving_fields(s)
     check_kv_dtype(s)
+    check_scheduler_field(s)
     if s.pingpong and s.consumers < 2:
         raise ruled_out("pingpong", s.pingpong, "false (or no pingpong)", f"consumers = {s.consumers}",
                         "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
@@ -369,6 +374,24 @@ def check_block_mask_field(s: Spec) -> None:
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), "block_mask = true",
                             "a block mask serves bshd, dense, unsplit kernels")
+
+
+def check_scheduler_field(s: Spec) -> None:
+    """The persistent scheduler serves bshd, dense, unsplit kernels without a block mask so far: the
+    others choose their tile's sequence, split or visits from grid axes it replaces (not done yet)."""
+    if not isinstance(s.scheduler, str) or s.scheduler not in SCHEDULERS:
+        raise SpecError("scheduler", s.scheduler, 'expected "single" (a block per tile) or "persistent" (a block '
+                        'per SM looping over tiles from an atomic counter)')
+    if s.scheduler == "single":
+        return
+    for field in ("layout", "paged_kv", "splits", "block_mask"):
+        if getattr(s, field) != VARIANT_DEFAULTS[field]:
+            raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
+                            "the persistent scheduler serves bshd, dense, unsplit kernels without a block mask "
+                            "(a tile's sequence, split or block-mask visits are not handed out yet)")
+    if s.kv_dtype not in (None, s.dtype):
+        raise ruled_out("kv_dtype", s.kv_dtype, "none", 'scheduler = "persistent"', "the persistent producer's tile loop "
+                        "loads 16-bit K/V: an fp8 cache's dequantizing producer is not wrapped in it yet")
 
 
 def serving_given(s: Spec) -> str:

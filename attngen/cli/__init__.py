@@ -115,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", help="tune at this shape B,H,HKV,SQ,SKV instead (default: 16k tokens at --seq-len)")
     t.add_argument("--dry-run", action="store_true", help="no GPU: build the candidates and list their reports")
     t.add_argument("--max-candidates", type=int, default=16,
-                   help="build at most this many candidates; a schedule's one-loop and split-loop forms are two (default: 16)")
+                   help="build at most this many candidates; a schedule's one-loop and split-loop forms are two, "
+                        "its single-tile and persistent kernels two more (default: 16)")
     t.add_argument("-j", "--jobs", type=int, default=2, help="parallel builds (default: 2)")
     t.add_argument("--cache-dir", default=None, help="build cache (default: $ATTNGEN_CACHE or ~/.cache/attngen)")
     t.add_argument("--table", default=None, help="tuned table to update (default: the package's attngen/tuned/h200.json)")

@@ -103,6 +103,9 @@ def command(args) -> int:
         if plan.spec.kv_dtype is not None:
             raise SpecError("kv_dtype", plan.spec.kv_dtype, "the timeline's latency model has no cost for an fp8 cache's "
                             "dequantization (docs/fp8-kv-cache.md); chart the same spec without kv_dtype")
+        if plan.spec.scheduler != "single":
+            raise SpecError("scheduler", plan.spec.scheduler, "the timeline charts blocks one after another, and a "
+                            "persistent kernel's run at once; chart the same spec with scheduler = \"single\"")
     if args.max_blocks < 1:
         raise InputError("--max-blocks", args.max_blocks, "a positive integer")
     check_output_file("--output", args.output)

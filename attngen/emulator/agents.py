@@ -160,6 +160,7 @@ class Agent:
         self.alloc_seen = {}  # alloc site -> times executed: the n-th execution names the n-th buffer
         self.line = None
         self.stores = []  # in-flight asynchronous TMA stores (T.tma_copy to global), oldest first
+        self.cta = None  # a concurrent launch: the block this warpgroup belongs to (driver.CTA)
         # happens-before state (hazards.Tracker sets the components)
         self.comp = self.wg_comp = self.store_comp = self.bulk_comp = -1
         self.vc = []
@@ -191,6 +192,7 @@ class Scheduler:
         self.trace = []  # (agent index, line) at every hand-over: the schedule, for determinism checks
         self.context = ""
         self.on_finish = None  # agent -> None; may raise EmulationError (end-of-warpgroup checks)
+        self.on_resume = None  # agent -> None: the agent takes the baton (a concurrent launch switches blocks)
 
     # -- the running agent ---------------------------------------------------
     @property
@@ -227,6 +229,8 @@ class Scheduler:
         agent.gate.acquire()
         if self.aborted:
             return
+        if self.on_resume is not None:
+            self.on_resume(agent)
         try:
             with np.errstate(all="ignore"):  # inf/NaN arithmetic is the kernel's business; checks catch it
                 body(agent)
@@ -289,6 +293,8 @@ class Scheduler:
         me.gate.acquire()
         if self.aborted:
             raise Abort()
+        if self.on_resume is not None:
+            self.on_resume(me)
 
     def block(self, ready, describe, line):
         """Wait until ready() holds; describe() says what for (deadlock reports)."""

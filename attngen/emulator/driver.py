@@ -58,6 +58,7 @@ class Stats:
     seconds: float = 0.0
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
+    q_boxes: list = dataclasses.field(default_factory=list)  # a concurrent run: every Q box loaded (CTA.q_boxes)
 
 
 class CTA:
@@ -66,6 +67,7 @@ class CTA:
     def __init__(self, index, grid, threads, tracker, stats):
         self.index, self.grid, self.threads, self.tracker, self.stats = index, grid, threads, tracker, stats
         self.shared, self.barriers, self.named = {}, {}, {}
+        self.q_boxes = []  # the Q boxes this block loaded by TMA: (batch, first row, head), one per load
 
 
 @functools.lru_cache(maxsize=64)
@@ -162,7 +164,7 @@ class Runtime:
         return args
 
     def run(self, inputs: list, *, seed: int, policy: str, stats: Stats, proxy_fences: bool = False,
-            entry: str = "build_kernel", owner=None, block_order: str = "grid"):
+            entry: str = "build_kernel", owner=None, block_order: str = "grid", concurrent: bool = False):
         """Run the prim_func that `entry()` of the emitted module returns, on every CTA of its grid.
 
         `inputs` holds one value per prim_func parameter in order: an array for an input tensor
@@ -176,7 +178,9 @@ class Runtime:
         no rule; any global store outside it is a KernelError naming the CTA and the element.
         `block_order`: "grid" runs the blocks x fastest, then y, then z; "shuffled" in an order drawn
         from the seed (blocks are unordered on the GPU: a result that depends on it, such as float
-        atomics from several blocks, then varies with the seed; race verdicts never do)."""
+        atomics from several blocks, then varies with the seed; race verdicts never do).
+        `concurrent`: every block of the grid runs at once, interleaved by one scheduler (a persistent
+        kernel: its blocks race for tiles at an atomic counter), instead of one block after another."""
         if block_order not in BLOCK_ORDERS:
             raise ValueError(f"block_order {block_order!r}: expected one of {', '.join(BLOCK_ORDERS)}")
         ns, prim = self.load(entry)
@@ -190,6 +194,7 @@ class Runtime:
         except EmulationError as e:
             raise self.wrap_error(e) from None
         tensors = [b for b in bufs if isinstance(b, Buffer)]
+        self.tensors = {b.name: b.data for b in tensors}  # live: a run that fails leaves what it wrote
 
         self.probe = True
         try:
@@ -220,6 +225,9 @@ class Runtime:
                 names.append(f"consumer {c}")
                 c += 1
 
+        if concurrent:
+            return self._run_concurrent(prim, bufs, inputs, grid, threads, names, roles, seed=seed, policy=policy,
+                                        stats=stats, proxy_fences=proxy_fences, block_order=block_order, owner=owner)
         digest = hashlib.sha1()
         counters = {"wgmma": 0, "tma": 0, "atomic": 0, "reduce_add": 0, "k_tiles": 0, "q_tiles": 0}
         launch = Launch()  # the blocks of this launch are unordered: their global accesses are checked across
@@ -267,6 +275,66 @@ class Runtime:
         stats.k_tiles += counters["k_tiles"]
         stats.q_tiles += counters["q_tiles"]
         stats.schedule = digest.hexdigest()[:16]
+        self.tensors = {b.name: b.data for b in tensors}
+        outs = [b.data for b, x in zip(bufs, inputs) if x is None]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _run_concurrent(self, prim, bufs, inputs, grid, threads, names, roles, *, seed, policy, stats, proxy_fences,
+                        block_order, owner):
+        """Runtime.run's `concurrent` launch: the warpgroups of every block are agents of one scheduler,
+        so blocks interleave at every synchronization point (and at each atomic fetch-and-add). Each
+        block keeps its own clocks (a Tracker); the Launch checks their global accesses against each
+        other's as they happen. A deadlock names every block's warpgroups."""
+        if self.trace is not None or owner is not None:
+            raise self.wrap_error(UnsupportedConstruct("a concurrent launch is traced or ownership-checked: neither "
+                                                       "is modeled (a persistent kernel's blocks own no fixed rows)"))
+        tensors = [b for b in bufs if isinstance(b, Buffer)]
+        gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
+        blocks = [(bx, by, bz) for bz in range(gz) for by in range(gy) for bx in range(gx)]
+        if block_order == "shuffled":
+            random.Random(f"{seed}/blocks").shuffle(blocks)
+        launch = Launch(concurrent=True)
+        ctas, agents = [], []
+        for index in blocks:
+            who = f"block (x={index[0]}, y={index[1]}, z={index[2]})"
+            mine = [Agent(i, f"{who} {names[i]}", roles[i]) for i in range(len(roles))]
+            tracker = Tracker(mine, current=lambda: self.agent, line=self.current_line, launch=launch)
+            tracker.describe_line, tracker.proxy_fences = self.describe_line, proxy_fences
+            tracker.context = (f"{who} of {len(blocks)} concurrent blocks (grid {tuple(grid)}); schedule seed={seed}, "
+                               f"policy={policy}, block order {block_order}")
+            cta = CTA(index, tuple(grid), threads, tracker, dict.fromkeys(("wgmma", "tma", "atomic", "reduce_add",
+                                                                            "k_tiles", "q_tiles"), 0))
+            cta.who = who
+            for a in mine:
+                a.cta = cta
+            ctas.append(cta)
+            agents += mine
+        sched = Scheduler(agents, policy, random.Random(f"{seed}/concurrent"), self.describe_line)
+        sched.context = f"{len(blocks)} concurrent blocks of grid {tuple(grid)}; schedule seed={seed}, policy={policy}"
+
+        def resume(agent):  # the running block's state is what T.* and the global buffers see
+            self.cta, self.context, launch.block = agent.cta, agent.cta.tracker.context, agent.cta.who
+            for b in tensors:
+                b.tracker = agent.cta.tracker
+
+        sched.on_resume, sched.on_finish = resume, self._finish_agent
+        for b in tensors:
+            b.owned = None
+        self.sched = sched
+        sched.run(lambda agent: prim.func(*bufs), self.wrap_error)
+        for cta in ctas:
+            if cta.tracker.ops:
+                raise HazardError("HAZARD: TMA loads still in flight when the block exited (their mbarrier phase never "
+                                  f"completed)\n{cta.tracker.pending_report()}\n  where: {cta.tracker.context}")
+            for key, n in cta.stats.items():
+                stats_key = {"atomic": "atomics", "reduce_add": "reduce_adds"}.get(key, key)
+                setattr(stats, stats_key, getattr(stats, stats_key) + n)
+            stats.k_tiles_by_cta[cta.index] = cta.stats["k_tiles"]
+            stats.q_tiles_by_cta[("concurrent", *cta.index)] = cta.stats["q_tiles"]
+            stats.q_boxes.extend(cta.q_boxes)
+        stats.ctas += len(ctas)
+        stats.handovers += len(sched.trace)
+        stats.schedule = hashlib.sha1(repr(sched.trace).encode()).hexdigest()[:16]
         self.tensors = {b.name: b.data for b in tensors}
         outs = [b.data for b, x in zip(bufs, inputs) if x is None]
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -495,13 +563,17 @@ def _extra_inputs(plan, args: list, dims: dict, extra: list) -> list:
 
 def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
                   filename: str | None = None, proxy_fences: bool = PROXY_FENCES, tensors: dict | None = None,
-                  serving: dict | None = None, softmax_scale: float | None = None, block_order: str = "grid"):
+                  serving: dict | None = None, softmax_scale: float | None = None, block_order: str = "grid",
+                  num_sms: int | None = None, counters=None):
     """Like `emulate`, returning (out as float32 numpy, Stats); out is (out, lse) for a spec with lse.
     `tensors`: the call-time tensors by name (alibi_slopes, sinks, score_mod/mask_mod tensors);
     `serving`: the serving keywords (cu_seqlens_q, ..., num_splits); `softmax_scale` the kernel's
     run-time scale (None: 1 / sqrt(head_dim)); `block_order` "grid" or "shuffled" (Runtime.run).
     Outputs start as NaN, so an element no block wrote stays NaN; a split kernel's partials are
-    left in `stats.partials`."""
+    left in `stats.partials`. A persistent spec's kernel runs `num_sms` blocks at once (None: one per
+    SM, at most one per tile) taking tiles from `counters` (emulator/persistent.py; None: the model's
+    launcher's), and each tile must run exactly once."""
+    from attngen.emulator import persistent
     from attngen.kernels.fwd.plan import Plan, as_plan
     from attngen.kernels.fwd.render import render_source
     from attngen.spec import Spec
@@ -513,6 +585,10 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
     inputs, dims, call = _prepare(plan, q, k, v, tensors, serving, softmax_scale)
+    num_sms = persistent.check_num_sms(num_sms, plan, dims)
+    counters = counters if counters is not None else persistent.DEFAULT_COUNTERS
+    if num_sms:
+        inputs += persistent.launch_inputs(plan, dims, num_sms, counters)
     text = render_source(plan) if source is None else source
     filename = filename or f"<emitted {plan.name}>"
     stats = Stats()
@@ -525,8 +601,14 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     t0 = time.perf_counter()
     with blas.single_threaded():
         rt = Runtime(text, filename, dims)
-        out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, owner=owner,
-                     block_order=block_order)
+        try:
+            out = rt.run(inputs, seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences,
+                         owner=None if num_sms else owner, block_order=block_order, concurrent=bool(num_sms))
+        finally:
+            if num_sms:
+                persistent.keep(counters, rt.tensors)
+        if num_sms:
+            persistent.check_each_tile_once(plan, dims, stats.q_boxes)
         if plan.split_kv:  # the combine kernel merges the splits' partial O and LSE
             from attngen.kernels.combine.render import COMBINE_ROWS
 
@@ -545,7 +627,7 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
 def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", source: str | None = None,
             proxy_fences: bool = PROXY_FENCES, alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, block_table=None, seqused_k=None, num_splits=None, softmax_scale=None, scale=None,
-            **tensors):
+            num_sms=None, **tensors):
     """Run the kernel emitted for a spec (or plan) on the CPU model of Hopper and return its output.
 
     q [B, Sq, H, D], k and v [B, Skv, HKV, D] as torch tensors or numpy arrays (rounded to the
@@ -570,6 +652,9 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     round) with k_descale and v_descale (float32 [batch or num_pages, kv_heads]) by name.
     Raises HazardError, DeadlockError, UnsupportedConstruct or KernelError (all EmulationError);
     a store outside the rows its block owns is a KernelError.
+    A persistent spec (scheduler = "persistent") runs `num_sms` blocks at once, racing for tiles at
+    the kernel's atomic counter (None: one per SM, at most one per tile); a tile run twice or
+    skipped is a KernelError.
     """
     from attngen.kernels.fwd.plan import Plan, as_plan
     from attngen.spec import Spec
@@ -583,7 +668,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     serving = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
     result, _ = emulate_stats(plan, q, k, v, seed=seed, policy=policy, source=source, proxy_fences=proxy_fences,
-                              tensors=tensors, serving=serving, softmax_scale=softmax_scale)
+                              tensors=tensors, serving=serving, softmax_scale=softmax_scale, num_sms=num_sms)
     out, lse = result if plan.spec.lse else (result, None)
     if hasattr(q, "detach"):
         import torch

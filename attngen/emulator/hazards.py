@@ -497,11 +497,15 @@ class Launch:
     happens-before tracker. Every pair of CTAs is checked once, whichever runs first, so the
     verdict does not depend on the order the driver runs them in."""
 
-    def __init__(self):
+    def __init__(self, concurrent: bool = False):
         self.touched: dict = {}  # Buffer -> _Touched
         self.accesses: list = []  # access id -> (block, agent name, kind, line)
         self.pending: list = []  # this CTA's (Buffer, mode, index, access id)
         self.block = ""
+        # A concurrent launch (a persistent kernel's blocks run interleaved): every block keeps its own
+        # maps from its first access on, and each access is checked against every other block's
+        self.concurrent = concurrent
+        self.by_block: dict = {}  # block -> {Buffer: _Touched}
 
     def begin(self, block: str):
         self.block = block
@@ -509,8 +513,11 @@ class Launch:
 
     def access(self, tracker, buf, index, write, atomic, agent, kind, line):
         mode = ATOMIC_RMW if atomic else WRITE if write else READ
-        t = self.touched.get(buf)
-        if t is not None:
+        if self.concurrent:
+            others = [m[buf] for b, m in self.by_block.items() if b != self.block and buf in m]
+        else:
+            others = [self.touched[buf]] if buf in self.touched else []
+        for t in others:
             for other in CONFLICTS[mode]:
                 m = t.get(buf, other)
                 if m is None:
@@ -519,19 +526,26 @@ class Launch:
                     raise HazardError(self._report(tracker, buf, index, mode, other, m, agent, kind, line))
         rid = len(self.accesses)
         self.accesses.append((self.block, agent.name, kind, line))
-        self.pending.append((buf, mode, index, rid))
+        if self.concurrent:
+            self._keep(self.by_block.setdefault(self.block, {}), buf, mode, index, rid)
+        else:
+            self.pending.append((buf, mode, index, rid))
 
     def end(self):
         """The CTA finished: its accesses are what later CTAs are checked against."""
         for buf, mode, index, rid in self.pending:
-            t = self.touched.get(buf)
-            if t is None:
-                t = self.touched[buf] = _Touched()
-            if mode == READ and all(isinstance(x, (slice, int)) for x in index):
-                t.reads.append((index, rid))  # a box: cheap to keep until a write or an atomic needs it
-            else:  # element gathers keep index arrays: put them in their map now, not in memory until then
-                t._put(buf, mode, [(index, rid)])
+            self._keep(self.touched, buf, mode, index, rid)
         self.pending = []
+
+    @staticmethod
+    def _keep(touched: dict, buf, mode, index, rid):
+        t = touched.get(buf)
+        if t is None:
+            t = touched[buf] = _Touched()
+        if mode == READ and all(isinstance(x, (slice, int)) for x in index):
+            t.reads.append((index, rid))  # a box: cheap to keep until a write or an atomic needs it
+        else:  # element gathers keep index arrays: put them in their map now, not in memory until then
+            t._put(buf, mode, [(index, rid)])
 
     def _report(self, tracker, buf, index, mode, other, m, agent, kind, line) -> str:
         hit = np.zeros(buf.shape, bool)

@@ -577,6 +577,7 @@ class TLang:
                 rt.cta.stats["k_tiles"] += 1
             elif src.buf.name == "Q":  # a Q tile (its column slices count each): the backward's analogue
                 rt.cta.stats["q_tiles"] += 1
+                rt.cta.q_boxes.append(src.lo)  # which tile (a persistent run checks each is loaded once)
             rt.sched.pause(line)
         elif src.buf.scope == "shared" and dst.buf.scope == "global":
             rt.trace and rt.trace.event("copy", self._site(), src=src, dst=dst)
@@ -660,14 +661,14 @@ class TLang:
         use_tma = bool(ann.pop("use_tma", use_tma))
         if ann:
             raise UnsupportedConstruct(f"T.atomic_add(annotations={sorted(ann)}): only use_tma is modeled")
-        if return_prev:
-            raise UnsupportedConstruct("T.atomic_add(return_prev=True): the previous value is not modeled")
         if memory_order is not None and memory_order not in MEMORY_ORDERS:
             raise KernelError(f"T.atomic_add(memory_order={memory_order!r}): expected one of {', '.join(MEMORY_ORDERS)}")
         if memory_order not in (None, "relaxed"):
             raise UnsupportedConstruct(f"T.atomic_add(memory_order={memory_order!r}): atomics that order other "
                                        "memory accesses are not modeled (relaxed, the default, is)")
         tracker = rt.cta.tracker
+        if return_prev:
+            return self._fetch_add(dst, value, use_tma)
         if isinstance(dst, ElementRef):
             if use_tma:
                 raise KernelError("T.atomic_add(use_tma=True) needs a shared source region and a global "
@@ -700,6 +701,26 @@ class TLang:
         dst.add(vals)
         rt.cta.stats["atomic"] += 1
         return None
+
+    def _fetch_add(self, dst, value, use_tma):
+        """`T.atomic_add(buf[i], v, return_prev=True)`: the scalar path (tl.atomic_add_ret_elem_op), which
+        returns the value before the add. One thread's is modeled (a guarded `if tx == ...`: a tile
+        counter); the statement is a scheduling point before the add, so the blocks of a concurrent
+        launch race for the value in every order the scheduler draws."""
+        rt = self._rt
+        if use_tma or not isinstance(dst, ElementRef) or isinstance(value, (Buffer, Region)):
+            raise UnsupportedConstruct("T.atomic_add(return_prev=True) on a region: only the scalar path (one "
+                                       "element and a value) returns the previous value (TileLang 0.1.15 refuses the rest)")
+        if rt.agent.nthreads != 1:
+            raise UnsupportedConstruct(f"T.atomic_add(return_prev=True) by {rt.agent.nthreads} threads: one thread's "
+                                       "is modeled (guard it with `if tx == ...`)")
+        self._atomic_target(dst.buf, dst.buf.name)
+        rt.sched.pause(self._site())
+        np_idx = tuple(int(i) for i in dst.idx)
+        prev = dst.buf.data[np_idx].item()
+        dst.buf.add_elements(np_idx, value, ATOMIC)  # checked as an atomic: it commutes with the other blocks' adds
+        rt.cta.stats["atomic"] += 1
+        return int(prev) if dst.buf.dtype == "int32" else np.float32(prev)
 
     @staticmethod
     def _atomic_target(buf, name):

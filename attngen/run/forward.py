@@ -13,7 +13,7 @@ from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, as_plan
 from attngen.kernels.fwd.render import render_source
 from attngen.reference.forward import InputError, resolve_scale
-from attngen.run import serving
+from attngen.run import persistent, serving
 from attngen.run.checks import NAMES, _detach, _torch, check_device, check_serving_call, launch_arguments, serving_outputs
 from attngen.run.entries import (KernelBuildError, Precompiled, _built_entry, _failure_message, _load_entry, _once,
                                  runtime_entry)
@@ -110,7 +110,8 @@ class Kernel:
             args.append(lse if t.output else next(inputs))
         with torch.cuda.device(q.device):
             # forward only: DLPack refuses tensors that require grad, and no graph is recorded
-            self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args), softmax_scale)
+            self.jit(q.detach(), k.detach(), v.detach(), out.detach(), *(a.detach() for a in args), softmax_scale,
+                     *persistent.launch_args(self.plan, q, k))
         return (out, lse) if self.spec.lse else out
 
     def _call_serving(self, q, k, v, out, check: bool, keywords: dict, tensors: dict, softmax_scale: float):

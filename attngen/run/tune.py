@@ -1,13 +1,15 @@
 """`attngen tune`: search a spec's neighbourhood for the fastest kernel, and the table it fills.
 
 1. Enumerate the neighbours of a spec: consumers 1/2/3, k_stages and v_stages 1-4,
-   block_n in steps of 16, ping-pong on and off, and both forms of the steady loop where they
-   differ (steady_loop "one" and "split": some tiles masked, not all); head_dim, dtype, causal,
-   gqa_group and aligned stay the user's.
+   block_n in steps of 16, ping-pong on and off, both forms of the steady loop where they
+   differ (steady_loop "one" and "split": some tiles masked, not all), and both schedulers
+   ("single" and "persistent") where the spec takes both; head_dim, dtype, causal, gqa_group
+   and aligned stay the user's.
 2. Prune with the plan's budgets (registers, shared memory), then keep the most promising
    `max_candidates` (largest tiles first, then deeper pipelines: what the register and
    shared-memory budgets allow, FlashAttention-3's own preference; each schedule's one loop
-   just before its split loop, so both forms of the best schedules are built and timed).
+   just before its split loop, so both forms of the best schedules are built and timed), a
+   quarter of them the most promising persistent kernels where the spec takes them.
 3. Build the survivors in parallel and prune again with the build report: no spills, no
    local memory, setmaxnreg applied.
 4. On a GPU, time each survivor at one shape (the method of attngen.run.gputime) and write the
@@ -15,7 +17,9 @@
    gqa_group and a sequence-length bucket. Without a GPU (`dry_run`), stop after step 3.
 
 `attngen.attention` reads the table to choose the schedule (consumers, stages, block_n,
-ping-pong, steady loop) when the caller names none. An empty table, or no entry for a key, means "use
+ping-pong, steady loop) when the caller names none. An entry records the winner's scheduler too,
+but the runtime does not apply it: the default stays "single" (docs/build.md) and the backward
+takes single-tile specs only. An empty table, or no entry for a key, means "use
 the plan's defaults" and is never an error.
 """
 
@@ -31,7 +35,7 @@ from pathlib import Path
 from attngen.build.nvcc import build, worker_pool
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, make_plan, splits_steady_loop
-from attngen.spec import BLOCK_N_STEP, MAX_BLOCK_N, MAX_CONSUMERS, MAX_STAGES, STEADY_LOOPS, Spec, SpecError
+from attngen.spec import BLOCK_N_STEP, MAX_BLOCK_N, MAX_CONSUMERS, MAX_STAGES, SCHEDULERS, STEADY_LOOPS, Spec, SpecError
 from attngen.run.tuning_table import SCHEDULE_FIELDS, TABLE, table_key
 
 DEFAULT_TOKENS = 16384  # batch * seq_len of a tuning shape, as the benchmark's rows
@@ -51,13 +55,15 @@ def neighbours(spec: Spec) -> list[Spec]:
     out = []
     block_ns = range(BLOCK_N_STEP, MAX_BLOCK_N + 1, BLOCK_N_STEP)
     loops = STEADY_LOOPS if splits_steady_loop(spec) else ("one",)  # elsewhere both forms are one kernel
-    for c, ks, vs, bn, pp, loop in itertools.product(range(1, MAX_CONSUMERS + 1), range(1, MAX_STAGES + 1),
-                                                     range(1, MAX_STAGES + 1), block_ns, (True, False), loops):
+    for c, ks, vs, bn, pp, loop, sched in itertools.product(range(1, MAX_CONSUMERS + 1), range(1, MAX_STAGES + 1),
+                                                            range(1, MAX_STAGES + 1), block_ns, (True, False), loops,
+                                                            SCHEDULERS):
         if pp and c < 2:
             continue
-        try:
+        try:  # a spec the persistent scheduler does not serve (serving layouts, block masks) is refused here
             candidate = Spec(**{**spec.to_dict(), "consumers": c, "k_stages": ks, "v_stages": vs, "block_n": bn,
-                                "pingpong": pp if c >= 2 else False, "block_m": None, "steady_loop": loop})
+                                "pingpong": pp if c >= 2 else False, "block_m": None, "steady_loop": loop,
+                                "scheduler": sched})
             make_plan(candidate)
         except SpecError:  # over a register or shared-memory budget
             continue
@@ -67,14 +73,23 @@ def neighbours(spec: Spec) -> list[Spec]:
 
 def promise(spec: Spec) -> tuple:
     """Sort key, most promising first: big K/V tiles, then more consumers, then deeper rings, ping-pong on;
-    of one schedule (ties in stage order, as enumerated), the default one loop first, then the split loop
-    right after it (which is faster is the GPU's to say)."""
+    of one schedule (ties in stage order, as enumerated), the single-tile kernel's default one loop first,
+    then its split loop, then the persistent kernel's two (which is faster is the GPU's to say)."""
     return (-spec.block_n, -spec.consumers, -min(spec.k_stages, spec.v_stages), -(spec.k_stages + spec.v_stages),
-            not spec.pingpong, spec.k_stages, spec.v_stages, spec.steady_loop != "one")
+            not spec.pingpong, spec.k_stages, spec.v_stages, spec.scheduler != "single", spec.steady_loop != "one")
+
+
+PERSISTENT_SHARE = 4  # a quarter of the candidates (rounded down) are persistent kernels, where the spec takes them
 
 
 def candidates(spec: Spec, max_candidates: int) -> list[Plan]:
-    return [make_plan(s) for s in sorted(neighbours(spec), key=promise)[:max_candidates]]
+    """The most promising `max_candidates` neighbours, a quarter of them persistent kernels: their
+    producer's larger register share leaves the consumers smaller tiles, so in one ranking by tile
+    size they would all fall behind the single-tile kernels and never be built."""
+    ranked = sorted(neighbours(spec), key=promise)
+    persistent = [s for s in ranked if s.scheduler == "persistent"][:max_candidates // PERSISTENT_SHARE]
+    single = [s for s in ranked if s.scheduler == "single"][:max_candidates - len(persistent)]
+    return [make_plan(s) for s in sorted(single + persistent, key=promise)]
 
 
 def _build_report(plan: Plan, cache_dir) -> dict:
@@ -167,7 +182,8 @@ def record_winner(spec: Spec, seq_len: int, winner: Candidate, device: str, path
     data = json.loads(Path(path).read_text() or "{}") if Path(path).exists() else {}
     entries = data.setdefault("entries", {})
     key = table_key(spec, seq_len)
-    entries[key] = {**{k: getattr(winner.plan.spec, k) for k in SCHEDULE_FIELDS}, "kernel": winner.plan.name,
+    entries[key] = {**{k: getattr(winner.plan.spec, k) for k in SCHEDULE_FIELDS}, "scheduler": winner.plan.spec.scheduler,
+                    "kernel": winner.plan.name,
                     "tflops": round(winner.tflops, 1), "device": device, "date": time.strftime("%Y-%m-%d")}
     data["entries"] = dict(sorted(entries.items()))
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -177,6 +177,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.kv_dtype is not None and spec.kv_dtype != spec.dtype:
         raise SpecError("kv_dtype", spec.kv_dtype, "an fp8 KV cache is for inference: the backward takes k and v of dtype")
+    if spec.scheduler != "single":
+        raise SpecError("scheduler", spec.scheduler, 'expected "single" for the backward: its kernels launch a block '
+                        "per tile (the persistent scheduler is the forward's so far)")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")

@@ -10,18 +10,24 @@ SingleTile, today's scheduler: the grid has one block per tile (grid / block_var
 tile_start), and every block starts its visit count at 0, so a barrier that completes once per
 tile (Q's in the forward, K/V's in the backward) is waited at parity 0.
 
-A persistent scheduler (issue 30; FA3's tile_scheduler.hpp, FA4's scheduler protocol) would
-launch one block per SM that loops over tiles: it would override grid and block_vars (the SMs),
-tile_start (the tile of loop iteration `tile_iter`, with a `next tile` step around the block's
-body), and stage / parity / tile_parity to add the visits of the block's earlier tiles (a
-running offset carried from tile to tile, e.g. `(k_base + k) % K_STAGES`), leaving the
-mainloop's text as it is.
+Persistent (issue 30; FA3's tile_scheduler.hpp): one block per SM (`num_sms`, a run-time
+argument) loops over the tiles an atomic counter hands out, in persistent_tile's order. It
+overrides grid and block_vars (the SMs) and stage / parity / tile_parity, which add the visits
+of the block's earlier tiles (`visit_base`, carried from tile to tile) and count the block's
+tiles (`tile_iter`), so the mainloop's text stays as it is and every barrier keeps its phase
+across tiles.
 """
 
 from __future__ import annotations
 
 from attngen import tiles
-from attngen.hw import L2_KV_BYTES
+from attngen.hw import DTYPES, L2_KV_BYTES
+
+
+# A persistent kernel's tile counters: call e takes tiles from slot e % COUNTER_SLOTS, and the block
+# that takes the last end mark puts it back to 0 (a replayed CUDA graph keeps its epoch); block 0
+# zeroes the other two, so a slot a call died on is clean again before the rotation reaches it.
+COUNTER_SLOTS = 3
 
 
 def _operand(visit: str) -> str:
@@ -31,6 +37,8 @@ def _operand(visit: str) -> str:
 
 class SingleTile:
     """One tile per block; visit counts start at 0 in every block."""
+
+    persistent = False
 
     def grid(self, rows: str, block: str, heads: str, batch: str = "") -> str:
         """The T.Kernel extents: blocks of `block` rows of `rows`, per head, per batch entry (if any)."""
@@ -62,9 +70,41 @@ class SingleTile:
         return "0"
 
 
+class Persistent(SingleTile):
+    """A block per SM looping over tiles: visit v of the block's current tile is the block's visit
+    visit_base + v, and its tile_iter-th tile waits the once-per-tile barriers at tile_iter % 2."""
+
+    persistent = True
+    VISIT_BASE = "visit_base"  # the block's K/V visits before its current tile (a T.alloc_var)
+    TILE_ITER = "tile_iter"  # the block's tiles before its current one (a T.alloc_var)
+
+    def grid(self, rows: str, block: str, heads: str, batch: str = "") -> str:
+        return "num_sms"
+
+    def block_vars(self, *names: str) -> str:
+        return "sm"
+
+    def _visit(self, visit: str) -> str:
+        return self.VISIT_BASE if visit == "0" else f"{self.VISIT_BASE} + {visit}"
+
+    def stage(self, visit: str, stages: str) -> str:
+        return f"{_operand(self._visit(visit))} % {stages}"
+
+    def parity(self, visit: str, stages: str) -> str:
+        return f"({_operand(self._visit(visit))} // {stages}) % 2"
+
+    def tile_parity(self) -> str:
+        return f"{self.TILE_ITER} % 2"
+
+    def free_tile_parity(self) -> str:
+        """The phase the taker of the next tile waits for on tile_empty: the last tile's (a fresh
+        barrier passes the first tile at once)."""
+        return f"({self.tile_parity()}) ^ 1"
+
+
 def schedule_of(plan) -> SingleTile:
-    """The plan's scheduler (every plan is single-tile today)."""
-    return SingleTile()
+    """The plan's scheduler: spec.scheduler's."""
+    return Persistent() if plan.spec.scheduler == "persistent" else SingleTile()
 
 
 # -- the persistent order: which (batch*head, row tile) the counter's i-th tile is ------------
@@ -78,6 +118,26 @@ def section_heads(kv_len: int, kv_head_bytes_per_key: int, group: int) -> int:
     return (1 << (fit.bit_length() - 1)) * group
 
 
+def section_of(spec, kv_len: int) -> int:
+    """section_heads for a resolved spec's kernel at `kv_len` keys: what its launcher passes as `section`."""
+    per_key = (spec.head_dim + (spec.head_dim_v or spec.head_dim)) * DTYPES[spec.dtype].bytes
+    return section_heads(kv_len, per_key, spec.gqa_group)
+
+
+def persistent_steps(tile, m_blocks, heads_total, section, longest_first: bool, name=lambda step, value: value):
+    """persistent_tile's rule step by step: each step's value goes through `name(step, value)`, which
+    returns what later steps use (the value itself, or the kernel's name for it: render's
+    tile_lines binds each step to a name, so the kernel's text reads step by step)."""
+    per_section = tiles.mul(section, m_blocks)
+    sec = name("sec", tiles.floordiv(tile, per_section))
+    within = name("within", tiles.sub(tile, tiles.mul(sec, per_section)))
+    width = name("width", tiles.min_(section, tiles.sub(heads_total, tiles.mul(sec, section))))  # the last section may be narrower
+    block = name("row_step", tiles.floordiv(within, width))
+    bh = name("bh", tiles.add(tiles.mul(sec, section), tiles.sub(within, tiles.mul(block, width))))
+    m_block = name("q_block", tiles.sub(tiles.sub(m_blocks, 1), block) if longest_first else block)
+    return bh, m_block
+
+
 def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
     """The `tile`-th tile a persistent schedule hands out, as (bh, m_block): bh = batch * heads +
     head, m_block the row tile. Written over tiles.py's builder: ints give ints (the bench, the
@@ -87,11 +147,4 @@ def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
     within one, row tile by row tile, each across the section's heads, so the heads whose K/V
     share L2 run together. `longest_first` reverses the row tiles (FA3's LPT for causal and
     local attention: with bottom-right alignment the last row tile sees the most keys)."""
-    per_section = tiles.mul(section, m_blocks)
-    sec = tiles.floordiv(tile, per_section)
-    within = tiles.sub(tile, tiles.mul(sec, per_section))
-    width = tiles.min_(section, tiles.sub(heads_total, tiles.mul(sec, section)))  # the last section may be narrower
-    block = tiles.floordiv(within, width)
-    bh = tiles.add(tiles.mul(sec, section), tiles.sub(within, tiles.mul(block, width)))
-    m_block = tiles.sub(tiles.sub(m_blocks, 1), block) if longest_first else block
-    return bh, m_block
+    return persistent_steps(tile, m_blocks, heads_total, section, longest_first)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, Spec, SpecError
+from attngen.spec import FIELDS, Spec, SpecError, ruled_out
 from attngen.kernels.fwd.kv_cache import descale_tensors, kv_fp8, staging_bytes
 from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
                                          WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
@@ -78,6 +78,8 @@ def kernel_name(spec: Spec) -> str:
     if spec.steady_loop != "one":
         parts.append("splitloop")
     parts += variant_tags(spec) + serving_tags(spec)
+    if spec.scheduler != "single":
+        parts.append(spec.scheduler)
     return "_".join(parts)
 
 
@@ -93,7 +95,14 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     }
     if spec.splits != 1:
         del smem["O"]  # float32 partial outputs go straight from registers to global memory
+    if spec.scheduler == "persistent":
+        smem["tile"] = TILE_SLOT_SMEM
     return smem | staging_bytes(spec, block_n, dv)
+
+
+# The persistent kernel's int32 tile slot (tile_shared) takes a 1024-byte aligned slice of the dynamic
+# shared memory: measured, hd128 causal, 197632 bytes built against 196608 for the single-tile kernel.
+TILE_SLOT_SMEM = 1024
 
 
 def variant_regs(spec: Spec) -> int:
@@ -131,11 +140,14 @@ def reg_split(spec: Spec) -> tuple:
     # a block mask's producer walks its lists per tile; an fp8 cache's producer dequantizes each tile
     if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec):
         return walking_split(spec.consumers)
+    if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B
+        return walking_split(spec.consumers)
     return hw.REG_SPLIT[spec.consumers]
 
 
 def walking_split(n: int) -> tuple:
-    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists)."""
+    """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists,
+    a persistent schedule's next tile)."""
     producer, consumer = hw.REG_SPLIT[n]
     producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
     pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
@@ -231,6 +243,10 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     if producer_regs + n * consumer_regs > (n + 1) * launch_regs:
         raise SpecError("consumers", n, f"setmaxnreg split {producer_regs}+{n}x{consumer_regs} exceeds the {threads}-thread pool")
 
+    if check_registers and spec.scheduler == "persistent" and n > 2:
+        raise ruled_out("consumers", n, "1 or 2", 'scheduler = "persistent"', "with 3 consumers (32 producer and "
+                        "160 consumer registers) the persistent kernel's per-tile state spilled, producer and consumers: "
+                        "36 to 120 B measured (hd64 block_n 96 and 112, hd128 block_n 80)")
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)

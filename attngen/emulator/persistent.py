@@ -1,0 +1,84 @@
+"""The CPU model's side of a persistent kernel (spec.scheduler = "persistent", issue 30): its
+launcher's state and arguments, and the check that every tile ran exactly once.
+
+A persistent kernel takes, after softmax_scale, the tile counters, the call's epoch, the number
+of blocks (one per SM) and the L2 section (kernels/common/schedulers.py). `TileCounters` is the
+launcher's state as on the GPU: the int32 counters persist from call to call (the kernel zeroes
+the ones the next calls use) and the epoch counts calls, crashed ones included. The driver runs
+the blocks concurrently (Runtime.run(concurrent=True)), so they race for tiles at the counter.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from attngen.emulator.errors import KernelError
+from attngen.hw import SM_COUNT
+from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of
+
+
+class TileCounters:
+    """A launcher's tile counters (zeroed once, at allocation) and its count of calls."""
+
+    def __init__(self):
+        self.slots = np.zeros(COUNTER_SLOTS, np.int32)
+        self.epoch = 0
+
+    def take_epoch(self) -> int:
+        """The next call's epoch, counted before its launch: a call that dies still used its number."""
+        epoch, self.epoch = self.epoch, (self.epoch + 1) % COUNTER_SLOTS  # only its slot matters (run/persistent.py: the same)
+        return epoch
+
+
+DEFAULT_COUNTERS = TileCounters()  # the CPU model's launcher, as the GPU runtime keeps one per device
+
+
+def total_tiles(plan, dims: dict) -> int:
+    return -(-dims["q_len"] // plan.spec.block_m) * dims["heads"] * dims["batch"]
+
+
+def check_num_sms(num_sms, plan, dims: dict) -> int:
+    """The blocks of a persistent launch: `num_sms`, or (None) the SMs of an H100/H200 or fewer where
+    there are fewer tiles (the blocks past them would only take an end mark)."""
+    from attngen.reference.forward import InputError
+
+    if plan.spec.scheduler != "persistent":
+        if num_sms is not None:
+            raise InputError("num_sms", repr(num_sms), 'None: the spec\'s kernel launches a block per tile '
+                             '(num_sms is a persistent kernel\'s: scheduler = "persistent")')
+        return 0
+    if num_sms is None:
+        return max(1, min(SM_COUNT, total_tiles(plan, dims)))
+    if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or not 1 <= num_sms <= SM_COUNT:
+        raise InputError("num_sms", repr(num_sms), f"an integer from 1 to {SM_COUNT} (the blocks: one per SM)")
+    return int(num_sms)
+
+
+def launch_inputs(plan, dims: dict, num_sms: int, counters: TileCounters) -> list:
+    """The kernel's arguments after softmax_scale: the counters (the driver writes them back after the
+    run, crashed or not, through `keep`), this call's epoch, the blocks and the L2 section."""
+    return [counters.slots, counters.take_epoch(), num_sms, section_of(plan.spec, dims["kv_len"])]
+
+
+def keep(counters: TileCounters, tensors: dict) -> None:
+    """The counters as the launch left them (global memory outlives a call, a failed one too)."""
+    if "tile_counter" in tensors:
+        counters.slots[:] = tensors["tile_counter"]
+
+
+def check_each_tile_once(plan, dims: dict, q_boxes: list) -> None:
+    """Every (batch, row tile, head) loaded by exactly one block, once per consumer warpgroup: a
+    tile handed out twice (or skipped) is a KernelError naming it, whatever the numbers say."""
+    wg_rows = plan.wg_rows
+    want = collections.Counter((b, m * plan.spec.block_m + g * wg_rows, h, 0)
+                               for b in range(dims["batch"]) for h in range(dims["heads"])
+                               for m in range(-(-dims["q_len"] // plan.spec.block_m)) for g in range(plan.spec.consumers))
+    got = collections.Counter(tuple(box) for box in q_boxes)
+    for box in sorted(set(want) | set(got)):
+        if got[box] != want[box]:
+            b, row, h, _ = box
+            raise KernelError(f"KERNEL ERROR: the persistent schedule loaded Q rows {row}..{row + wg_rows - 1} of batch "
+                              f"{b}, head {h} {got[box]} time(s), expected {want[box]}: the counter hands out each "
+                              "tile exactly once (a tile run twice, or skipped)")

@@ -1,0 +1,34 @@
+"""The GPU launcher's side of a persistent kernel (spec.scheduler = "persistent", issue 30).
+
+Such a kernel takes, after softmax_scale, its tile counters (int32, COUNTER_SLOTS of them), the
+call's epoch, the grid (the device's SM count) and the L2 section (schedulers.section_of). The
+counters live on the device from call to call, one set per (device, stream): the kernel zeroes
+the slots the next two calls take from, so no call resets anything from the host and none waits
+for the device. The epoch counts calls modulo COUNTER_SLOTS (only its slot matters).
+"""
+
+from __future__ import annotations
+
+from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of
+from attngen.run.checks import _torch
+
+_counters: dict = {}  # (device index, stream handle) -> [counters tensor, next epoch]
+_sm_counts: dict = {}  # device index -> its SM count
+
+
+def launch_args(plan, q, k) -> list:
+    """The arguments a persistent kernel takes after softmax_scale (none for a single-tile one)."""
+    if plan.spec.scheduler != "persistent":
+        return []
+    torch = _torch()
+    device = q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(device).cuda_stream)
+    state = _counters.get(key)
+    if state is None:  # zeroed once; from here on each call zeroes the slots of the calls after it
+        state = _counters[key] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
+    epoch = state[1]
+    state[1] = (epoch + 1) % COUNTER_SLOTS
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return [state[0], epoch, _sm_counts[index], section_of(plan.spec, k.shape[1])]
