@@ -594,7 +594,9 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
     from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
+    from attngen.kernels.fwd.plan import DESCALE_TENSORS
 
+    DESCALES = {name for name, _ in DESCALE_TENSORS}
     lists = {n for n, _, _ in BLOCK_MASK_TENSORS}
     spec = plan.spec
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
@@ -609,6 +611,8 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
         elif t.name == "sinks":
             tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
+        elif t.name in DESCALES:  # FA3's test draws rand(b, h_k) * 2
+            tensors[t.name] = (rng.random((batch, kv_heads)) * 2).astype(np.float32)
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
@@ -655,12 +659,24 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     out, lse = result if spec.lse else (result, None)
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
+    descales = descales_of(tensors)
+    variant["tensors"] = {n: x for n, x in variant["tensors"].items() if n not in DESCALE_NAMES}
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales,
+                      out_dtype=spec.out_dtype, **variant)
     ok, text = res.ok, str(res)
     if lse is not None:
-        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
+        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales, **variant)
         ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
     return ok, text, stats
+
+
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")  # kernels/fwd/plan.py's DESCALE_TENSORS, by call-time name
+
+
+def descales_of(tensors: dict):
+    """(q_descale, k_descale, v_descale) of a call's tensors, or None when it has none (a 16-bit kernel)."""
+    found = tuple(tensors.get(n) for n in DESCALE_NAMES)
+    return None if all(d is None for d in found) else found
 
 
 PADDING_ROWS = 5  # packed rows past the last sequence: a kernel must leave them as they are

@@ -179,13 +179,25 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
     return batch, heads, kv_heads, q_len, kv_len
 
 
-def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) -> list:
+# Call-time tensors a call may leave out, and what stands in for them: FA3's fp8 descales (absent: 1).
+ONES_WHEN_ABSENT = ("q_descale", "k_descale", "v_descale")
+
+
+def _ones(shape: tuple, like):
+    """float32 ones of `shape`, a torch tensor on `like`'s device when `like` is one, else a numpy array."""
+    if is_torch(like):
+        import torch
+        return torch.ones(shape, dtype=torch.float32, device=like.device)
+    return np.ones(shape, np.float32)
+
+
+def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False, like=None) -> list:
     """The call-time tensors the plan's kernel takes (alibi_slopes, sinks, score_mod/mask_mod
     tensors), checked for presence, type, dtype float32, shape, layout and (sinks) finite values;
     returned in the kernel's parameter order (outputs left out). `dims` is check_tensors's result
-    (extra_dims for a serving call)."""
+    (extra_dims for a serving call). An fp8 descale left out is ones (on `like`'s device: q's)."""
     batch, heads, kv_heads, q_len, kv_len = dims
-    extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    extent = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "q_len": q_len, "kv_len": kv_len}
     if getattr(plan, "block_mask", False):  # (a stand-in plan of a test may lack the field)
         extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
@@ -199,6 +211,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     for t in wanted:
         shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
         x = tensors.get(t.name)
+        if x is None and t.name in ONES_WHEN_ABSENT:
+            x = _ones((batch, kv_heads), like)
         if x is None:
             raise InputError(t.name, None, f"a {t.dtype} tensor of shape {shape_text}: the spec uses it")
         check_kind(t.name, x, t.dtype, cpu=cpu)

@@ -270,12 +270,12 @@ class Dense:
         return count
 
     # -- parameters and arguments ------------------------------------------------------------
-    def io_params(self, dv: str) -> list:
-        """The forward's Q, K, V and output parameter lines (each split's partial O and LSE)."""
+    def io_params(self, dv: str, out: str = "DTYPE") -> list:
+        """The forward's Q, K, V and output parameter lines (each split's partial O and LSE); `out`: O's type."""
         lines = [tensor_param("Q", self.q_shape(), "DTYPE"), tensor_param("K", self.kv_shape("HEAD_DIM"), "DTYPE"),
                  tensor_param("V", self.kv_shape(dv), "DTYPE")]
         if not self.split_kv:
-            return lines + [tensor_param("O", self.q_shape(dv), "DTYPE")]
+            return lines + [tensor_param("O", self.q_shape(dv), out)]
         return lines + [tensor_param("O_partial", ["num_splits"] + self.q_shape(dv), '"float32"',
                                      "output: each split's normalised partial O (the combine kernel merges them)"),
                         tensor_param("LSE_partial", ["num_splits"] + self.lse_shape(), '"float32"',

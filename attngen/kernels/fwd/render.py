@@ -155,7 +155,7 @@ def split_exprs(plan: Plan) -> dict:
 def kernel_params(plan: Plan, dv: str) -> list[str]:
     """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
     layout = layout_of(plan)
-    lines = layout.io_params(dv)
+    lines = layout.io_params(dv, "OUT_DTYPE" if plan.fp8 else "DTYPE")
     for t in plan.extra:
         if t.output and not layout.kernel_writes_lse:
             continue  # the combine kernel writes the LSE
@@ -172,6 +172,8 @@ def consumer_args(plan: Plan) -> str:
     layout = layout_of(plan)
     names = ["Q_shared", "K_shared", "V_shared"] + layout.consumer_outputs() + layout.q_barrier_args()
     names += ["k_full", "k_empty", "v_full", "v_empty", "q0", "n_tiles", "head", "batch_idx"]
+    if plan.fp8:
+        names += ["P_shared", "Vt_shared", "vt_full", "vt_empty"]
     names += [layout.lse_param if t.output else t.param for t in plan.extra]
     names += layout.extra_output_args(plan.spec.lse)
     if has_first_tile(plan):
@@ -306,6 +308,7 @@ def template_context(plan: Plan) -> dict:
         "variant": Variant.of(plan),
         "serving_constants": layout.constants(),
         "bmask": visits,
+        "fp8": plan.fp8,
     }
 
 
