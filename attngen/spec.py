@@ -280,6 +280,9 @@ def check_fp8_fields(s: Spec) -> None:
     for field, why in FP8_REFUSED.items():
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), f'dtype = "{E4M3}"', why)
+    if s.v_stages < 2:
+        raise ruled_out("v_stages", s.v_stages, "2 or more", f'dtype = "{E4M3}"', "the producer transposes V tile k - 1 "
+                        "after issuing tile k's loads, so two V tiles are in shared memory at once")
     if s.block_n is not None and s.block_n % FP8_K_STEP:
         raise ruled_out("block_n", s.block_n, f"a multiple of {FP8_K_STEP}", f'dtype = "{E4M3}"',
                         f"the PV GEMM contracts over the tile's keys, {FP8_K_STEP} per fp8 wgmma")

@@ -40,6 +40,7 @@ def test_sixteen_bit_specs_keep_their_names_and_hashes():
     ({**FP8, "splits": 2}, "splits", "fp8 runs unsplit"),
     ({**FP8, "paged_kv": True}, "paged_kv", "paged cache"),
     ({**FP8, "block_n": 48}, "block_n", "32 per fp8 wgmma"),
+    ({**FP8, "v_stages": 1}, "v_stages", "two V tiles"),
 ])
 def test_what_fp8_does_not_take_is_refused_naming_the_field(fields, field, words):
     with pytest.raises(SpecError) as info:
@@ -81,7 +82,7 @@ def test_the_emitted_kernel_has_both_gemms_on_shared_memory_k_major():
     source = attngen.render_source(make_plan(Spec(**FP8, causal=True)))
     assert "p_reg" not in source
     assert source.count("T.wgmma_gemm(P_shared[g, :, :], Vt_shared[") == 2  # the steady loop's and the epilogue's
-    assert "Vt_shared[v_stage, d, c * TRANSPOSE_KEYS + j] = V_shared[v_stage, c * TRANSPOSE_KEYS + j, d]" in source
+    assert "Vt_shared[t_stage, d, c * TRANSPOSE_KEYS + j] = V_shared[t_stage, c * TRANSPOSE_KEYS + j, d]" in source
     assert "+ MAX_OFFSET)" in source
 
 
@@ -127,3 +128,111 @@ def test_descales_left_out_are_ones():
     assert np.array_equal(a, b)
     c = attngen.emulate(plan, q, k, v, v_descale=2 * ones)
     assert np.array_equal(c, 2 * a)  # a power of two: exact in bfloat16
+
+
+# -- the CPU model: fp8 wgmma as Hopper runs it, the transpose in the race detector ------------------
+def _fp8_inputs(plan, q_len=70, kv_len=333, seed=0):
+    from attngen.reference.forward import random_inputs
+    return random_inputs(E4M3, 64, 1, 2, 2, q_len, kv_len, seed)
+
+
+def test_an_fp8_gemm_on_an_operand_that_is_not_k_major_is_refused():
+    """V as [keys, dim] is not K-major for PV: Hopper has no such fp8 wgmma (TileLang would fall back to mma.sync)."""
+    from attngen.emulator import EmulationError
+
+    plan = make_plan(Spec(head_dim=64, **FP8))
+    source = attngen.render_source(plan)
+    wrong = source.replace("T.wgmma_gemm(P_shared[g, :, :], Vt_shared[v_stage_last, :, :], acc_o, transpose_B=True,",
+                           "T.wgmma_gemm(P_shared[g, :, :], V_shared[v_stage_last, :, :], acc_o,")
+    assert wrong != source
+    q, k, v = _fp8_inputs(plan)
+    with pytest.raises(EmulationError, match="fp8 wgmma reads both operands K-major.*not transposed"):
+        attngen.emulate(plan, q, k, v, source=wrong)
+
+
+def test_the_fp8_wgmma_takes_exact_e4m3_inputs_and_accumulates_in_fp32():
+    """One tile, every descale 1: P_shared holds e4m3 values and the output is their float32 product
+    with V, divided by the float32 row sum, then rounded to bfloat16; nothing rounds in between."""
+    from attngen.reference.forward import attention_lowprec
+
+    plan = make_plan(Spec(head_dim=64, **FP8))
+    q, k, v = _fp8_inputs(plan, q_len=64, kv_len=160, seed=5)
+    out = attngen.emulate(plan, q, k, v)
+    twin = attention_lowprec(q, k, v, False, E4M3)
+    assert np.abs(out - twin).max() <= 2 ** -8 * np.abs(twin).max()  # within bfloat16's last bit of the twin
+
+
+FP8_SWEEP = [("random", s) for s in range(3)] + [("producer-first", 0), ("consumers-first", 0)]
+VT_WAIT = ("            T.mbarrier_wait_parity(vt_full[v_stage_prev], ((k - 1) // V_STAGES) % 2)"
+           "  # V^T of that tile is in shared memory\n")
+PV_STEADY = ("            T.wgmma_gemm(P_shared[g, :, :], Vt_shared[v_stage_prev, :, :], acc_o, transpose_B=True, policy=POLICY, "
+             "clear_accum=False)  # delayed PV of tile k-1\n")
+TRANSPOSE_FENCE = ("                        T.fence_proxy_async()"
+                   "  # the generic-proxy stores must be visible to the consumers' wgmma reads\n")
+V_LANDED = "                        T.mbarrier_wait_parity(v_full[t_stage], ((k - 1) // V_STAGES) % 2)  # V tile k - 1 landed\n"
+P_FENCE = "            T.fence_proxy_async()  # these stores must be visible to the next PV's async-proxy reads...\n"
+
+FP8_HAZARDS = {
+    # the consumer reads the transposed tile before its barrier says the producer wrote it
+    "vt_read_before_its_barrier": ([(VT_WAIT + PV_STEADY, PV_STEADY + VT_WAIT)], ("Vt_shared[",)),
+    # the producer transposes a V tile whose TMA load has not landed
+    "transpose_before_v_landed": ([(V_LANDED, "")], ("V_shared[",)),
+    # the transposed tile's generic stores reach the wgmma's async proxy without a fence
+    "transpose_fence_missing": ([(TRANSPOSE_FENCE, "")], ("Vt_shared[", "fence_proxy_async")),
+    # P's stores likewise
+    "p_fence_missing": ([(P_FENCE, "")], ("P_shared[", "fence_proxy_async")),
+}
+
+
+@pytest.mark.parametrize("name", FP8_HAZARDS)
+def test_an_fp8_race_is_reported_in_every_schedule(name):
+    from attngen.emulator import HazardError
+
+    plan = make_plan(Spec(head_dim=64, **FP8, causal=True))
+    source = attngen.render_source(plan)
+    edits, words = FP8_HAZARDS[name]
+    broken = source
+    for old, new in edits:
+        assert old in broken, old
+        broken = broken.replace(old, new)
+    q, k, v = _fp8_inputs(plan, 130, 700)
+    for policy, seed in FP8_SWEEP:
+        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
+        with pytest.raises(HazardError) as info:
+            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
+        for w in words:
+            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+
+
+# -- the SASS census and `attngen check`'s verdict --------------------------------------------------------
+PLANTED_SASS = """
+        /*0a10*/                   QGMMA.64x192x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
+        /*0a20*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR8], R88, gsb0 ;
+        /*0a30*/                   QGMMA.64x128x32.F32.E5M2.E5M2 R88, gdesc[UR8], R88, gsb0 ;
+        /*0a40*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0a50*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], R24 ;
+"""
+
+
+def test_the_census_counts_qgmma_by_element_type_and_hmma():
+    from attngen.build.nvcc import mma_census
+    assert mma_census(PLANTED_SASS) == {"QGMMA": 3, "QGMMA_E4M3": 2, "QGMMA_E5M2": 1, "HMMA": 1}
+
+
+def _report(**sass):
+    base = {"HGMMA": 0, "HGMMA_A_FROM_REGISTERS": 0, "LDL": 0, "STL": 0, "QGMMA": 40, "QGMMA_E4M3": 40, "HMMA": 0}
+    return {"sass": {**base, **sass}, "spill_store_bytes": 0, "spill_load_bytes": 0, "stack_frame_bytes": 0,
+            "setmaxnreg_applied": True, "dynamic_smem_bytes": 1, "plan_smem_bytes": 1}
+
+
+def test_check_fails_an_fp8_kernel_whose_gemms_run_as_hmma():
+    from attngen.build.nvcc import mma_census
+    from attngen.cli.build import build_verdicts
+
+    def gemm_verdict(report):
+        return [ok for ok, what in build_verdicts(report, fp8=True) if "QGMMA" in what][0]
+
+    assert gemm_verdict(_report())
+    fallback = mma_census(PLANTED_SASS.replace("QGMMA.64x128x32.F32.E4M3.E4M3", "HMMA.16816.F32.BF16"))
+    assert not gemm_verdict(_report(**fallback))  # one GEMM fell back to mma.sync
+    assert not gemm_verdict(_report(QGMMA=0, QGMMA_E4M3=0, HGMMA=40))  # a 16-bit wgmma is not fp8

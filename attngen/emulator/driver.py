@@ -730,12 +730,14 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         q = np.concatenate([q, np.zeros((PADDING_ROWS, *q.shape[1:]), np.float32)])
     if plan.split_kv:
         keywords["num_splits"] = CHECK_SPLITS
+    rng = np.random.default_rng(seed + 1)  # fp8's descales per sequence and KV head, as FA3's test draws them
+    tensors = {t.name: (rng.random((len(lq), kv_heads)) * 2).astype(np.float32) for t in plan.extra if t.name in DESCALE_NAMES}
     result, stats = (run or emulate_stats)(plan, q, x.k, x.v, seed=seed, policy=policy, source=source, filename=filename,
-                                           serving=keywords, softmax_scale=softmax_scale)
+                                           serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)
     call = check_serving(plan, q, x.k, x.v, **keywords)
     res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
-                              **variant_of(spec))
+                              descales=descales_of(tensors), out_dtype=spec.out_dtype, **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)

@@ -358,11 +358,10 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
                     m = np.maximum(m, sink)
                 mc = np.where(m == ninf, np.float32(0), m * cc)  # a row that sees no key: P = 0, not NaN
                 p = np.exp2(s * cc - mc + offset)
-                p_rounded = round_to(p, dtype)
-                den = (p_rounded if twin.get("sum_rounded") else p).sum(axis=-1, keepdims=True, dtype=np.float32)
+                den = (round_to(p, dtype) if twin.get("sum_rounded") else p).sum(axis=-1, keepdims=True, dtype=np.float32)
                 if sink is not None:
                     den = den + np.exp2(sink * cc - mc + offset)
-                acc = p_rounded @ v[bi, :, hk]
+                acc = round_to(p, dtype) @ v[bi, :, hk]
                 if fp8:
                     acc = acc * v_descale[bi, hk]
                 o = np.where(den == 0, np.float32(0), acc / np.where(den == 0, np.float32(1), den))

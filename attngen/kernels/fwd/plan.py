@@ -104,10 +104,6 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     if is_fp8(spec):  # fp8 wgmma reads both operands K-major from shared memory: V transposed, P stored
         smem["Vt"] = spec.v_stages * dv * block_n * elem
         smem["P"] = rows_q * block_n * elem
-        # V_shared's last reader is the producer's transpose, so TileLang's storage rewrite lets O_shared
-        # reuse its bytes (measured: hd128 and hd64 builds). Safe: a consumer's epilogue writes O after
-        # waiting on the last tile's vt_full, which the producer arrives on after its last read of V.
-        smem["O"] = max(0, smem["O"] - smem["V"])
     if spec.splits != 1:
         del smem["O"]  # float32 partial outputs go straight from registers to global memory
     return smem
