@@ -662,7 +662,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     descales = descales_of(tensors)
     variant["tensors"] = {n: x for n, x in variant["tensors"].items() if n not in DESCALE_NAMES}
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales,
-                      out_dtype=spec.out_dtype, **variant)
+                      out_dtype=spec.out_dtype, block_n=spec.block_n, **variant)
     ok, text = res.ok, str(res)
     if lse is not None:
         r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales, **variant)
@@ -737,7 +737,7 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
     out, lse = result if spec.lse else (result, None)
     call = check_serving(plan, q, x.k, x.v, **keywords)
     res = check_serving_close(out, q, x.k, x.v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
-                              descales=descales_of(tensors), out_dtype=spec.out_dtype, **variant_of(spec))
+                              descales=descales_of(tensors), out_dtype=spec.out_dtype, block_n=spec.block_n, **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)
