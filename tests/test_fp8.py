@@ -243,7 +243,8 @@ def test_check_fails_an_fp8_kernel_whose_gemms_run_as_hmma():
 ROUND_P = "for i, j in T.Parallel(WG_ROWS, BLOCK_N):\n{0}    acc_s[i, j] = T.float8_e4m3fn(acc_s[i, j])\n{0}"
 ROW_SUM_ROUNDED = [("            T.reduce_sum(acc_s, row_sum_tile, dim=1)\n",  # the steady loop's tiles
                     "            " + ROUND_P.format(" " * 12) + "T.reduce_sum(acc_s, row_sum_tile, dim=1)\n"),
-                   ("        T.reduce_sum(acc_s, row_sum, dim=1)", "        " + ROUND_P.format(" " * 8) + "T.reduce_sum(acc_s, row_sum, dim=1)")]
+                   ("        T.reduce_sum(acc_s, row_sum, dim=1)",  # the prologue's
+                    "        " + ROUND_P.format(" " * 8) + "T.reduce_sum(acc_s, row_sum, dim=1)")]
 WRONG_KERNELS = {
     "q_descale_ignored": [("softmax_scale * Q_descale[batch_idx, kv_head] * K_descale", "softmax_scale * K_descale")],
     "v_descale_ignored": [("v_descale = V_descale[batch_idx, kv_head]", "v_descale = 1.0")],
