@@ -320,3 +320,59 @@ def test_fa3s_clause_alone_passes_an_output_5_percent_off():
         assert _fp8_case("output_x1.05", {}, 70, 333, 2, 0.125).ok
     finally:
         reference.TWIN_SHARE = saved
+
+
+# -- the doors: attngen.attention (the torch op, its fake, torch.compile) and FA3's functions ----------------
+def _torch_fp8(seed=0, q_len=70, kv_len=100, heads=2, kv_heads=2):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, h, 64, generator=g).to(torch.float8_e4m3fn)
+               for n, h in ((q_len, heads), (kv_len, kv_heads), (kv_len, kv_heads)))
+    descales = tuple(torch.rand(1, kv_heads, generator=g) * 2 for _ in range(3))
+    return q, k, v, descales
+
+
+def test_attention_takes_fp8_with_fa3s_descales_and_returns_bfloat16():
+    import torch
+    from attngen.reference.forward import check_close
+
+    q, k, v, d = _torch_fp8()
+    out = attngen.attention(q, k, v, causal=True, q_descale=d[0], k_descale=d[1], v_descale=d[2])
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 70, 2, 64)
+    block_n = make_plan(Spec(head_dim=64, **FP8)).spec.block_n
+    assert check_close(out, q, k, v, True, dtype=E4M3, descales=d, block_n=block_n).ok
+    half = attngen.attention(q, k, v, causal=True, out_dtype="float16", q_descale=d[0], k_descale=d[1], v_descale=d[2])
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), out.float(), atol=2e-2)
+
+
+def test_fa3s_functions_take_fp8_and_descales():
+    import torch
+    from attngen import flash_attn_interface as fa
+
+    q, k, v, d = _torch_fp8(1, heads=4)
+    kw = dict(q_descale=d[0], k_descale=d[1], v_descale=d[2], causal=True)
+    dense = fa.flash_attn_func(q, k, v, **kw)
+    cu_q, cu_k = torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 100], dtype=torch.int32)
+    packed = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 70, 100, **kw)
+    assert dense.dtype == packed.dtype == torch.bfloat16
+    assert torch.equal(dense[0], packed)  # one sequence: the same kernel arithmetic, packed or not
+    assert not torch.equal(dense, fa.flash_attn_func(q, k, v, causal=True))  # the descales were used
+
+
+def test_the_ops_fake_gives_fp8s_output_type_and_compile_has_no_graph_break():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, d = _torch_fp8(2)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = attngen.attention(fq, fk, fv, q_descale=mode.from_tensor(d[0]))
+        assert fake.dtype == torch.bfloat16 and fake.shape == (1, 70, 2, 64)
+        assert attngen.attention(fq, fk, fv, out_dtype="float16").dtype == torch.float16
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    f = torch.compile(lambda q, k, v, a, b, c: attngen.attention(q, k, v, q_descale=a, k_descale=b, v_descale=c),
+                      fullgraph=True)
+    assert torch.equal(f(q, k, v, *d), attngen.attention(q, k, v, q_descale=d[0], k_descale=d[1], v_descale=d[2]))
+    assert not counters["graph_break"]

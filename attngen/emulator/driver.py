@@ -565,7 +565,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     a store outside the rows its block owns is a KernelError.
     """
     from attngen.kernels.fwd.plan import Plan, as_plan
-    from attngen.spec import Spec
+    from attngen.spec import Spec, out_dtype_of
 
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
@@ -581,7 +581,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     if hasattr(q, "detach"):
         import torch
 
-        out = torch.from_numpy(out.copy()).to(getattr(torch, plan.spec.dtype))
+        out = torch.from_numpy(out.copy()).to(getattr(torch, out_dtype_of(plan.spec)))
         lse = None if lse is None else torch.from_numpy(lse.copy())
     return (out, lse) if plan.spec.lse else out
 

@@ -23,11 +23,11 @@ import weakref
 import numpy as np
 
 from attngen.run import serving
-from attngen.hw import GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
+from attngen.hw import E4M3, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, as_plan
 from attngen.reference.forward import InputError, to_numpy
-from attngen.spec import FIELDS, did_you_mean
+from attngen.spec import FIELDS, did_you_mean, out_dtype_of
 
 HOLDERS = ("float32", "float64")  # what the CPU model also takes, holding values to round to the kernel's dtype
 
@@ -127,7 +127,7 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
             raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
     dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
     for name, t in given.items():
-        check_kind(name, t, spec.dtype, cpu=cpu, spec_dtype=True)
+        check_kind(name, t, out_dtype_of(spec) if name == "out" else spec.dtype, cpu=cpu, spec_dtype=True)
         if name in ("v", "out") and dv != spec.head_dim:
             if t.shape[3] != dv:
                 raise InputError(f"{name}.shape[3] (head_dim_v)", t.shape[3], f"{dv}, the spec's head_dim_v")
@@ -202,6 +202,10 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False, li
         extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
     unknown = sorted(set(tensors) - {t.name for t in wanted})
+    for name in unknown:
+        if name in ONES_WHEN_ABSENT:
+            raise InputError(name, _describe(tensors[name]), f"none: descales scale fp8 inputs (dtype {E4M3}), "
+                                                             f"and this kernel's are {plan.spec.dtype}")
     if unknown:  # a misspelt tensor, or a spec field given beside the spec (casual=True)
         name, takes = unknown[0], ", ".join(t.name for t in wanted) or "no extra tensors"
         hint = did_you_mean(name, [*(t.name for t in wanted), "alibi_slopes", "sinks"]) or \
