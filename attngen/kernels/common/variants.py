@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from attngen import expr
-from attngen.hw import FP8_K_STEP, FP8_MAX_OFFSET
+from attngen.hw import FP8_MAX_OFFSET, fp8_transpose_keys
 from attngen.spec import out_dtype_of
 from attngen.kernels.common.layouts import layout_of
 
@@ -351,7 +351,8 @@ class Variant:
             lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
         if self.fp8:
             lines.append(f'OUT_DTYPE = "{out_dtype_of(self.spec)}"  # O: an fp8 kernel writes 16 bits')
-            lines.append(f"TRANSPOSE_KEYS = {FP8_K_STEP}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
+            keys = fp8_transpose_keys(self.plan.head_dim_v)
+            lines.append(f"TRANSPOSE_KEYS = {keys}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
             lines.append(f"MAX_OFFSET = {float(FP8_MAX_OFFSET)!r}  # P = exp2(s - m + MAX_OFFSET): e4m3's range, "
                          "not [0, 1] (FA3's Max_offset)")
         return lines

@@ -133,7 +133,8 @@ def sequence_regs(spec: Spec) -> int:
 
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
-    return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
+    p_bytes = 0 if is_fp8(spec) else hw.DTYPES[spec.dtype].bytes  # fp8's P goes to shared memory, not a register copy
+    return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, p_bytes)
             + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec)
             + (hw.BLOCK_MASK_REG_OVERHEAD if spec.block_mask else 0))
 
