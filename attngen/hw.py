@@ -69,17 +69,20 @@ DTYPES = {
 OUT_DTYPES = ("bfloat16", "float16")  # what an fp8 kernel writes O in (FA3's is bfloat16)
 FP8_MAX_OFFSET = 8  # FA3's Max_offset: P = exp2(s - m + 8) spans e4m3's range (<= 256 < 448), not [0, 1]
 FP8_K_STEP = 32  # an fp8 wgmma contracts 32 elements per instruction: the PV GEMM's keys are a multiple
-# The fp8 producer warpgroup transposes V in slices of at most this many elements a thread: with its
-# 40 setmaxnreg registers a 32-key slice of a 128-wide V fits (0 spills), of a 192 or 256-wide one
-# spilled 28 bytes (hd192 and hd256 builds, docs/fp8.md).
+# The fp8 producer warpgroup transposes V in slices of at most this many elements a thread, by its
+# setmaxnreg registers: with 40 or more, a 32-key slice of a 128-wide V fits (0 spills), of a 192 or
+# 256-wide one spilled 28 bytes (hd192 and hd256 builds); with 32 (beside 3 consumers) a 128-wide
+# one spilled 12 bytes (bench/plan_sweep.py --fp8), so half as many there. docs/fp8.md.
 FP8_TRANSPOSE_ELEMENTS = 32
+FP8_TRANSPOSE_REGS = 40  # the producer registers FP8_TRANSPOSE_ELEMENTS was measured with
 
 
-def fp8_transpose_keys(head_dim_v: int) -> int:
+def fp8_transpose_keys(head_dim_v: int, producer_regs: int) -> int:
     """Keys of V the fp8 producer transposes at a time: a divisor of every fp8 block_n (a multiple of
-    FP8_K_STEP) with at most FP8_TRANSPOSE_ELEMENTS elements a producer thread."""
+    FP8_K_STEP) with at most FP8_TRANSPOSE_ELEMENTS elements a producer thread (half below FP8_TRANSPOSE_REGS)."""
+    elements = FP8_TRANSPOSE_ELEMENTS if producer_regs >= FP8_TRANSPOSE_REGS else FP8_TRANSPOSE_ELEMENTS // 2
     keys = FP8_K_STEP
-    while keys > 8 and head_dim_v * keys > FP8_TRANSPOSE_ELEMENTS * WARPGROUP_THREADS:
+    while keys > 8 and head_dim_v * keys > elements * WARPGROUP_THREADS:
         keys //= 2
     return keys
 

@@ -41,6 +41,7 @@ def test_sixteen_bit_specs_keep_their_names_and_hashes():
     ({**FP8, "paged_kv": True}, "paged_kv", "paged cache"),
     ({**FP8, "block_n": 48}, "block_n", "32 per fp8 wgmma"),
     ({**FP8, "v_stages": 1}, "v_stages", "two V tiles"),
+    ({**FP8, "layout": "varlen", "consumers": 3}, "consumers", "spills"),
 ])
 def test_what_fp8_does_not_take_is_refused_naming_the_field(fields, field, words):
     with pytest.raises(SpecError) as info:
@@ -98,6 +99,8 @@ VARIANTS = [
     {"head_dim_v": 128},
     {"consumers": 1},
     {"consumers": 3, "causal": True},
+    {"block_mask": True, "mask_mod": "kv_idx <= q_idx"},
+    {"layout": "varlen", "causal": True, "lse": True},  # a ragged batch; descales per sequence
 ]
 
 

@@ -351,7 +351,7 @@ class Variant:
             lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
         if self.fp8:
             lines.append(f'OUT_DTYPE = "{out_dtype_of(self.spec)}"  # O: an fp8 kernel writes 16 bits')
-            keys = fp8_transpose_keys(self.plan.head_dim_v)
+            keys = fp8_transpose_keys(self.plan.head_dim_v, self.plan.producer_regs)
             lines.append(f"TRANSPOSE_KEYS = {keys}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
             lines.append(f"MAX_OFFSET = {float(FP8_MAX_OFFSET)!r}  # P = exp2(s - m + MAX_OFFSET): e4m3's range, "
                          "not [0, 1] (FA3's Max_offset)")

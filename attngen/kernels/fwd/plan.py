@@ -133,8 +133,7 @@ def sequence_regs(spec: Spec) -> int:
 
 def regs_needed(spec: Spec, block_n: int) -> int:
     # O's accumulator is head_dim_v wide; S and P are block_n wide whatever the head dims
-    p_bytes = 0 if is_fp8(spec) else hw.DTYPES[spec.dtype].bytes  # fp8's P goes to shared memory, not a register copy
-    return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, p_bytes)
+    return (hw.consumer_regs_needed(head_dim_v(spec), block_n, spec.consumers, hw.DTYPES[spec.dtype].bytes)
             + variant_regs(spec) + mask_regs(spec) + sequence_regs(spec)
             + (hw.BLOCK_MASK_REG_OVERHEAD if spec.block_mask else 0))
 
@@ -256,6 +255,9 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)
+    if check_registers and is_fp8(spec) and spec.layout == "varlen" and n == 3:
+        raise SpecError("consumers", n, "an fp8 varlen kernel with 3 consumers spills (hd128 causal: 44 bytes, its 32-register "
+                        "producer and its consumers; bench/plan_sweep.py --fp8): use 1 or 2 consumers")
     limit = block_n_limit(spec)
     if check_registers and limit and spec.block_n > limit:
         raise SpecError("block_n", spec.block_n, f"with alibi, split-KV and 3 consumers the S tile of a block_n above {limit} "
