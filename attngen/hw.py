@@ -70,10 +70,10 @@ OUT_DTYPES = ("bfloat16", "float16")  # what an fp8 kernel writes O in (FA3's is
 FP8_MAX_OFFSET = 8  # FA3's Max_offset: P = exp2(s - m + 8) spans e4m3's range (<= 256 < 448), not [0, 1]
 FP8_K_STEP = 32  # an fp8 wgmma contracts 32 elements per instruction: the PV GEMM's keys are a multiple
 # The fp8 producer warpgroup transposes V in slices of at most this many elements a thread, by its
-# setmaxnreg registers: with 40 or more, a 32-key slice of a 128-wide V fits (0 spills), of a 192 or
-# 256-wide one spilled 28 bytes (hd192 and hd256 builds); with 32 (beside 3 consumers) a 128-wide
-# one spilled 12 bytes (bench/plan_sweep.py --fp8), so half as many there. docs/fp8.md.
-FP8_TRANSPOSE_ELEMENTS = 32
+# setmaxnreg registers (the swizzled indexes of both tiles are live): with 40, 32 elements spilled
+# 28 bytes (hd192, hd256); with 32 (beside 3 consumers) 16 spilled 64 bytes (hd64), 8 none. Half as
+# many below 40. bench/plan_sweep.py --fp8, docs/fp8.md.
+FP8_TRANSPOSE_ELEMENTS = 16
 FP8_TRANSPOSE_REGS = 40  # the producer registers FP8_TRANSPOSE_ELEMENTS was measured with
 
 
