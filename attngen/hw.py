@@ -67,7 +67,27 @@ E4M3_MAX = 448.0  # its largest finite value; conversions saturate here (cvt.rn.
 DTYPES = {
     "float16": DType("float16", "f16", 2, 1e-3),
     "bfloat16": DType("bfloat16", "bf16", 2, 8e-3),  # 2**-7, one bfloat16 ulp at 1.0
+    E4M3: DType(E4M3, "e4m3", 1, 0.125),  # 2**-3: Q, K and V only; the output is 16-bit (Spec.out_dtype)
 }
+OUT_DTYPES = ("bfloat16", "float16")  # what an fp8 kernel writes O in (FA3's is bfloat16)
+FP8_MAX_OFFSET = 8  # FA3's Max_offset: P = exp2(s - m + 8) spans e4m3's range (<= 256 < 448), not [0, 1]
+FP8_K_STEP = 32  # an fp8 wgmma contracts 32 elements per instruction: the PV GEMM's keys are a multiple
+# The fp8 producer warpgroup transposes V in slices of at most this many elements a thread, by its
+# setmaxnreg registers (the swizzled indexes of both tiles are live): with 40, 32 elements spilled
+# 28 bytes (hd192, hd256); with 32 (beside 3 consumers) 16 spilled 64 bytes (hd64), 8 none. Half as
+# many below 40. bench/plan_sweep.py --fp8, docs/fp8.md.
+FP8_TRANSPOSE_ELEMENTS = 16
+FP8_TRANSPOSE_REGS = 40  # the producer registers FP8_TRANSPOSE_ELEMENTS was measured with
+
+
+def fp8_transpose_keys(head_dim_v: int, producer_regs: int) -> int:
+    """Keys of V the fp8 producer transposes at a time: a divisor of every fp8 block_n (a multiple of
+    FP8_K_STEP) with at most FP8_TRANSPOSE_ELEMENTS elements a producer thread (half below FP8_TRANSPOSE_REGS)."""
+    elements = FP8_TRANSPOSE_ELEMENTS if producer_regs >= FP8_TRANSPOSE_REGS else FP8_TRANSPOSE_ELEMENTS // 2
+    keys = FP8_K_STEP
+    while keys > 8 and head_dim_v * keys > elements * WARPGROUP_THREADS:
+        keys //= 2
+    return keys
 
 
 # -- budget arithmetic -----------------------------------------------------------------

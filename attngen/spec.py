@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import expr
-from attngen.hw import DTYPES, E4M3, WGMMA_M
+from attngen.hw import DTYPES, E4M3, FP8_K_STEP, OUT_DTYPES, WGMMA_M
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MAX_CONSUMERS = 3
@@ -104,6 +104,9 @@ class Spec:
 
     head_dim: int = 128
     dtype: str = "float16"
+    # O's element type: None is the dtype itself for 16-bit kernels and "bfloat16" for fp8 (FA3's);
+    # a 16-bit kernel writes O in its own dtype, so only fp8 takes another value (docs/fp8.md).
+    out_dtype: str | None = None
     causal: bool = False
     gqa_group: int = 1
     consumers: int = 2
@@ -177,7 +180,8 @@ class Spec:
 FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 STEADY_LOOPS = ("one", "split")
 SCHEDULERS = ("single", "persistent")
-VARIANT_DEFAULTS = {"steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
+VARIANT_DEFAULTS = {"out_dtype": None,
+                    "steady_loop": "one", "lse": False, "window": (-1, -1), "softcap": 0.0, "alibi": False, "sinks": False,
                     "head_dim_v": None, "score_mod": "", "mask_mod": "", "block_mask": False,
                     "layout": "bshd", "paged_kv": False, "page_size": None, "splits": 1,
                     "deterministic": False, "learnable": (), "scheduler": "single"}
@@ -223,9 +227,11 @@ def check_fields(s: Spec) -> None:
     if s.head_dim not in HEAD_DIMS:
         raise SpecError("head_dim", s.head_dim, f"expected one of {head_dims}")
     if not isinstance(s.dtype, str):
-        raise SpecError("dtype", s.dtype, f'expected a string, "float16" or "bfloat16", got {type_name(s.dtype)}')
+        raise SpecError("dtype", s.dtype, f'expected a string, "float16", "bfloat16" or "{E4M3}", '
+                        f'got {type_name(s.dtype)}')
     if s.dtype not in DTYPES:
-        raise SpecError("dtype", s.dtype, 'expected "float16" or "bfloat16"')
+        raise SpecError("dtype", s.dtype, f'expected "float16", "bfloat16" or "{E4M3}" (fp8 Q, K and V)')
+    check_out_dtype(s)
     _need_bool(s, "causal")
     _need_range(s, "gqa_group", 1, MAX_GQA_GROUP)
     _need_range(s, "consumers", 1, MAX_CONSUMERS)
@@ -251,9 +257,53 @@ def check_fields(s: Spec) -> None:
     check_serving_fields(s)
     check_kv_dtype(s)
     check_scheduler_field(s)
+    check_fp8_fields(s)
     if s.pingpong and s.consumers < 2:
         raise ruled_out("pingpong", s.pingpong, "false (or no pingpong)", f"consumers = {s.consumers}",
                         "ping-pong needs consumers >= 2 (there is no other warpgroup to alternate with)")
+
+
+def check_out_dtype(s: Spec) -> None:
+    if s.out_dtype is None:
+        return
+    if s.dtype != E4M3:
+        if s.out_dtype != s.dtype:
+            raise ruled_out("out_dtype", s.out_dtype, f"{toml_value(s.dtype)} (or no out_dtype)", f"dtype = {toml_value(s.dtype)}",
+                            "a 16-bit kernel writes O in its input dtype; out_dtype chooses the output of an fp8 kernel")
+        return
+    if s.out_dtype not in OUT_DTYPES:
+        raise SpecError("out_dtype", s.out_dtype, 'expected "bfloat16" (the default, as FlashAttention-3) or "float16": '
+                        "an fp8 kernel's output is 16-bit")
+
+
+def out_dtype_of(s: Spec) -> str:
+    """O's element type: the spec's out_dtype, else bfloat16 for fp8 (FlashAttention-3's) and the dtype itself for 16 bits."""
+    chosen = getattr(s, "out_dtype", None)  # (a test's stand-in spec may lack the field)
+    if chosen is not None:
+        return chosen
+    return OUT_DTYPES[0] if s.dtype == E4M3 else s.dtype
+
+
+# Fields an fp8 (e4m3 Q, K, V) kernel does not take yet, with the reason (docs/fp8.md).
+FP8_REFUSED = {
+    "paged_kv": "fp8 Q/K/V from a paged cache is not built (each page's V tile would need its own transpose stage)",
+    "splits": "split-KV's combine kernel writes 16-bit O from the dtype's partials; fp8 runs unsplit (splits = 1)",
+}
+
+
+def check_fp8_fields(s: Spec) -> None:
+    """What an fp8 kernel takes beside its dtype: unsplit, unpaged; block_n a multiple of the fp8 wgmma's K step."""
+    if s.dtype != E4M3:
+        return
+    for field, why in FP8_REFUSED.items():
+        if getattr(s, field) != VARIANT_DEFAULTS[field]:
+            raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), f'dtype = "{E4M3}"', why)
+    if s.v_stages < 2:
+        raise ruled_out("v_stages", s.v_stages, "2 or more", f'dtype = "{E4M3}"', "the producer transposes V tile k - 1 "
+                        "after issuing tile k's loads, so two V tiles are in shared memory at once")
+    if s.block_n is not None and s.block_n % FP8_K_STEP:
+        raise ruled_out("block_n", s.block_n, f"a multiple of {FP8_K_STEP}", f'dtype = "{E4M3}"',
+                        f"the PV GEMM contracts over the tile's keys, {FP8_K_STEP} per fp8 wgmma")
 
 
 def check_variant_fields(s: Spec) -> None:
@@ -389,6 +439,9 @@ def check_scheduler_field(s: Spec) -> None:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
                             "the persistent scheduler serves bshd, dense, unsplit kernels without a block mask "
                             "(a tile's sequence, split or block-mask visits are not handed out yet)")
+    if s.dtype == E4M3:
+        raise ruled_out("dtype", s.dtype, '"float16" or "bfloat16"', 'scheduler = "persistent"', "the persistent producer's "
+                        "tile loop does not transpose V yet (fp8's producer warpgroup does, in its own loop)")
     if s.kv_dtype not in (None, s.dtype):
         raise ruled_out("kv_dtype", s.kv_dtype, "none", 'scheduler = "persistent"', "the persistent producer's tile loop "
                         "loads 16-bit K/V: an fp8 cache's dequantizing producer is not wrapped in it yet")

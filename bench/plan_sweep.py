@@ -51,11 +51,11 @@ MASK_MODS = (
 )
 
 
-def draw(rng: random.Random) -> dict:
+def draw(rng: random.Random, dtypes: tuple = ("float16", "bfloat16")) -> dict:
     """One spec's fields: every field drawn, the defaults ("choose for me") more often than not."""
     f = dict(
         head_dim=rng.choice(HEAD_DIMS),
-        dtype=rng.choice(("float16", "bfloat16")),
+        dtype=rng.choice(dtypes),
         causal=rng.random() < 0.5,
         gqa_group=rng.choice((1, 1, 2, 4, 8, 16)),
         consumers=rng.choice((1, 2, 2, 3, 3)),
@@ -97,14 +97,15 @@ def draw(rng: random.Random) -> dict:
     return f
 
 
-def draw_specs(n: int, seed: int) -> list:
+def draw_specs(n: int, seed: int, dtypes: tuple = ("float16", "bfloat16")) -> list:
     """The reproducer, then `n` distinct accepted specs (plans) from the seeded draw; a plan whose
-    block_n the plan chose carries `defaulted` (its register-bound neighbour is then probed)."""
+    block_n the plan chose carries `defaulted` (its register-bound neighbour is then probed).
+    `dtypes`: what the draw takes the dtype from (--fp8: float8_e4m3fn alone, no reproducer)."""
     rng = random.Random(seed)
     plans, seen, tries = [], set(), 0
-    candidates = [REPRODUCER]
-    while len(plans) < n + 1:
-        fields = candidates.pop() if candidates else draw(rng)
+    candidates = [REPRODUCER] if REPRODUCER["dtype"] in dtypes else []
+    while len(plans) < n + (1 if REPRODUCER["dtype"] in dtypes else 0):
+        fields = candidates.pop() if candidates else draw(rng, dtypes)
         tries += 1
         if tries > 100 * (n + 1):
             raise RuntimeError(f"only {len(plans)} accepted specs in {tries} draws")
@@ -486,6 +487,7 @@ def main(argv=None):
     ap.add_argument("--neighbours", action="store_true",
                     help="also build the next larger block_n of each register-bound default, the estimate off")
     ap.add_argument("--list", action="store_true", help="print the drawn kernels and their estimates, build nothing")
+    ap.add_argument("--fp8", action="store_true", help="draw fp8 (float8_e4m3fn) forward specs only (docs/fp8.md)")
     ap.add_argument("--backward", action="store_true",
                     help="sweep backward modules instead (main and dq kernels; --neighbours: the refused larger tiles)")
     args = ap.parse_args(argv)
@@ -493,7 +495,7 @@ def main(argv=None):
         return main_backward(args)
 
     t0 = time.monotonic()
-    plans = draw_specs(args.n, args.seed)
+    plans = draw_specs(args.n, args.seed, (hw.E4M3,) if args.fp8 else ("float16", "bfloat16"))
     if args.list:
         for i, (p, defaulted) in enumerate(plans):
             print(f"{i:>4}  {p.name:<72} {p.consumer_regs_needed:>4} {p.consumer_regs:>4}" + ("  (default block_n)" if defaulted else ""))

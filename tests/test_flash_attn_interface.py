@@ -176,8 +176,7 @@ def test_kvcache_without_seqlens_is_the_whole_cache_and_batch_idx_picks_rows():
 QKV = (rand(1, 9, 2, D), rand(1, 9, 2, D), rand(1, 9, 2, D))
 T = torch.zeros(1)
 REFUSED = [  # (function, the argument, a value that attngen cannot serve)
-    *[(f, a, T) for f in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
-      for a in ("qv", "q_descale", "k_descale", "v_descale")],
+    *[(f, "qv", T) for f in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")],
     *[(f, "pack_gqa", True) for f in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")],
     *[(f, "sm_margin", 4) for f in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")],
     ("flash_attn_varlen_func", "seqused_q", T), ("flash_attn_varlen_func", "seqused_k", T),
@@ -203,6 +202,16 @@ def test_an_fa3_argument_attngen_cannot_serve_is_refused_by_name(name, arg, valu
     msg = str(info.value)
     assert msg.startswith(f"{arg} = ") and "FA3's default" in msg or arg == "attention_chunk", msg
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize("name", ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"])
+@pytest.mark.parametrize("arg", ["q_descale", "k_descale", "v_descale"])
+def test_a_descale_of_16_bit_inputs_is_refused_by_name(name, arg):
+    """FA3's descales scale fp8 inputs (tests/test_fp8.py calls them so); beside float16 q, k, v they are refused."""
+    with pytest.raises(InputError) as info:
+        _call(name, **{arg: torch.ones(1, 2)})
+    msg = str(info.value)
+    assert msg.startswith(f"{arg} = ") and "descales scale fp8 inputs" in msg and "\n" not in msg, msg
 
 
 def test_k_and_v_are_appended_together():  # the append itself: tests/test_kv_append.py

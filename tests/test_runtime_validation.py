@@ -274,7 +274,7 @@ def test_spec_for_reads_tensors_and_overrides():
 
 def test_spec_for_rejects_unsupported_dtype_and_heads():
     q, k, _ = tensors()
-    with raises("q.dtype", "torch.float32", "float16 or torch.bfloat16"):
+    with raises("q.dtype", "torch.float32", "torch.float16, torch.bfloat16 or torch.float8_e4m3fn"):
         spec_for(q.float(), k)
     q, k, _ = tensors(h=6, hkv=4)
     with raises("q.shape[2] (heads)", "= 6", "multiple"):

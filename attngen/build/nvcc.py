@@ -35,6 +35,9 @@ from attngen.kernels.fwd.render import render_source
 from attngen.spec import Spec
 
 SASS_OPS = ("HGMMA", "USETMAXREG", "UTMALDG", "UTMASTG", "LDL", "STL")
+# Hopper's fp8 wgmma is QGMMA in SASS (QGMMA.64x128x32.F32.E4M3.E4M3), counted by its input types;
+# HMMA is mma.sync, what a GEMM becomes when it does not reach wgmma (an fp8 one then runs through fp16).
+QGMMA_TYPES = ("E4M3", "E5M2")
 ARCH_FLAGS = ["-gencode", "arch=compute_90a,code=sm_90a"]
 
 
@@ -98,6 +101,15 @@ def sass_census(cubin: Path) -> dict:
     census = {op: sum(1 for o in opcodes if o == op) for op in SASS_OPS}
     # HGMMA with A from registers (register-P): the first source operand is a register, not a descriptor
     census["HGMMA_A_FROM_REGISTERS"] = len(re.findall(r"HGMMA\.\S+\s+R\d+, R\d+, gdesc", proc.stdout))
+    census.update(mma_census(proc.stdout))
+    return census
+
+
+def mma_census(sass: str) -> dict:
+    """QGMMA by element types (QGMMA_E4M3: both inputs e4m3) and HMMA (mma.sync), from cuobjdump's SASS text."""
+    qgmma = re.findall(r"\bQGMMA\.\d+x\d+x\d+\.\w+\.(\w+)\.(\w+)", sass)
+    census = {"QGMMA": len(qgmma), "HMMA": len(re.findall(r"\bHMMA\.", sass))}
+    census.update({f"QGMMA_{t}": sum(1 for a, b in qgmma if a == b == t) for t in QGMMA_TYPES})
     return census
 
 
@@ -201,7 +213,8 @@ def format_report(r: dict) -> str:
         ("local memory", f"{r['stack_frame_bytes']} B stack frame"),
         ("shared memory", f"{r['dynamic_smem_bytes']} B dynamic (plan {r['plan_smem_bytes']}), {r['static_smem_bytes']} B static"),
         ("setmaxnreg", "applied" if r["setmaxnreg_applied"] else "IGNORED (ptxas C7508)" if r["setmaxnreg_ignored"] else "absent"),
-        ("SASS", ", ".join(f"{op} {s[op]}" for op in SASS_OPS) + f" (HGMMA with A in registers: {s['HGMMA_A_FROM_REGISTERS']})"),
+        ("SASS", ", ".join(f"{op} {s[op]}" for op in SASS_OPS) + f" (HGMMA with A in registers: {s['HGMMA_A_FROM_REGISTERS']})"
+         + ("".join(f", {op} {s[op]}" for op in ("QGMMA", "QGMMA_E4M3", "HMMA")) if s.get("QGMMA") or s.get("HMMA") else "")),
         ("tools", ", ".join(f"{k} {v}" for k, v in r["versions"].items())),
         ("toolchain", format_toolchain(r)),
         ("build", format_build(r)),

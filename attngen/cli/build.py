@@ -126,13 +126,19 @@ def cmd_precompile(args) -> int:
     return 2 if any(o.user_error for o in outcomes) else 1 if any(o.error for o in outcomes) else 0
 
 
-def build_verdicts(report: dict) -> list:
-    """(ok, what) pairs: the resource promises every generated kernel must keep."""
+def build_verdicts(report: dict, fp8: bool = False) -> list:
+    """(ok, what) pairs: the resource promises every generated kernel must keep. An fp8 kernel's
+    GEMMs must be e4m3 wgmma (QGMMA, P from shared memory) and none mma.sync (HMMA: the fallback)."""
     sass = report["sass"]
+    if fp8:
+        gemms = (sass.get("QGMMA_E4M3", 0) > 0 and sass.get("QGMMA", 0) == sass.get("QGMMA_E4M3", 0)
+                 and sass.get("HMMA", 0) == 0 and sass["HGMMA"] == 0, "both GEMMs e4m3 wgmma (QGMMA), no HMMA fallback")
+    else:
+        gemms = (sass["HGMMA"] > 0 and sass["HGMMA_A_FROM_REGISTERS"] > 0, "wgmma (HGMMA) with P from registers")
     return [
         (report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, "no register spills"),
         (report["stack_frame_bytes"] == 0 and sass["LDL"] == 0 and sass["STL"] == 0, "no local memory"),
-        (sass["HGMMA"] > 0 and sass["HGMMA_A_FROM_REGISTERS"] > 0, "wgmma (HGMMA) with P from registers"),
+        gemms,
         (report["setmaxnreg_applied"], "setmaxnreg applied"),
         (report["dynamic_smem_bytes"] == report["plan_smem_bytes"], "shared memory as planned"),
     ]

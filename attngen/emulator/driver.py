@@ -657,7 +657,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     skipped is a KernelError.
     """
     from attngen.kernels.fwd.plan import Plan, as_plan
-    from attngen.spec import Spec
+    from attngen.spec import Spec, out_dtype_of
 
     if not isinstance(spec_or_plan, (Spec, Plan)):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
@@ -673,7 +673,7 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     if hasattr(q, "detach"):
         import torch
 
-        out = torch.from_numpy(out.copy()).to(getattr(torch, plan.spec.dtype))
+        out = torch.from_numpy(out.copy()).to(getattr(torch, out_dtype_of(plan.spec)))
         lse = None if lse is None else torch.from_numpy(lse.copy())
     return (out, lse) if plan.spec.lse else out
 
@@ -686,9 +686,11 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
     from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
+    from attngen.kernels.fwd.plan import DESCALE_TENSORS
 
-    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | set(DESCALES)  # descales: drawn with the fp8 cache, below
     spec = plan.spec
+    qkv_descales = {name for name, _ in DESCALE_TENSORS}  # fp8 Q, K and V's: drawn here; an fp8 cache's below
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | (set(DESCALES) if spec.kv_dtype is not None else set())
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
     rng = np.random.default_rng(seed + 1)
@@ -701,6 +703,8 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
         elif t.name == "sinks":
             tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
+        elif t.name in qkv_descales:  # FA3's test draws rand(b, h_k) * 2
+            tensors[t.name] = (rng.random((batch, kv_heads)) * 2).astype(np.float32)
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
@@ -759,15 +763,28 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            tensors=tensors, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
-    k, v, tensors = reference_kv(k, v, tensors)
+    if spec.kv_dtype is not None:
+        k, v, tensors = reference_kv(k, v, tensors)
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
+    descales = descales_of(tensors)
+    variant["tensors"] = {n: x for n, x in variant["tensors"].items() if n not in DESCALE_NAMES}
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales,
+                      out_dtype=spec.out_dtype, block_n=spec.block_n, **variant)
     ok, text = res.ok, str(res)
     if lse is not None:
-        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, **variant)
+        r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales, **variant)
         ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
     return ok, text, stats
+
+
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")  # kernels/fwd/plan.py's DESCALE_TENSORS, by call-time name
+
+
+def descales_of(tensors: dict):
+    """(q_descale, k_descale, v_descale) of a call's tensors, or None when it has none (a 16-bit kernel)."""
+    found = tuple(tensors.get(n) for n in DESCALE_NAMES)
+    return None if all(d is None for d in found) else found
 
 
 PADDING_ROWS = 5  # packed rows past the last sequence: a kernel must leave them as they are
@@ -827,13 +844,20 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         if plan.varlen and not spec.paged_kv:
             row_batch = row_batches(x.cu_seqlens_k[:-1], lk, k.shape[0])
         k, v, tensors = quantize(k, kd, row_batch), quantize(v, vd, row_batch), {"k_descale": kd, "v_descale": vd}
+    else:  # fp8 Q, K and V: descales per sequence and KV head, as FA3's test draws them
+        rng = np.random.default_rng(seed + 1)
+        tensors = {t.name: (rng.random((len(lq), kv_heads)) * 2).astype(np.float32) for t in plan.extra if t.name in DESCALE_NAMES}
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)
     call = check_serving(plan, q, k, v, **keywords)
-    k, v, _ = reference_kv(k, v, tensors, row_batch)
+    descales = None
+    if spec.kv_dtype is not None:
+        k, v, _ = reference_kv(k, v, tensors, row_batch)
+    else:
+        descales = descales_of(tensors)
     res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
-                              **variant_of(spec))
+                              descales=descales, out_dtype=spec.out_dtype, block_n=spec.block_n, **variant_of(spec))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)

@@ -43,8 +43,22 @@ from attngen.emulator.hazards import ATOMIC, REDUCE_ADD, Op
 from attngen.emulator.memory import (
     Buffer, ElementRef, Lanes, Region, Target, as_region, element_mask, parallel_indices, predicated, same_shape,
 )
-from attngen.hw import E4M3
+from attngen.hw import E4M3, FP8_K_STEP
 from attngen.reference.forward import round_to
+
+def _check_fp8_wgmma(A, B, transpose_A: bool, transpose_B: bool, k: int) -> None:
+    """Hopper's fp8 wgmma (QGMMA): e4m3 x e4m3, and both operands K-major, A as [M, K] (not
+    transposed), B as [N, K] (transpose_B): the hardware has no transposing fp8 load, and TileLang
+    turns any other form into mma.sync (through fp16), not wgmma. K a multiple of 32."""
+    if A.buf.dtype != B.buf.dtype:
+        raise KernelError(f"T.wgmma_gemm: fp8 wgmma multiplies e4m3 by e4m3 only, got A {A.buf.dtype} and B {B.buf.dtype}")
+    if transpose_A or not transpose_B:
+        bad = f"A {A} transposed" if transpose_A else f"B {B} not transposed (K-major B is [N, K], passed with transpose_B=True)"
+        raise KernelError(f"T.wgmma_gemm: an fp8 wgmma reads both operands K-major, but {bad}: Hopper has no fp8 "
+                          f"transposing wgmma (transpose V in shared memory first)")
+    if k % FP8_K_STEP:
+        raise KernelError(f"T.wgmma_gemm: an fp8 wgmma contracts {FP8_K_STEP} elements at a time; K = {k}")
+
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, E4M3: 1}  # bytes per element, for TMA transaction counts
 MEMORY_ORDERS = ("relaxed", "consume", "acquire", "release", "acq_rel", "seq_cst")  # TileLang's names
@@ -851,6 +865,8 @@ class TLang:
                               f"B {b}{' (transposed)' if transpose_B else ''}, C {c}")
         if C.buf.scope != "fragment" or C.buf.dtype != "float32":
             raise KernelError(f"T.wgmma_gemm accumulator {C} must be a float32 fragment")
+        if E4M3 in (A.buf.dtype, B.buf.dtype):
+            _check_fp8_wgmma(A, B, transpose_A, transpose_B, ka)
         for r in (A, B, C):
             r.check_bounds()  # at issue, where the bad index is written
         agent = rt.agent

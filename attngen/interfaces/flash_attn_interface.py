@@ -91,8 +91,8 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
             sm_margin, deterministic) -> dict:
     """The keywords every door shares, with their refusals."""
     _unsupported("qv", qv, None, "attngen has no QV term (FA3's extra q @ v score for MLA decode)")
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        _unsupported(name, x, None, "attngen's kernels take float16/bfloat16, not FP8, so there is nothing to descale")
+    descales = {n: x for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+                if x is not None}  # fp8 q, k, v (docs/fp8.md): float32 [batch, kv_heads], passed on by name
     _unsupported("pack_gqa", pack_gqa, None, "attngen derives pack GQA from the spec (docs/serving.md); "
                                              "it takes no per-call override")
     _unsupported("sm_margin", sm_margin, 0, "attngen's grid does not reserve SMs")
@@ -115,6 +115,7 @@ def _common(softmax_scale, causal, window_size, softcap, qv, q_descale, k_descal
         kw["softcap"] = float(softcap)
     if softmax_scale is not None:  # a run-time scale (issue 18); passed only when asked for
         kw["softmax_scale"] = softmax_scale  # not float(): a SymFloat under torch.compile stays symbolic
+    kw.update(descales)
     return kw
 
 

@@ -236,9 +236,9 @@ def _check(plan: Plan, q, k, v, tensors: dict, keywords: dict):
         ints = {n: keywords[n] for n in checks.INT_TENSORS}
         call = serving.check_serving(plan, q, k, v, **keywords)
         inputs.check_serving_tensors(plan, call, q, k, v, None, ints)
-        return call, inputs.check_extra(plan, inputs.extra_dims(call), tensors)
+        return call, inputs.check_extra(plan, inputs.extra_dims(call), tensors, like=q)
     dims = inputs.check_tensors(plan, q, k, v)
-    return None, inputs.check_extra(plan, dims, tensors)
+    return None, inputs.check_extra(plan, dims, tensors, like=q)
 
 
 def _one_device(given: dict) -> None:

@@ -46,7 +46,7 @@ from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
 from attngen.kernels.fwd.plan import Plan
 from attngen.reference.forward import InputError
-from attngen.spec import FIELDS, SpecError, check_keys, plain_value
+from attngen.spec import FIELDS, Spec, SpecError, check_keys, out_dtype_of, plain_value
 
 NAMESPACE = "attngen"
 
@@ -110,8 +110,9 @@ def _fwd(q, k, v, fields, window_left, window_right, softcap, softmax_scale, ten
         kernel = forward.compile_kernel(plan)
         if call is not None:
             result = kernel._launch_serving(call, q, k, v, None, extra, scale)
-        else:
-            result = kernel(q, k, v, check=False, softmax_scale=scale, **named)
+        else:  # the checked tensors, with any left-out fp8 descale as its ones
+            checked = dict(zip([t.name for t in plan.extra if not t.output], extra))
+            result = kernel(q, k, v, check=False, softmax_scale=scale, **checked)
     else:
         raise InputError("q.device", str(q.device), "a CUDA tensor (the kernel) or a CPU tensor (the CPU model)")
     out, lse = result if plan.spec.lse else (result, None)
@@ -147,14 +148,21 @@ def out_metadata(q, v, fields: str, cu_seqlens_q) -> tuple[list, list]:
 def _fwd_fake(q, k, v, fields, window_left, window_right, softcap, softmax_scale, tensor_names, tensors, cu_seqlens_q,
               cu_seqlens_k, max_seqlen_q, block_table, seqused_k, num_splits):
     if checks.spec_dtype(q.dtype) is None:
-        raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
+        raise InputError("q.dtype", q.dtype, checks.DTYPE_CHOICES)
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() != rank or v.dim() != k.dim():
         raise InputError("q, k, v shapes", f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}",
                          "q [B, Sq, H, D] (or [total_q, H, D] with cu_seqlens_q), k and v of one rank")
     _one_device(call_tensors(q, k, v, tensor_names, tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     out_shape, lse_shape = out_metadata(q, v, fields, cu_seqlens_q)
-    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return q.new_empty(out_shape, dtype=out_dtype(q, fields)), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def out_dtype(q, fields: str):
+    """O's torch dtype from metadata alone: q's, or for fp8 q the out_dtype field (default bfloat16)."""
+    chosen = (json.loads(fields) if fields else {}).get("out_dtype")
+    spec = Spec(dtype=checks.spec_dtype(q.dtype), out_dtype=chosen)  # validates the pair as the op would
+    return checks.torch_dtype(out_dtype_of(spec))
 
 
 def call_tensors(q, k, v, tensor_names, tensors, *serving_tensors) -> dict:

@@ -30,7 +30,7 @@ import ml_dtypes  # tilelang depends on it: numpy has no fp8 type
 import numpy as np
 
 from attngen import expr as expr_mod, tiles
-from attngen.hw import DTYPES, E4M3, E4M3_MAX, LOG2E
+from attngen.hw import DTYPES, E4M3, E4M3_MAX, FP8_MAX_OFFSET, LOG2E
 
 # One ulp at 1.0 of each dtype (hw.DTYPES): the tolerance's floor is this times max|ref|.
 EPS = {name: d.eps for name, d in DTYPES.items()}
@@ -291,8 +291,51 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batc
     return out, lse
 
 
+def dequantize(q, k, v, descales):
+    """fp8's inputs as the values they stand for (fp64): q, k, v times their float32 [batch, kv_heads]
+    descales (FA3's q_descale, k_descale, v_descale; None: 1), query head h taking its KV head's."""
+    q, k, v = (to_numpy(t).astype(np.float64) for t in (q, k, v))
+    group = _check_shapes(q, k, v)
+    out = []
+    for x, d, per_query in zip((q, k, v), descales or (None,) * 3, (True, False, False)):
+        if d is not None:
+            d = to_numpy(d).astype(np.float32).astype(np.float64)
+            x = x * (np.repeat(d, group, axis=1) if per_query else d)[:, None, :, None]
+        out.append(x)
+    return out
+
+
+def _descale_factors(descales, b: int, hkv: int):
+    """The kernel's per-(batch, KV head) float32 products: q_descale * k_descale (into the scale), v_descale."""
+    qd, kd, vd = (np.ones((b, hkv), np.float32) if d is None else to_numpy(d).astype(np.float32) for d in (descales or (None,) * 3))
+    return qd * kd, vd
+
+
+def _online(s, v, cc, sink, offset, dtype: str, block_n: int, sum_rounded: bool):
+    """(P V, row sum) as the kernel's online softmax forms them, tile by tile of block_n keys: the running
+    max m (from the sink's logit, if any), alpha = exp2(m_old - m_new) rescaling both, P of each tile
+    exp2(s - m + offset) relative to the max so far, rounded to `dtype` for PV, the sum from the unrounded P."""
+    ninf, f32 = np.float32(-np.inf), np.float32
+    shape = s.shape[:-1] + (1,)
+    m = np.full(shape, ninf, f32) if sink is None else np.broadcast_to(sink, shape).astype(f32)
+    den = np.zeros(shape, f32) if sink is None else np.full(shape, np.exp2(f32(offset)), f32)
+    acc = np.zeros(s.shape[:-1] + (v.shape[-1],), f32)
+    for j in range(0, s.shape[-1], block_n):
+        tile = s[..., j:j + block_n]
+        m_new = np.maximum(m, tile.max(axis=-1, keepdims=True, initial=-np.inf))
+        mc = np.where(m_new == ninf, f32(0), m_new * cc)
+        alpha = np.where(m == ninf, f32(0), np.exp2(m * cc - mc))
+        p = np.exp2(tile * cc - mc + offset)
+        pr = round_to(p, dtype)
+        acc = acc * alpha + pr @ v[j:j + block_n]
+        den = den * alpha + (pr if sum_rounded else p).sum(axis=-1, keepdims=True, dtype=f32)
+        m = m_new
+    return acc, den
+
+
 def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", scale: float | None = None, *,
-                      batch_offset: int = 0, **variant) -> np.ndarray:
+                      batch_offset: int = 0, descales=None, out_dtype: str | None = None, twin: dict | None = None,
+                      block_n: int | None = None, **variant) -> np.ndarray:
     """The kernel's arithmetic on the CPU: the twin whose error against `attention` sets the bound.
 
     Inputs rounded to `dtype`; s = q @ k^T in float32 (tensor cores accumulate in float32);
@@ -310,19 +353,36 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
     Variants as the kernel computes them: with softcap, ALiBi or a score_mod the float32 score
     is transformed first, z = mods(s * scale) * log2(e), and P = exp2(z - max z); masks set
     -inf; a sink enters the max and the row sum in the same units. `batch_offset` as in `attention`.
+
+    fp8 (dtype float8_e4m3fn, docs/fp8.md): s from the raw e4m3 q and k, the scale times q_descale *
+    k_descale (float32, per batch and KV head, as the kernel folds them); P = exp2(... + 8) (FA3's
+    Max_offset), its row sum from the unrounded P, P rounded to e4m3 before PV with the raw v; the
+    output times v_descale / row sum, rounded to `out_dtype` (default bfloat16). `twin` deliberately
+    breaks one step (the tolerance test's wrong kernels): {"offset": 0} no max offset, {"sum_rounded":
+    True} the row sum of the rounded P, {"v_transposed_tiles": n} each n-key V tile used transposed.
+    `block_n`: the online softmax tile by tile (_online), the kernel's exact roundings of P.
     """
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
     group = _check_shapes(q, k, v)
     b, sq, h, d = q.shape
     skv = k.shape[1]
-    scale = np.float32(check_scale(scale, d, "scale"))  # the kernel takes it as a float32
-    c = scale * np.float32(LOG2E)  # the kernel's scale_log2, a float32 product
+    fp8 = dtype == E4M3
+    twin = twin or {}
+    offset = np.float32(twin.get("offset", FP8_MAX_OFFSET) if fp8 else 0)
+    out_dtype = out_dtype or ("bfloat16" if fp8 else dtype)
+    qk_descale, v_descale = _descale_factors(descales, b, k.shape[2])
+    tile = twin.get("v_transposed_tiles")
+    if tile:  # a kernel that multiplies by each V tile as if it were already transposed (square tiles only)
+        v = v.reshape(b, skv // tile, tile, k.shape[2], tile).transpose(0, 1, 4, 3, 2).reshape(v.shape)
+    scale_arg = np.float32(check_scale(scale, d, "scale"))  # the kernel takes it as a float32
     prescaled = _prescaled(variant)
     out = np.zeros((b, sq, h, v.shape[3]))
     ninf = np.float32(-np.inf)
     for bi in range(b):
         for hk in range(k.shape[2]):
             heads = slice(hk * group, (hk + 1) * group)
+            scale = scale_arg * qk_descale[bi, hk]  # fp8: the descales fold into the scale (float32); 16 bits: x 1
+            c = scale * np.float32(LOG2E)  # the kernel's scale_log2, a float32 product
             with np.errstate(invalid="ignore", over="ignore"):
                 s = q[bi, :, heads].transpose(1, 0, 2) @ k[bi, :, hk].T  # [group, Sq, Skv] float32
                 head_ids = range(hk * group, (hk + 1) * group)
@@ -338,13 +398,18 @@ def attention_lowprec(q, k, v, causal: bool = False, dtype: str = "float16", sca
                 if sink is not None:
                     m = np.maximum(m, sink)
                 mc = np.where(m == ninf, np.float32(0), m * cc)  # a row that sees no key: P = 0, not NaN
-                p = np.exp2(s * cc - mc)
-                den = p.sum(axis=-1, keepdims=True, dtype=np.float32)
-                if sink is not None:
-                    den = den + np.exp2(sink * cc - mc)
-                acc = round_to(p, dtype) @ v[bi, :, hk]
+                if block_n:  # the kernel's own roundings: P relative to the running max of its tiles
+                    acc, den = _online(s, v[bi, :, hk], cc, sink, offset, dtype, block_n, twin.get("sum_rounded", False))
+                else:
+                    p = np.exp2(s * cc - mc + offset)
+                    den = (round_to(p, dtype) if twin.get("sum_rounded") else p).sum(axis=-1, keepdims=True, dtype=np.float32)
+                    if sink is not None:
+                        den = den + np.exp2(sink * cc - mc + offset)
+                    acc = round_to(p, dtype) @ v[bi, :, hk]
+                if fp8:
+                    acc = acc * v_descale[bi, hk]
                 o = np.where(den == 0, np.float32(0), acc / np.where(den == 0, np.float32(1), den))
-            out[bi, :, heads] = round_to(o, dtype).transpose(1, 0, 2)
+            out[bi, :, heads] = round_to(o, out_dtype).transpose(1, 0, 2)
     return out
 
 
@@ -415,7 +480,7 @@ def tolerance(ref: np.ndarray, low: np.ndarray, dtype: str, eps: float | None = 
 
 
 def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: float | None = None, scale: float | None = None,
-                **variant) -> Check:
+                descales=None, out_dtype: str | None = None, block_n: int | None = None, **variant) -> Check:
     """Compare a kernel output with the fp64 reference under the tolerance rule above.
 
     The reference is computed from the inputs rounded to `dtype` (what the kernel reads);
@@ -428,6 +493,9 @@ def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: fl
         raise ValueError(f"check_close: pass dtype='float16' or 'bfloat16' (q has dtype {getattr(q, 'dtype', None)})")
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
     out = to_numpy(out).astype(np.float64)
+    if dtype == E4M3:
+        return check_close_fp8(out, q, k, v, causal, descales=descales, out_dtype=out_dtype, scale=scale, block_n=block_n,
+                               **variant)
     ref, _ = attention(q, k, v, causal, scale, **variant)
     if out.shape != ref.shape:
         raise ValueError(f"check_close: out has shape {out.shape}, expected {ref.shape}")
@@ -442,14 +510,54 @@ def check_close(out, q, k, v, causal: bool, *, dtype: str | None = None, eps: fl
     return Check(err <= bound and not note, err, bound, note)
 
 
+TWIN_SHARE = 0.1  # fp8: how far the kernel may be from its tile-exact twin, as a share of the twin's own error (docs/fp8.md)
+
+
+def check_close_fp8(out, q, k, v, causal: bool, *, descales=None, out_dtype: str | None = None, scale: float | None = None,
+                    block_n: int | None = None, twin: dict | None = None, **variant) -> Check:
+    """The fp8 rule (docs/fp8.md). ref: the fp64 attention of the dequantized inputs; twin: the kernel's
+    arithmetic (attention_lowprec with e4m3: P offset by 2**8, its row sum from the unrounded P, P rounded
+    to e4m3 for PV; with `block_n`, tile by tile as the kernel's online softmax). Two clauses, with
+    eps = 2 ulp(max|ref|) of out_dtype:
+      FA3's shape    max|out - ref|  <= 2 max|twin - ref| + eps
+      the twin's     max(|out - twin| - ulp(twin)) <= TWIN_SHARE max|twin - ref|   (with block_n only)
+    e4m3's P carries about 4% relative noise, so FA3's clause alone passes an output 5% off; the tile-exact
+    twin has the kernel's very roundings, so the second does not. `twin` breaks the twin (see there)."""
+    out_dtype = out_dtype or "bfloat16"
+    out = to_numpy(out).astype(np.float64)
+    ref, _ = attention(*dequantize(q, k, v, descales), causal, scale, **variant)
+    if out.shape != ref.shape:
+        raise ValueError(f"check_close: out has shape {out.shape}, expected {ref.shape}")
+    low = attention_lowprec(q, k, v, causal, E4M3, scale, descales=descales, out_dtype=out_dtype, twin=twin,
+                            block_n=block_n, **variant)
+    finite = np.isfinite(ref) & np.isfinite(out)
+    agree = nonfinite_agree(out, ref)
+    err = float(np.abs(out[finite] - ref[finite]).max(initial=0.0)) if agree else float("inf")
+    peak = float(np.abs(ref[np.isfinite(ref)]).max(initial=0.0))
+    eps = max(2 * EPS[out_dtype] * peak, TINY[out_dtype])
+    bound = tolerance(ref, low, out_dtype, eps=eps)
+    ok = err <= bound
+    if block_n and agree:  # beyond one ulp of each element (both are rounded to out_dtype), a share of the twin's error
+        both = finite & np.isfinite(low)
+        off_twin = float((np.abs(out[both] - low[both]) - EPS[out_dtype] * np.abs(low[both])).max(initial=0.0))
+        twin_bound = TWIN_SHARE * (bound - eps) / 2 + TINY[out_dtype]
+        if off_twin > twin_bound:
+            ok, err, bound = False, off_twin, twin_bound
+    note = undefined_reference(ref, _inputs_of(q, k, v, variant))
+    return Check(ok and not note, err, bound, note)
+
+
 LSE_ATOL, LSE_RTOL = 2e-3, 1e-3  # the kernel's LSE is fp32 math on the exact scores: ~1e-5 off; log(2) is 0.69
 
 
-def check_lse(lse, q, k, v, causal: bool, *, dtype: str | None = None, scale: float | None = None, **variant) -> Check:
+def check_lse(lse, q, k, v, causal: bool, *, dtype: str | None = None, scale: float | None = None, descales=None,
+              **variant) -> Check:
     """The kernel's log-sum-exp [B, H, Sq] against the fp64 one: -inf exactly where the reference
     has -inf (rows that see no key), else within LSE_ATOL + LSE_RTOL * |ref|."""
     dtype = dtype or dtype_of(q)
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
+    if dtype == E4M3:
+        q, k, v = dequantize(q, k, v, descales)
     _, ref = attention(q, k, v, causal, scale, **variant)
     lse = to_numpy(lse).astype(np.float64)
     if lse.shape != ref.shape:

@@ -117,11 +117,13 @@ def _empty_keys_check(out_b: np.ndarray, lse_b, dtype: str) -> tuple:
 
 
 def check_serving_close(out, q, k, v, call, causal: bool, dtype: str, *, lse=None, eps: float | None = None,
-                        scale: float | None = None, **variant) -> ServingCheck:
+                        scale: float | None = None, descales=None, out_dtype: str | None = None, block_n: int | None = None,
+                        **variant) -> ServingCheck:
     """Hold every sequence's rows of `out` (packed like q) to reference.check_close, and of `lse`
     (when given) to reference.check_lse, each against that sequence alone (bottom-right causal on
     its own lengths; keys gathered through the block table when paged). Passes when every
-    sequence passes; reports the worst one. `call` must have its values read."""
+    sequence passes; reports the worst one. `call` must have its values read. fp8: `descales`
+    (q, k, v; [batch, kv_heads] each or None), `out_dtype` and `block_n` go to the fp8 rule, sequence b taking row b."""
     if dtype not in EPS:
         raise ValueError(f"check_serving_close: dtype {dtype!r}: expected float16 or bfloat16")
     q, k, v = (round_to(to_numpy(t), dtype) for t in (q, k, v))
@@ -144,8 +146,11 @@ def check_serving_close(out, q, k, v, call, causal: bool, dtype: str, *, lse=Non
         if kl == 0:
             oc, lc = _empty_keys_check(ob, lb, dtype)
         else:
-            oc = check_close(ob, qb, kb, vb, causal, dtype=dtype, eps=eps, scale=scale, batch_offset=b, **variant)
-            lc = None if lb is None else check_lse(lb, qb, kb, vb, causal, dtype=dtype, scale=scale, batch_offset=b, **variant)
+            db = None if descales is None else tuple(None if d is None else to_numpy(d)[b:b + 1] for d in descales)
+            oc = check_close(ob, qb, kb, vb, causal, dtype=dtype, eps=eps, scale=scale, batch_offset=b, descales=db,
+                             out_dtype=out_dtype, block_n=block_n, **variant)
+            lc = None if lb is None else check_lse(lb, qb, kb, vb, causal, dtype=dtype, scale=scale, batch_offset=b,
+                                                   descales=db, **variant)
         ok = oc.ok and (lc is None or lc.ok)
         if not ok:
             failed.append(b)

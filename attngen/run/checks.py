@@ -13,6 +13,7 @@ from attngen.hw import CAPABILITY, DTYPES
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan
 from attngen.reference.forward import InputError
+from attngen.spec import out_dtype_of
 from attngen.run import serving
 from attngen.run.inputs import check_extra, check_serving_tensors, extra_dims
 
@@ -29,6 +30,14 @@ def _torch():
 def torch_dtype(name: str):
     """The torch dtype of a spec dtype name (hw.DTYPES names are torch's)."""
     return getattr(_torch(), DTYPES[name].name)
+
+
+def out_torch_dtype(plan: Plan):
+    """The torch dtype the kernel writes O in: the spec's dtype, or an fp8 spec's out_dtype."""
+    return torch_dtype(out_dtype_of(plan.spec))
+
+
+DTYPE_CHOICES = "torch.float16, torch.bfloat16 or torch.float8_e4m3fn"  # what q may be (hw.DTYPES)
 
 
 def spec_dtype(dtype) -> str | None:
@@ -82,7 +91,7 @@ def check_serving_call(plan: Plan, q, k, v, out=None, *, shape: Shape | None = N
     if shape is not None:
         raise InputError("shape", str(shape), "no static shape: a serving call's extents are dynamic")
     check_serving_tensors(plan, call, q, k, v, out, ints)
-    extra = check_extra(plan, extra_dims(call), {n: t for n, t in (tensors or {}).items() if t is not None})
+    extra = check_extra(plan, extra_dims(call), {n: t for n, t in (tensors or {}).items() if t is not None}, like=q)
     named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
     named.update({n: t for n, t in ints.items() if t is not None})
     named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
@@ -97,7 +106,7 @@ def serving_outputs(plan: Plan, call: serving.ServingCall, q, out=None) -> dict:
     torch = _torch()
     f = call.fields
     if out is None:
-        out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(call.out_shape, dtype=out_torch_dtype(plan), device=q.device)
     lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device) if f.lse else None
     o_partial = lse_partial = None
     if f.split and not call.empty:

@@ -14,7 +14,8 @@ from attngen.kernels.fwd.plan import Plan, as_plan
 from attngen.kernels.fwd.render import render_source
 from attngen.reference.forward import InputError, resolve_scale
 from attngen.run import persistent, serving
-from attngen.run.checks import NAMES, _detach, _torch, check_device, check_serving_call, launch_arguments, serving_outputs
+from attngen.run.checks import (NAMES, _detach, _torch, check_device, check_serving_call, launch_arguments, out_torch_dtype,
+                                serving_outputs)
 from attngen.run.entries import (KernelBuildError, Precompiled, _built_entry, _failure_message, _load_entry, _once,
                                  runtime_entry)
 from attngen.run.inputs import check_extra, check_tensors
@@ -58,7 +59,7 @@ class Kernel:
         if self.serving.uses_serving or any(x is not None for x in keywords.values()):
             return self.check_call(q, k, v, out, **keywords, **tensors)[1]
         dims = check_tensors(self.plan, q, k, v, out, shape=self.shape)
-        extra = check_extra(self.plan, dims, {n: t for n, t in tensors.items() if t is not None})
+        extra = check_extra(self.plan, dims, {n: t for n, t in tensors.items() if t is not None}, like=q)
         named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
         named.update({t.name: x for t, x in zip([t for t in self.plan.extra if not t.output], extra)})
         check_device(named)
@@ -101,7 +102,7 @@ class Kernel:
         torch = _torch()
         if out is None:
             dv = self.spec.head_dim_v or self.spec.head_dim
-            out = torch.empty((*q.shape[:3], dv), dtype=q.dtype, device=q.device)
+            out = torch.empty((*q.shape[:3], dv), dtype=out_torch_dtype(self.plan), device=q.device)
         lse = None
         if self.spec.lse:
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)

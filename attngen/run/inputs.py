@@ -23,11 +23,11 @@ import weakref
 import numpy as np
 
 from attngen.run import serving
-from attngen.hw import GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
+from attngen.hw import E4M3, GRID_YZ_MAX, INT32_MAX, TMA_ALIGN
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import Plan, as_plan
 from attngen.reference.forward import InputError, to_numpy
-from attngen.spec import FIELDS, did_you_mean
+from attngen.spec import FIELDS, did_you_mean, out_dtype_of
 
 HOLDERS = ("float32", "float64")  # what the CPU model also takes, holding values to round to the kernel's dtype
 
@@ -80,7 +80,9 @@ def check_kind(name: str, t, dtype: str, *, cpu: bool = False, spec_dtype: bool 
 
 def element_dtype(spec, name: str) -> str:
     """The element type the kernel takes for tensor `name` (q, k, v, out): an fp8 cache's k and v
-    hold the spec's kv_dtype, the rest its dtype."""
+    hold the spec's kv_dtype, out its out_dtype (fp8's bfloat16 by default), the rest its dtype."""
+    if name == "out":
+        return out_dtype_of(spec)
     kv_dtype = getattr(spec, "kv_dtype", None)  # (a stand-in spec of a test may lack the field)
     return kv_dtype if name in ("k", "v") and kv_dtype is not None else spec.dtype
 
@@ -193,11 +195,23 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
     return batch, heads, kv_heads, q_len, kv_len
 
 
-def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) -> list:
+# Call-time tensors a call may leave out, and what stands in for them: FA3's fp8 descales (absent: 1).
+ONES_WHEN_ABSENT = ("q_descale", "k_descale", "v_descale")
+
+
+def _ones(shape: tuple, like):
+    """float32 ones of `shape`, a torch tensor on `like`'s device when `like` is one, else a numpy array."""
+    if is_torch(like):
+        import torch
+        return torch.ones(shape, dtype=torch.float32, device=like.device)
+    return np.ones(shape, np.float32)
+
+
+def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False, like=None) -> list:
     """The call-time tensors the plan's kernel takes (alibi_slopes, sinks, score_mod/mask_mod
     tensors), checked for presence, type, dtype float32, shape, layout and (sinks) finite values;
     returned in the kernel's parameter order (outputs left out). `dims` is check_tensors's result
-    (extra_dims for a serving call)."""
+    (extra_dims for a serving call). An fp8 descale left out is ones (on `like`'s device: q's)."""
     batch, heads, kv_heads, q_len, kv_len, *cache = dims
     extent = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len, "kv_heads": kv_heads}
     if cache:  # a paged cache's pages (an fp8 cache's per-page descales)
@@ -206,6 +220,10 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
         extent.update(block_mask_extents(plan, dims, tensors))
     wanted = [t for t in plan.extra if not t.output]
     unknown = sorted(set(tensors) - {t.name for t in wanted})
+    for name in unknown:
+        if name in ONES_WHEN_ABSENT:
+            raise InputError(name, _describe(tensors[name]), f"none: descales scale fp8 inputs (dtype {E4M3}), "
+                                                             f"and this kernel's are {plan.spec.dtype}")
     if unknown:  # a misspelt tensor, or a spec field given beside the spec (casual=True)
         name, takes = unknown[0], ", ".join(t.name for t in wanted) or "no extra tensors"
         hint = did_you_mean(name, [*(t.name for t in wanted), "alibi_slopes", "sinks"]) or \
@@ -215,6 +233,8 @@ def check_extra(plan: Plan, dims: tuple, tensors: dict, *, cpu: bool = False) ->
     for t in wanted:
         shape_text = "[" + ", ".join("any" if a is None else f"{a} = {extent[a]}" for a in t.shape) + "]"
         x = tensors.get(t.name)
+        if x is None and t.name in ONES_WHEN_ABSENT:
+            x = _ones((batch, kv_heads), like)
         if x is None:
             raise InputError(t.name, None, f"a {t.dtype} tensor of shape {shape_text}: the spec uses it")
         check_kind(t.name, x, t.dtype, cpu=cpu)

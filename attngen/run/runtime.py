@@ -20,7 +20,7 @@ from __future__ import annotations
 from attngen.run import serving
 from attngen.kernels.fwd.plan import as_plan
 from attngen.reference.forward import InputError, resolve_scale
-from attngen.run.checks import NAMES, _torch, check_device, check_serving_call, spec_dtype
+from attngen.run.checks import DTYPE_CHOICES, NAMES, _torch, check_device, check_serving_call, spec_dtype
 from attngen.run.forward import compile_kernel
 from attngen.run.inputs import check_extra, check_tensors
 from attngen.spec import KV_DTYPES, Spec, check_keys
@@ -99,7 +99,7 @@ def _spec_for(q, k, causal, overrides: dict, call: str, inferred: dict | None = 
             raise InputError(f"{name}.shape", list(t.shape), f"{rank} dimensions: {text}")
     dtype = spec_dtype(q.dtype)
     if dtype is None:
-        raise InputError("q.dtype", q.dtype, "torch.float16 or torch.bfloat16")
+        raise InputError("q.dtype", q.dtype, DTYPE_CHOICES)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     h_axis, k_axis = q.dim() - 2, k.dim() - 2
     if kv_heads < 1:
@@ -172,7 +172,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), softcap: float 
         call, extra = check_serving_call(plan, q, k, v, out, tensors=tensors, **keywords)
         return compile_kernel(plan)._launch_serving(call, q, k, v, out, extra, softmax_scale)
     dims = check_tensors(plan, q, k, v, out)
-    extra = check_extra(plan, dims, tensors)
+    extra = check_extra(plan, dims, tensors, like=q)
     named = {n: t for n, t in zip(NAMES, (q, k, v, out)) if t is not None}
     named.update({t.name: x for t, x in zip([t for t in plan.extra if not t.output], extra)})
     check_device(named)

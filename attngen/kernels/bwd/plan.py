@@ -171,6 +171,8 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     them and check_registers=False, bench/plan_sweep.py --backward)."""
     if not isinstance(spec, Spec):
         raise SpecError("<spec>", type(spec).__name__, "expected an attngen.Spec")
+    if spec.dtype == hw.E4M3:
+        raise SpecError("dtype", spec.dtype, "fp8 has no backward: train in 16 bits (float16 or bfloat16), as FlashAttention-3")
     if spec.paged_kv:
         raise SpecError("paged_kv", True, "a paged KV cache is an inference layout: the backward takes dense k and v")
     if spec.splits != 1:

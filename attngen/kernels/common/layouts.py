@@ -270,13 +270,13 @@ class Dense:
         return count
 
     # -- parameters and arguments ------------------------------------------------------------
-    def io_params(self, dv: str, kv_dtype: str = "DTYPE") -> list:
+    def io_params(self, dv: str, kv_dtype: str = "DTYPE", out: str = "DTYPE") -> list:
         """The forward's Q, K, V and output parameter lines (each split's partial O and LSE);
-        `kv_dtype` names K's and V's element type (an fp8 cache's KV_DTYPE)."""
+        `kv_dtype` names K's and V's element type (an fp8 cache's KV_DTYPE), `out` O's."""
         lines = [tensor_param("Q", self.q_shape(), "DTYPE"), tensor_param("K", self.kv_shape("HEAD_DIM"), kv_dtype),
                  tensor_param("V", self.kv_shape(dv), kv_dtype)]
         if not self.split_kv:
-            return lines + [tensor_param("O", self.q_shape(dv), "DTYPE")]
+            return lines + [tensor_param("O", self.q_shape(dv), out)]
         return lines + [tensor_param("O_partial", ["num_splits"] + self.q_shape(dv), '"float32"',
                                      "output: each split's normalised partial O (the combine kernel merges them)"),
                         tensor_param("LSE_partial", ["num_splits"] + self.lse_shape(), '"float32"',

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 
 from attngen import expr
+from attngen.hw import FP8_MAX_OFFSET, fp8_transpose_keys
+from attngen.spec import out_dtype_of
 from attngen.kernels.common.layouts import layout_of
 
 
@@ -95,6 +97,15 @@ class Variant:
         return self.plan.prescaled
 
     @property
+    def fp8(self) -> bool:
+        return getattr(self.plan, "fp8", False)  # the backward's plans have no fp8 (refused)
+
+    @property
+    def qk_scale(self) -> str:
+        """The name of what q . k is multiplied by: the call's softmax_scale, which fp8 folds the q and k descales into."""
+        return "qk_scale" if self.fp8 else "softmax_scale"
+
+    @property
     def has_edges(self) -> bool:
         """A causal mask or a window: each element is tested against the diagonal."""
         return self.plan.window_left is not None or self.plan.window_right is not None
@@ -112,7 +123,7 @@ class Variant:
         """The natural-units score of the raw q . k in `acc` at query `row`, key `key`, head `head`:
         softcap, then ALiBi, then (with `mods`) the score_mod."""
         spec = self.spec
-        s = f"{acc} * softmax_scale"
+        s = f"{acc} * {self.qk_scale}"
         if spec.softcap:
             s = f"SOFTCAP * T.tanh({acc} * softcap_scale)"  # softcap_scale = softmax_scale / SOFTCAP, once per warpgroup
         if spec.alibi:
@@ -272,10 +283,30 @@ class Variant:
 
     def scale_setup(self) -> list[str]:
         """The forward consumer's lines that derive, once, what its scores are multiplied by from the
-        run-time softmax_scale (a float32 parameter: one compiled kernel serves every scale)."""
+        run-time softmax_scale (a float32 parameter: one compiled kernel serves every scale); fp8's
+        descales (FA3's: float32 [batch, kv_heads]) first, q's and k's into that scale, v's kept for normalize."""
+        lines = self._descale_setup()
         if not self.prescaled:
-            return ["scale_log2 = softmax_scale * LOG2E  # the softmax runs in base 2: exp2(s * scale_log2) = exp(s * softmax_scale)"]
-        return self._softcap_scale()
+            return lines + [f"scale_log2 = {self.qk_scale} * LOG2E  # the softmax runs in base 2: "
+                            "exp2(s * scale_log2) = exp(s * softmax_scale)"]
+        return lines + self._softcap_scale()
+
+    def _descale_setup(self) -> list[str]:
+        if not self.fp8:
+            return []
+        return ["kv_head = head // GQA_GROUP  # a query head takes its KV head's descales",
+                "qk_scale = softmax_scale * Q_descale[batch_idx, kv_head] * K_descale[batch_idx, kv_head]"
+                "  # q, k descales fold into the scale",
+                "v_descale = V_descale[batch_idx, kv_head]  # applied with the row sum's division"]
+
+    def exp_offset(self) -> str:
+        """fp8 (FA3's Max_offset): P = exp2(s - m + MAX_OFFSET) spans e4m3's range, not [0, 1] where it has 3 bits;
+        the row sum carries the same 2**MAX_OFFSET, so O = PV / sum is unchanged (lse takes it out)."""
+        return " + MAX_OFFSET" if self.fp8 else ""
+
+    def sink_term(self) -> str:
+        """A sink's own term in the row sum at m = sink: exp2(0) = 1, or with fp8's offset 2**MAX_OFFSET."""
+        return "T.exp2(MAX_OFFSET)" if self.fp8 else "1.0"
 
     def bwd_scale_setup(self) -> list[str]:
         """The backward's counterpart: P is recomputed against the forward's LSE2."""
@@ -285,7 +316,7 @@ class Variant:
 
     def _softcap_scale(self) -> list[str]:
         if self.spec.softcap:
-            return ["softcap_scale = softmax_scale / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
+            return [f"softcap_scale = {self.qk_scale} / SOFTCAP  # tanh's argument: the scaled score / SOFTCAP"]
         return []
 
     def max_floor(self) -> str:
@@ -308,13 +339,18 @@ class Variant:
             return ""
         if self.prescaled:
             return "Sinks[head] * LOG2E"
-        return "Sinks[head] / softmax_scale"  # a natural-log logit in the units of q . k
+        return f"Sinks[head] / {self.qk_scale}"  # a natural-log logit in the units of q . k
 
     def normalize(self) -> str:
         """The epilogue's division by the row sum. A row whose every score is -inf (masked, or from an
         inf in q or k, in any kernel) ends with sum 0 and acc_o 0: it gives 0, as in the reference.
         The running max never reaches -inf (it starts at a finite floor, max_floor; docs/online-softmax.md
         step 4), so this once-per-row test is the only guard: no tile pays for one."""
+        if self.fp8:
+            if not self.spec.sinks:
+                return ("acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] * (v_descale / row_sum[i]))"
+                        "  # a row that sees no key gives 0")
+            return "acc_o[i, j] *= v_descale / row_sum[i]"
         if not self.spec.sinks:  # with a sink every row sum is >= exp(0)
             return "acc_o[i, j] = T.if_then_else(row_sum[i] == 0, 0, acc_o[i, j] / row_sum[i])  # a row that sees no key gives 0"
         return "acc_o[i, j] /= row_sum[i]"
@@ -326,7 +362,8 @@ class Variant:
         """Natural-log log-sum-exp of a row: (m * scale_log2 + log2(row sum)) * ln 2; -inf for a row with no key."""
         if not self.writes_lse():
             return ""
-        value = f"({self.scaled('m_cur[i]')} + T.log2(row_sum[i])) * LN2"
+        offset = " - MAX_OFFSET" if self.fp8 else ""  # fp8's row sum carries 2**MAX_OFFSET
+        value = f"({self.scaled('m_cur[i]')} + T.log2(row_sum[i]){offset}) * LN2"
         if self.plan.guard_empty_rows and not self.spec.sinks:
             return f"T.if_then_else(row_sum[i] == 0, -T.infinity(ACCUM), {value})"
         return value
@@ -341,4 +378,10 @@ class Variant:
             lines.append(f"SOFTCAP = {self.spec.softcap!r}  # score = SOFTCAP * tanh(score / SOFTCAP)")
         if lse and self.writes_lse():
             lines.append(f"LN2 = {math.log(2)!r}  # the LSE is returned in natural log")
+        if self.fp8:
+            lines.append(f'OUT_DTYPE = "{out_dtype_of(self.spec)}"  # O: an fp8 kernel writes 16 bits')
+            keys = fp8_transpose_keys(self.plan.head_dim_v, self.plan.producer_regs)
+            lines.append(f"TRANSPOSE_KEYS = {keys}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
+            lines.append(f"MAX_OFFSET = {float(FP8_MAX_OFFSET)!r}  # P = exp2(s - m + MAX_OFFSET): e4m3's range, "
+                         "not [0, 1] (FA3's Max_offset)")
         return lines

@@ -13,13 +13,19 @@ from __future__ import annotations
 import dataclasses
 
 from attngen import expr, hw, tiles
-from attngen.spec import FIELDS, Spec, SpecError, ruled_out
+from attngen.spec import FIELDS, Spec, SpecError, out_dtype_of, ruled_out
 from attngen.kernels.fwd.kv_cache import descale_tensors, kv_fp8, staging_bytes
 from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
                                          WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
                                          transforms_scores, variant_tags)
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
+# fp8: FlashAttention-3's fp8 tile (tile_size.h, 1-byte elements) per head dim is the first tried;
+# the PV GEMM contracts over the keys, so every candidate is a multiple of hw.FP8_K_STEP.
+FA3_FP8_BLOCK_N = {64: 160, 96: 128, 128: 224, 192: 160, 256: 128}
+FP8_BLOCK_N_CANDIDATES = (224, 192, 160, 128, 96, 64, 32)
+# The fp8 kernels' call-time descales (FA3's): float32 [batch, kv_heads], query head h uses its KV head's.
+DESCALE_TENSORS = (("q_descale", "Q_descale"), ("k_descale", "K_descale"), ("v_descale", "V_descale"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +64,14 @@ class Plan(WarpSpecialized):
     split_kv: bool = False  # each block also takes a split of the K tiles; a combine kernel merges the splits
     pack_gqa: bool = False  # the query heads of one KV head are rows of one tile (decode: 1 query still fills M)
     block_mask: bool = False  # the kernel visits the KV tiles of a call-time block mask (BLOCK_MASK_TENSORS)
+    fp8: bool = False  # e4m3 Q, K, V (docs/fp8.md): P and V^T in shared memory, descales, O in out_dtype
 
 
 def kernel_name(spec: Spec) -> str:
     """Canonical readable name of a resolved spec; every axis is in it."""
     parts = [
         f"fa3_fwd_hd{spec.head_dim}",
-        hw.DTYPES[spec.dtype].tag,
+        hw.DTYPES[spec.dtype].tag + (f"_o{hw.DTYPES[out_dtype_of(spec)].tag}" if is_fp8(spec) else ""),
         "causal" if spec.causal else "full",
         f"g{spec.gqa_group}",
         f"c{spec.consumers}",
@@ -83,6 +90,10 @@ def kernel_name(spec: Spec) -> str:
     return "_".join(parts)
 
 
+def is_fp8(spec: Spec) -> bool:
+    return spec.dtype == hw.E4M3
+
+
 def smem_layout(spec: Spec, block_n: int) -> dict:
     elem = hw.DTYPES[spec.dtype].bytes
     rows_q = hw.WGMMA_M * spec.consumers
@@ -91,8 +102,11 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
         "Q": rows_q * spec.head_dim * elem,
         "K": spec.k_stages * block_n * spec.head_dim * elem,
         "V": spec.v_stages * block_n * dv * elem,
-        "O": rows_q * dv * elem,  # output staged in shared memory, then one TMA store
+        "O": rows_q * dv * hw.DTYPES[out_dtype_of(spec)].bytes,  # output staged in shared memory, then one TMA store
     }
+    if is_fp8(spec):  # fp8 wgmma reads both operands K-major from shared memory: V transposed, P stored
+        smem["Vt"] = spec.v_stages * dv * block_n * elem
+        smem["P"] = rows_q * block_n * elem
     if spec.splits != 1:
         del smem["O"]  # float32 partial outputs go straight from registers to global memory
     if spec.scheduler == "persistent":
@@ -137,8 +151,9 @@ def regs_needed(spec: Spec, block_n: int) -> int:
 def reg_split(spec: Spec) -> tuple:
     """setmaxnreg (producer, consumer) registers: FA3's split, or a serving producer's larger share
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
-    # a block mask's producer walks its lists per tile; an fp8 cache's producer dequantizes each tile
-    if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec):
+    # a block mask's producer walks its lists per tile; an fp8 cache's producer dequantizes each tile;
+    # fp8's producer warpgroup transposes V
+    if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec) or is_fp8(spec):
         return walking_split(spec.consumers)
     if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B
         return walking_split(spec.consumers)
@@ -172,12 +187,20 @@ def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
     _, consumer_regs = reg_split(spec)
-    limit = block_n_limit(spec) or BLOCK_N_CANDIDATES[0]
-    fits_page = [bn for bn in BLOCK_N_CANDIDATES if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
+    candidates = block_n_candidates(spec)
+    limit = block_n_limit(spec) or candidates[0]
+    fits_page = [bn for bn in candidates if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
     for bn in fits_page:
         if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
             return bn
     return fits_page[-1]
+
+
+def block_n_candidates(spec: Spec) -> tuple:
+    """The block_n values default_block_n tries, largest first (fp8: from FlashAttention-3's tile down)."""
+    if is_fp8(spec):
+        return tuple(bn for bn in FP8_BLOCK_N_CANDIDATES if bn <= FA3_FP8_BLOCK_N[spec.head_dim])
+    return BLOCK_N_CANDIDATES
 
 
 def canonical(spec: Spec) -> Spec:
@@ -219,6 +242,8 @@ def resolve(spec: Spec) -> Spec:
         spec = dataclasses.replace(spec, page_size=DEFAULT_PAGE_SIZE)
     if not splits_steady_loop(spec):  # both forms are one loop: one name and hash for one kernel
         spec = dataclasses.replace(spec, steady_loop="one")
+    if is_fp8(spec):  # written out: the output's type is an axis of every fp8 kernel's name
+        spec = dataclasses.replace(spec, out_dtype=out_dtype_of(spec))
     return dataclasses.replace(
         spec,
         head_dim_v=head_dim_v(spec),
@@ -250,6 +275,9 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     needed = regs_needed(spec, spec.block_n)
     if check_registers and needed > consumer_regs:
         _register_budget_error(spec, needed, consumer_regs)
+    if check_registers and is_fp8(spec) and spec.layout == "varlen" and n == 3:
+        raise SpecError("consumers", n, "an fp8 varlen kernel with 3 consumers spills (hd128 causal: 44 bytes, its 32-register "
+                        "producer and its consumers; bench/plan_sweep.py --fp8): use 1 or 2 consumers")
     limit = block_n_limit(spec)
     if check_registers and limit and spec.block_n > limit:
         raise SpecError("block_n", spec.block_n, f"with alibi, split-KV and 3 consumers the S tile of a block_n above {limit} "
@@ -347,6 +375,8 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
               for name, (_, axes) in used.items()]
     if spec.block_mask:
         extra += [ExtraTensor(name, param, axes, dtype="int32") for name, param, axes in BLOCK_MASK_TENSORS]
+    if is_fp8(spec):
+        extra += [ExtraTensor(name, param, ("batch", "kv_heads")) for name, param in DESCALE_TENSORS]
 
     # Rows that may see no key: then the row max stays -inf (guarded) and the row sum 0.
     if mask_expr is not None or left is not None or per_sequence or spec.splits != 1:
@@ -374,16 +404,17 @@ def plan_variant(spec: Spec, shape: Shape | None) -> dict:
         # the same var to two different values"), and more rows only add empty ones.
         "pack_gqa": spec.splits != 1 and spec.gqa_group > 1 and spec.consumers == 1,
         "block_mask": spec.block_mask,
+        "fp8": is_fp8(spec),
     }
 
 
 def _register_budget_error(spec: Spec, needed: int, consumer_regs: int):
     n = spec.consumers
-    fits = [bn for bn in BLOCK_N_CANDIDATES if regs_needed(spec, bn) <= consumer_regs]
+    fits = [bn for bn in block_n_candidates(spec) if regs_needed(spec, bn) <= consumer_regs]
     if not fits:
         def fits_with(c: int) -> bool:  # the same estimate and split as this spec's, at c consumers
             other = dataclasses.replace(spec, consumers=c, block_m=hw.WGMMA_M * c, pingpong=None)
-            return regs_needed(other, BLOCK_N_CANDIDATES[-1]) <= reg_split(other)[1]
+            return regs_needed(other, block_n_candidates(spec)[-1]) <= reg_split(other)[1]
 
         ok = [c for c in hw.REG_SPLIT if fits_with(c)]
         # O's accumulator, the term that does not shrink with block_n, is head_dim_v wide

@@ -156,7 +156,7 @@ def split_exprs(plan: Plan) -> dict:
 def kernel_params(plan: Plan, dv: str) -> list[str]:
     """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
     layout = layout_of(plan)
-    lines = layout.io_params(dv, KvCache.of(plan).k_dtype)
+    lines = layout.io_params(dv, KvCache.of(plan).k_dtype, "OUT_DTYPE" if plan.fp8 else "DTYPE")
     for t in plan.extra:
         if t.output and not layout.kernel_writes_lse:
             continue  # the combine kernel writes the LSE
@@ -183,6 +183,8 @@ def consumer_args(plan: Plan) -> str:
     # a persistent consumer binds its tile's rows, head and visits itself, from the index the producer hands over
     names += ["tile_shared", "tile_full", "tile_empty", "m_blocks", "heads_total", "total_tiles", "section"] if persistent \
         else ["q0", "n_tiles", "head", "batch_idx"]
+    if plan.fp8:
+        names += ["P_shared", "Vt_shared", "vt_full", "vt_empty"]
     names += [layout.lse_param if t.output else t.param for t in plan.extra]
     names += layout.extra_output_args(plan.spec.lse)
     if has_first_tile(plan) and not persistent:
@@ -367,6 +369,7 @@ def template_context(plan: Plan) -> dict:
         "bmask": visits,
         "kv_cache": KvCache.of(plan),
         **({"persistent": persistent_context(plan)} if schedule_of(plan).persistent else {}),
+        "fp8": plan.fp8,
     }
 
 
