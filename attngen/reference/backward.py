@@ -115,7 +115,8 @@ def tensor_grads(q, k, v, dout, causal: bool = False, scale: float | None = None
 
 
 def _attention_grad(q, k, v, dout, causal, scale, batch_offset, magnitudes, dlse=None, learnable=(), **variant):
-    """(Grads, magnitudes or None). With `magnitudes`, also the size of what cancels in dS = P (dP - D):
+    """(Grads, magnitudes or None, the learnable tensors' gradients by name). With `magnitudes`, also
+    the size of what cancels in dS = P (dP - D):
     dq_mag = scale * (P (|dO| |V|^T + |dO| . |O|) |dz/ds|) |K| and dk_mag likewise with |Q| (each dot
     product's sum of absolute terms), the scale of the float32 rounding noise that dq and dk carry
     where dP and D cancel (check_grads' floor)."""
