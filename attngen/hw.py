@@ -69,6 +69,7 @@ DTYPES = {
     "bfloat16": DType("bfloat16", "bf16", 2, 8e-3),  # 2**-7, one bfloat16 ulp at 1.0
     E4M3: DType(E4M3, "e4m3", 1, 0.125),  # 2**-3: Q, K and V only; the output is 16-bit (Spec.out_dtype)
 }
+HALF_DTYPES = ("float16", "bfloat16")  # the 16-bit types: a 16-bit kernel's GEMM inputs, what an fp8 cache serves
 OUT_DTYPES = ("bfloat16", "float16")  # what an fp8 kernel writes O in (FA3's is bfloat16)
 FP8_MAX_OFFSET = 8  # FA3's Max_offset: P = exp2(s - m + 8) spans e4m3's range (<= 256 < 448), not [0, 1]
 FP8_K_STEP = 32  # an fp8 wgmma contracts 32 elements per instruction: the PV GEMM's keys are a multiple

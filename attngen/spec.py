@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import expr
-from attngen.hw import DTYPES, E4M3, FP8_K_STEP, OUT_DTYPES, WGMMA_M
+from attngen.hw import DTYPES, E4M3, FP8_K_STEP, HALF_DTYPES, OUT_DTYPES, WGMMA_M
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MAX_CONSUMERS = 3
@@ -402,7 +402,7 @@ def check_kv_dtype(s: Spec) -> None:
         return
     if not isinstance(s.kv_dtype, str) or s.kv_dtype not in KV_DTYPES:
         raise SpecError("kv_dtype", s.kv_dtype, f'expected "{E4M3}" (an fp8 KV cache) or nothing (K and V hold dtype)')
-    if s.dtype not in ("float16", "bfloat16"):
+    if s.dtype not in HALF_DTYPES:
         raise ruled_out("kv_dtype", s.kv_dtype, "nothing", f"dtype = {toml_value(s.dtype)}", "an fp8 KV cache "
                         "serves 16-bit queries (its tiles are dequantized into the 16-bit GEMMs)")
 

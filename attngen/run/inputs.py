@@ -437,17 +437,17 @@ def check_append_tensors(k_cache, v_cache, k, v, block_table, cache_seqlens, *, 
     caches are written in place: a copy would lose the append), int32 tensors contiguous, and new
     keys sharing no memory with the cache. Returns the new keys' dtype name (the cache's is
     k_cache's). Device not checked (checks.check_device). `cpu`: numpy arrays too."""
-    from attngen.hw import DTYPES
+    from attngen.hw import HALF_DTYPES  # new keys are 16-bit; an fp8 cache takes them quantized
     from attngen.spec import KV_DTYPES
 
     if not (is_torch(k_cache) or (cpu and isinstance(k_cache, np.ndarray))):
         raise InputError("k_cache", type(k_cache).__name__, "a torch.Tensor")
     cache = dtype_name(k_cache)
-    if cache not in DTYPES and cache not in KV_DTYPES:
-        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in (*DTYPES, *KV_DTYPES)))
-    dtype = cache if cache in DTYPES else dtype_name(k)
-    if dtype not in DTYPES:
-        raise InputError("k.dtype", k.dtype, " or ".join(f"torch.{d}" for d in DTYPES) + f" (new keys for a {cache} cache)")
+    if cache not in HALF_DTYPES and cache not in KV_DTYPES:
+        raise InputError("k_cache.dtype", k_cache.dtype, " or ".join(f"torch.{d}" for d in (*HALF_DTYPES, *KV_DTYPES)))
+    dtype = cache if cache in HALF_DTYPES else dtype_name(k)
+    if dtype not in HALF_DTYPES:
+        raise InputError("k.dtype", k.dtype, " or ".join(f"torch.{d}" for d in HALF_DTYPES) + f" (new keys for a {cache} cache)")
     given = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     for name, t in given.items():
         if not (is_torch(t) or (cpu and isinstance(t, np.ndarray))):

@@ -47,8 +47,8 @@ def append_plan(dtype: str, head_dim: int, head_dim_v: int, page_size: int, kv_d
     """The append kernel of a cache: its dtype (the new keys'), head dims (the spec's HEAD_DIMS), page
     size (the spec's page rule) and, for an fp8 cache, kv_dtype (the cache's: the spec's KV_DTYPES).
     SpecError naming the value otherwise; callers validate tensors first."""
-    if dtype not in hw.DTYPES:
-        raise SpecError("dtype", dtype, f"expected one of {', '.join(hw.DTYPES)}")
+    if dtype not in hw.HALF_DTYPES:
+        raise SpecError("dtype", dtype, f"expected one of {', '.join(hw.HALF_DTYPES)} (the new keys' and values')")
     if kv_dtype == dtype:
         kv_dtype = None
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:

@@ -61,8 +61,10 @@ def _defined_in(ast: nodes.Template) -> set[str]:
 
 
 def used_in(source: str) -> set[str]:
-    """Names the template source reads and does not define (includes not followed)."""
-    return set(meta.find_undeclared_variables(environment().parse(source)))
+    """Names the template source reads and does not define (includes not followed). Jinja counts a
+    block `set` made inside an if-branch as a read from the context: it is the template's own."""
+    ast = environment().parse(source)
+    return set(meta.find_undeclared_variables(ast)) - {b.target.name for b in ast.find_all(nodes.AssignBlock)}
 
 
 @functools.cache
