@@ -16,7 +16,6 @@ import attngen
 from attngen.emulator import POLICIES, DeadlockError, EmulationError, HazardError, KernelError
 from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats, variant_inputs
 from attngen.emulator.persistent import TileCounters
-from attngen.kernels.bwd.plan import plan_backward
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import InputError
 from attngen.spec import SpecError
@@ -75,12 +74,6 @@ def test_what_it_refuses_is_named_in_one_line(fields, field, text):
     with pytest.raises(SpecError) as e:
         make_plan(attngen.Spec(**fields))
     assert e.value.field == field and text in str(e.value) and "\n" not in str(e.value)
-
-
-def test_the_backward_refuses_it_in_one_line():
-    with pytest.raises(SpecError, match="scheduler.*backward") as e:
-        plan_backward(attngen.Spec(causal=True, scheduler="persistent"))
-    assert "\n" not in str(e.value)
 
 
 def test_num_sms_belongs_to_a_persistent_spec_only():

@@ -16,7 +16,7 @@ from attngen import hw
 from attngen.spec import Spec, SpecError, ruled_out
 from attngen.kernels.common.plan import (COMPILE_FLAGS, Shape, WarpSpecialized, elementwise_variant, head_dim_v, serving_tags,
                                          variant_tags)
-from attngen.kernels.fwd.plan import Plan, make_plan, walking_split
+from attngen.kernels.fwd.plan import TILE_SLOT_SMEM, Plan, make_plan, walking_split
 
 
 
@@ -99,6 +99,8 @@ def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     tail = ["det"] if spec.deterministic else []
     if spec.learnable:  # the tensors whose gradients the main kernel scatters
         tail.append("dt" + hashlib.sha256(",".join(spec.learnable).encode()).hexdigest()[:6])
+    if spec.scheduler != "single":
+        tail.append(spec.scheduler)
     return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
@@ -138,6 +140,8 @@ def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     if not spec.deterministic:  # dQ is the dq kernel's there
         dq_cols = d // consumers if columns else d
         smem.update({"dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * dq_cols * 4})
+    if spec.scheduler == "persistent":  # the main kernel's tile index, handed from the producer to the consumers
+        smem["tile"] = TILE_SLOT_SMEM
     return smem
 
 
@@ -177,9 +181,6 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.kv_dtype is not None and spec.kv_dtype != spec.dtype:
         raise SpecError("kv_dtype", spec.kv_dtype, "an fp8 KV cache is for inference: the backward takes k and v of dtype")
-    if spec.scheduler != "single":
-        raise SpecError("scheduler", spec.scheduler, 'expected "single" for the backward: its kernels launch a block '
-                        "per tile (the persistent scheduler is the forward's so far)")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
@@ -205,6 +206,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3_m, fa3_n, _ = fa3
     consumers = 2
     # a block mask's producer walks its lists per Q tile: the forward's walking share (24 registers spilled)
+    # a block mask's producer walks its lists per tile; a persistent one, which takes and decodes each
+    # tile, keeps the single-tile split (its tiles stay the single-tile kernel's: 40/232 would move hd128
+    # to the column split and refuse hd256)
     producer_regs, consumer_regs = walking_split(consumers) if spec.block_mask else hw.REG_SPLIT[consumers]
     if block_m is not None and (type(block_m) is not int or block_m < hw.WGMMA_M or block_m % hw.WGMMA_M):
         raise SpecError("block_m", block_m, f"expected a multiple of {hw.WGMMA_M} (the dQ wgmma's M)")
