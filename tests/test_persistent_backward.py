@@ -43,10 +43,15 @@ def problem(fields, shape=SHAPE, seed=0):
 
 
 def backward(fields, data, persistent=True, **run):
+    """The persistent backward's gradients, or (persistent=False) the single-tile backward's of the same
+    tiles (the persistent producer's larger register share may move a head dim to the column split)."""
     q, k, v, dout, tensors, out, lse = data
     spec = attngen.Spec(**fields, scheduler="persistent") if persistent else attngen.Spec(**fields)
     if persistent:
         run.setdefault("counters", TileCounters())
+    else:
+        tile = plan_backward(attngen.Spec(**fields, scheduler="persistent"))
+        run.setdefault("source", render_backward_source(plan_backward(spec, block_m=tile.block_m, columns=tile.columns)))
     return attngen.emulate_backward(spec, q, k, v, dout, out=out, lse=lse, **run, **tensors)
 
 
@@ -74,12 +79,20 @@ def agree(got, want, fields) -> bool:
 
 
 # -- the spec and the order --------------------------------------------------------------------------
-def test_names_change_only_for_persistent_and_the_tiles_stay_the_single_tile_kernels():
-    plain, persistent = (plan_backward(attngen.Spec(causal=True, scheduler=s)) for s in ("single", "persistent"))
+def test_names_change_only_for_persistent():
+    plain, persistent = (plan_backward(attngen.Spec(head_dim=64, causal=True, scheduler=s)) for s in ("single", "persistent"))
     assert persistent.name == plain.name + "_persistent" and persistent.hash != plain.hash
-    assert plan_backward(attngen.Spec(causal=True, scheduler="single")).hash == plain.hash
-    assert (persistent.block_m, persistent.block_n, persistent.columns) == (plain.block_m, plain.block_n, plain.columns)
+    assert plan_backward(attngen.Spec(head_dim=64, causal=True, scheduler="single")).hash == plain.hash
     assert "num_sms" not in render_backward_source(plain) and "tile_counter" in render_backward_source(persistent)
+
+
+def test_the_producer_takes_40_registers_so_hd128_splits_columns_and_hd256_is_refused():
+    """At 24 producer registers the persistent backward spilled (hd128 causal 52 B; attngen build)."""
+    plain, persistent = (plan_backward(attngen.Spec(causal=True, scheduler=s)) for s in ("single", "persistent"))
+    assert (plain.producer_regs, persistent.producer_regs) == (24, 40) and (plain.columns, persistent.columns) == (False, True)
+    with pytest.raises(SpecError) as e:
+        plan_backward(attngen.Spec(head_dim=256, scheduler="persistent"))
+    assert e.value.field == "scheduler" and "head_dim = 256" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("fields, field", [({"layout": "varlen"}, "layout"), ({"block_mask": True, "mask_mod": "q_idx >= kv_idx"},

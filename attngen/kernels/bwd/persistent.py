@@ -55,6 +55,9 @@ def main_section(spec, q_len: int, group_visits: bool) -> int:
     return section_heads(q_len * (spec.gqa_group if group_visits else 1), per_row, 1)
 
 
+PRODUCER_LETS = ("kv_block", "full_first", "full_stop")
+
+
 def _held(names: list) -> list:
     return [f'{name} = T.alloc_var("int32", 0)' for name in names]
 
@@ -79,7 +82,10 @@ def main_context(bp, q_range: dict, has_edges: bool) -> dict:
              f"heads_total = batch * {heads}  # tile t's (batch, head) pair is bh = batch_idx * {heads} + {head}",
              "total_tiles = kv_blocks * heads_total  # the counter hands out [0, total_tiles), then an end mark per block",
              SLOT_LINE]
-    return {"setup": setup, "tile": lines, "vars": _held(held), "constants": [COUNTER_CONSTANT]}
+    # the producer (24 registers) binds only what its loads read: the consumers' masks are theirs
+    producer = [line for line in lines if not line.startswith(("full_first", "full_stop", "kv_partial"))]
+    return {"setup": setup, "tile": lines, "vars": _held(held), "constants": [COUNTER_CONSTANT],
+            "producer_tile": producer, "producer_vars": _held([n for n in held if n not in PRODUCER_LETS])}
 
 
 def dq_context(bp, dq_range: dict) -> dict:

@@ -206,10 +206,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3_m, fa3_n, _ = fa3
     consumers = 2
     # a block mask's producer walks its lists per Q tile: the forward's walking share (24 registers spilled)
-    # a block mask's producer walks its lists per tile; a persistent one, which takes and decodes each
-    # tile, keeps the single-tile split (its tiles stay the single-tile kernel's: 40/232 would move hd128
-    # to the column split and refuse hd256)
-    producer_regs, consumer_regs = walking_split(consumers) if spec.block_mask else hw.REG_SPLIT[consumers]
+    # a block mask's producer walks its lists per tile; a persistent one takes and decodes each tile: at
+    # 24 registers it spilled (hd128 causal: 52 B, deterministic 76 B, its dq kernel 36 B; attngen build)
+    walking = spec.block_mask or spec.scheduler == "persistent"
+    producer_regs, consumer_regs = walking_split(consumers) if walking else hw.REG_SPLIT[consumers]
     if block_m is not None and (type(block_m) is not int or block_m < hw.WGMMA_M or block_m % hw.WGMMA_M):
         raise SpecError("block_m", block_m, f"expected a multiple of {hw.WGMMA_M} (the dQ wgmma's M)")
     fixed = block_m is not None
@@ -220,6 +220,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     if columns is None:
         columns = bwd_regs_needed(rspec, block_m) > consumer_regs
     needed = bwd_regs_needed(rspec, block_m, consumers if columns else 1)
+    if check_registers and needed > consumer_regs and spec.scheduler == "persistent":
+        raise ruled_out("scheduler", spec.scheduler, '"single"', f"head_dim = {rspec.head_dim}", "the persistent "
+                        f"backward's producer takes {producer_regs} registers, leaving {consumer_regs} per consumer thread; "
+                        f"dK and dV split by columns need about {needed}")
     if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
                         f"the generated backward keeps dK and dV of 64 keys in registers, split over {consumers} "
