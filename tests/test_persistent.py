@@ -177,6 +177,10 @@ class Mutant:
 
 
 TAKE = "tile_shared[0] = T.atomic_add(tile_counter[slot], 1, return_prev=True)"
+INDEX_READ_EARLY = [("            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n"
+                     "            tile = tile_shared[0]\n",
+                     "            tile = tile_shared[0]\n"
+                     "            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n")]
 MUTANTS = [
     Mutant("q_phase_reset_per_tile", [("T.mbarrier_wait_parity(q_full, tile_iter % 2)", "T.mbarrier_wait_parity(q_full, 0)")],
            ("hazard", "deadlock")),
@@ -184,11 +188,7 @@ MUTANTS = [
            [("            visit_base = visit_base + n_tiles\n            tile_iter", "            visit_base = 0\n            tile_iter")],
            ("hazard", "deadlock")),
     Mutant("next_index_read_before_its_barrier",
-           [("            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n"
-             "            tile = tile_shared[0]\n",
-             "            tile = tile_shared[0]\n"
-             "            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n")],
-           ("hazard",), "tile_shared"),
+           INDEX_READ_EARLY, ("hazard",), "tile_shared"),
     Mutant("a_tile_handed_out_twice", [(TAKE, TAKE.replace("T.atomic_add(", "T.max(0, -1 + T.atomic_add(") + ")")],
            ("hazard", "kernel")),
     Mutant("a_tile_skipped", [(TAKE, TAKE + " + 1")], ("kernel",), "0 time(s), expected 1"),
@@ -210,7 +210,11 @@ CAUGHT_BY = {"hazard": HazardError, "deadlock": DeadlockError, "kernel": KernelE
 
 
 def mutated(m: Mutant) -> str:
-    text = attngen.render_source(attngen.Spec(causal=True, scheduler="persistent"))
+    return edited(attngen.render_source(attngen.Spec(causal=True, scheduler="persistent")), m)
+
+
+def edited(text: str, m) -> str:
+    """`text` with each of the mutant's (old, new) edits, every occurrence (old must occur)."""
     for old, new in m.edits:
         assert old in text, (m.name, old)
         text = text.replace(old, new)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attngen
 from attngen import tiles
-from attngen.emulator import POLICIES, DeadlockError, EmulationError, HazardError, KernelError
+from attngen.emulator import POLICIES, EmulationError, KernelError
 from attngen.emulator.driver import BLOCK_ORDERS, Stats, variant_inputs
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.bwd.persistent import dq_backwards, main_backwards
@@ -25,6 +25,7 @@ from attngen.kernels.bwd.render import render_backward_source
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import InputError
 from attngen.spec import SpecError
+from test_persistent import CAUGHT_BY, INDEX_READ_EARLY, TAKE, edited, killed  # the forward's: the shared handover's texts
 
 CAUSAL = {"causal": True, "head_dim": 64}
 DET = {"causal": True, "head_dim": 64, "deterministic": True}
@@ -184,14 +185,6 @@ def test_each_block_walks_many_tiles_and_together_they_take_each_once():
     assert stats.ctas >= 2 + 2  # the main kernel's blocks (and the forward's, the preprocess's, ...)
 
 
-def killed(text: str) -> str:
-    """The main kernel dying once a consumer has finished two tiles (its blocks took tiles from the counter)."""
-    dies = text.replace("            T.mbarrier_arrive(tile_empty)\n",
-                        "            T.mbarrier_arrive(tile_empty)\n            assert tile_iter < 2, 'killed'\n", 1)
-    assert dies != text
-    return dies
-
-
 def test_a_call_after_a_crashed_call_still_works():
     data, counters = problem(CAUSAL), TileCounters()
     want = backward(CAUSAL, data, persistent=False)
@@ -214,7 +207,6 @@ class Mutant:
     calls: int = 1  # caught at the last of this many calls at one epoch (a replayed CUDA graph)
 
 
-TAKE = "tile_shared[0] = T.atomic_add(tile_counter[slot], 1, return_prev=True)"
 DQ_TILE = "tile = sm + tile_iter * num_sms"
 MUTANTS = [
     Mutant("q_phases_reset_per_tile",  # the consumers' count of Q visits restarts with each tile
@@ -231,11 +223,7 @@ MUTANTS = [
              "            T.mbarrier_wait_parity(kv_full, tile_iter % 2)\n            T.mbarrier_arrive(tile_empty)\n")],
            ("hazard",), "K_shared"),
     Mutant("next_index_read_before_its_barrier",
-           [("            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n"
-             "            tile = tile_shared[0]\n",
-             "            tile = tile_shared[0]\n"
-             "            T.mbarrier_wait_parity(tile_full, tile_iter % 2)  # the producer took the block's next tile\n")],
-           ("hazard",), "tile_shared"),
+           INDEX_READ_EARLY, ("hazard",), "tile_shared"),
     Mutant("counter_not_reset_between_calls",
            [("        T.atomic_add(tile_counter[slot], -(total_tiles + num_sms))", "        pass")],
            ("kernel",), "0 time(s)", calls=2),
@@ -247,15 +235,10 @@ MUTANTS = [
     Mutant("dq_next_q_load_over_the_last_visit", [("T.mbarrier_wait_parity(q_empty, (tile_iter % 2) ^ 1)", "pass")],
            ("hazard",), fields=DET),
 ]
-CAUGHT_BY = {"hazard": HazardError, "deadlock": DeadlockError, "kernel": KernelError}
 
 
 def mutated(m: Mutant) -> str:
-    text = render_backward_source(attngen.Spec(**m.fields, scheduler="persistent"))
-    for old, new in m.edits:
-        assert old in text, (m.name, old)
-        text = text.replace(old, new)
-    return text
+    return edited(render_backward_source(attngen.Spec(**m.fields, scheduler="persistent")), m)
 
 
 @pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
