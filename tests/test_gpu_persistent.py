@@ -40,3 +40,27 @@ def test_persistent_equals_single_tile_bit_for_bit_call_after_call(fields, shape
         got = persistent(q, k, v, out=torch.full_like(q, float("nan")))
         for a, b in zip(got if spec.lse else [got], want if spec.lse else [want]):
             assert torch.equal(a, b), call
+
+
+@pytest.mark.parametrize("fields, shape", [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))])
+def test_persistent_backward_equals_single_tile_call_after_call(fields, shape):
+    """dK and dV (stored by one block) and the deterministic dQ bit for bit; the atomic dQ within a
+    unit in the last place (its reduce-adds sum in the blocks' order on either kernel)."""
+    from attngen.run import backward
+
+    batch, heads, seq = shape
+    fwd = forward.compile_kernel(make_plan(attngen.Spec(**fields, lse=True)))
+    single, persistent = (backward.compile_backward(attngen.Spec(**fields, scheduler=s)) for s in ("single", "persistent"))
+    dt = getattr(torch, fwd.spec.dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, seq, heads, 128, device="cuda", dtype=dt, generator=g) for _ in range(4))
+    out, lse = fwd(q, k, v)
+    scale = 128 ** -0.5
+    want = single.run(q, k, v, out, lse, dout, softmax_scale=scale)
+    for call in range(5):  # the counters' slots rotate, shared with the forward's calls on the stream
+        got = persistent.run(q, k, v, out, lse, dout, softmax_scale=scale)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), call
+        if fields.get("deterministic"):
+            assert torch.equal(got[0], want[0]), call
+        else:
+            torch.testing.assert_close(got[0], want[0], rtol=2 ** -9, atol=1e-3)

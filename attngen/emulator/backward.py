@@ -18,7 +18,8 @@ from attngen.reference.forward import InputError, check_scale, resolve_scale, to
 def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "random", source: str | None = None,
                      out=None, lse=None, dlse=None, alibi_slopes=None, sinks=None, softmax_scale=None, scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                     proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, block_order: str = "grid", **tensors):
+                     proxy_fences: bool = PROXY_FENCES, stats: Stats | None = None, block_order: str = "grid", num_sms=None,
+                     counters=None, **tensors):
     """Gradients of sum(attention(q, k, v) * dout + lse * dlse) from the emitted backward kernels on the CPU model.
 
     q [B, Sq, H, D], k [B, Skv, HKV, D], v [B, Skv, HKV, DV], dout [B, Sq, H, DV] (torch or numpy,
@@ -31,11 +32,19 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
     `policy` pick the schedule of every kernel; `source` replaces the rendered backward module;
     `block_order` ("grid" or "shuffled", Runtime.run) orders the backward kernels' blocks (unordered
     on a GPU: a sum of float atomics from several blocks may vary with it);
-    the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale)."""
+    the other keywords are emulate()'s (call-time tensors by name, softmax_scale or scale).
+    A persistent spec (scheduler = "persistent") runs its forward (when it runs), its main kernel and
+    its dq kernel with `num_sms` blocks at once (None: one per SM, at most one per tile): the main
+    kernel's blocks race for KV tiles at its counter (`counters`, emulator/persistent.py; None: the
+    model's launcher's), the dq kernel's take theirs in a fixed order; a tile run twice or skipped
+    is a KernelError."""
+    from attngen.emulator import persistent
     from attngen.kernels.bwd.plan import plan_backward
     from attngen.kernels.fwd.plan import Plan
     from attngen.run.inputs import backward_block_mask
     from attngen.kernels.bwd.render import call_tensors, learnable_tensors, render_backward_source, term_names
+    from attngen.kernels.bwd.persistent import grouped, main_section
+    from attngen.kernels.common.schedulers import section_of
     from attngen.spec import Spec
 
     if isinstance(spec, Plan):
@@ -63,7 +72,7 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         seq = dict(cu_seqlens_q=cq.astype(np.int32), cu_seqlens_k=ck.astype(np.int32), max_seqlen_q=max_q)
     if out is None:
         out, lse = emulate(bp.forward, q, k, v, seed=seed, policy=policy, proxy_fences=proxy_fences,
-                           softmax_scale=sm_scale, **seq, **named)
+                           softmax_scale=sm_scale, num_sms=num_sms, **seq, **named)
     qa, ka, va, do, oa, la = (_host_array(x) for x in (q, k, v, dout, out, lse))
     lead = qa.shape[:-2]  # (B, Sq) or (total_q,)
     h, hkv = qa.shape[-2], ka.shape[-2]
@@ -96,6 +105,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         x = np.asarray(to_numpy(named[t.name]))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
     stats = stats if stats is not None else Stats()
+    main_tiles = -(-ka.shape[1] // bp.block_n) * (hkv if grouped(bp) else h) * b if not varlen else 0
+    blocks = persistent.check_num_sms(num_sms, bp.forward, dims, tiles=main_tiles)
+    counters = counters if counters is not None else persistent.DEFAULT_COUNTERS
     run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, block_order=block_order)
     with blas.single_threaded():
         rt = Runtime(text, f"<emitted {bp.name}>", dims)
@@ -114,7 +126,16 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         main = [qa, ka, va, do, lse2, dpsum] + ([] if bp.deterministic else [t["dQ_accum"]]) + kv_in
         if varlen and not bp.kv_accum:  # rows of dK/dV past the last sequence are padding: written by no block
             main[-2:] = [np.zeros(ka.shape, np.float32), np.zeros(va.shape, np.float32)]
-        rt.run(main + main_calls + sm, **run)
+        if blocks:  # the blocks race for KV tiles at the counter
+            boxes = len(stats.k_boxes)
+            try:
+                rt.run(main + main_calls + sm + persistent.launch_inputs(
+                    bp.forward, dims, blocks, counters, main_section(spec, lead[1], grouped(bp))), concurrent=True, **run)
+            finally:
+                persistent.keep(counters, rt.tensors)
+            persistent.check_each_kv_tile_once(bp, dims, stats.k_boxes[boxes:])
+        else:
+            rt.run(main + main_calls + sm, **run)
         t = rt.tensors
         dk, dv = (t["dK_accum"], t["dV_accum"]) if bp.kv_accum else (t["dK"], t["dV"])
         if terms:  # one thread adds every term in order
@@ -123,7 +144,13 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         dtensors = {x.name: np.array(t["d" + x.param]) for x in learnable_tensors(bp)}
         if bp.deterministic:  # the dq kernel: KV tiles in order, no atomics
             dq_in = [qa, ka, va, do, lse2, dpsum, np.zeros(qa.shape, np.float32) if varlen else None]
-            dq = rt.run(dq_in + calls + sm, entry="build_dq_kernel", **run)
+            if blocks:  # each block takes every blocks-th tile of the fixed order
+                boxes = len(stats.q_boxes)
+                dq = rt.run(dq_in + calls + sm + [blocks, section_of(spec, ka.shape[1])], entry="build_dq_kernel",
+                            concurrent=True, **run)
+                persistent.check_each_dq_tile_once(bp, dims, stats.q_boxes[boxes:])
+            else:
+                dq = rt.run(dq_in + calls + sm, entry="build_dq_kernel", **run)
             dq = rt.tensors["dQ"] if varlen else dq
         else:
             dq_out = np.zeros(qa.shape, np.float32) if varlen else None

@@ -59,6 +59,7 @@ class Stats:
     schedule: str = ""  # digest of every CTA's schedule: equal seeds give equal digests
     partials: dict | None = None  # a split-KV run: the split kernel's O_partial and LSE_partial, as written
     q_boxes: list = dataclasses.field(default_factory=list)  # a concurrent run: every Q box loaded (CTA.q_boxes)
+    k_boxes: list = dataclasses.field(default_factory=list)  # ... and every K box (the backward's tiles)
 
 
 class CTA:
@@ -68,6 +69,7 @@ class CTA:
         self.index, self.grid, self.threads, self.tracker, self.stats = index, grid, threads, tracker, stats
         self.shared, self.barriers, self.named = {}, {}, {}
         self.q_boxes = []  # the Q boxes this block loaded by TMA: (batch, first row, head), one per load
+        self.k_boxes = []  # ... and the K boxes: (batch, first key, KV head, first column)
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,6 +334,7 @@ class Runtime:
             stats.k_tiles_by_cta[cta.index] = cta.stats["k_tiles"]
             stats.q_tiles_by_cta[("concurrent", *cta.index)] = cta.stats["q_tiles"]
             stats.q_boxes.extend(cta.q_boxes)
+            stats.k_boxes.extend(cta.k_boxes)
         stats.ctas += len(ctas)
         stats.handovers += len(sched.trace)
         stats.schedule = hashlib.sha1(repr(sched.trace).encode()).hexdigest()[:16]

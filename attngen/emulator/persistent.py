@@ -39,9 +39,10 @@ def total_tiles(plan, dims: dict) -> int:
     return -(-dims["q_len"] // plan.spec.block_m) * dims["heads"] * dims["batch"]
 
 
-def check_num_sms(num_sms, plan, dims: dict) -> int:
+def check_num_sms(num_sms, plan, dims: dict, tiles: int | None = None) -> int:
     """The blocks of a persistent launch: `num_sms`, or (None) the SMs of an H100/H200 or fewer where
-    there are fewer tiles (the blocks past them would only take an end mark)."""
+    there are fewer tiles (the blocks past them would only take an end mark). `tiles`: the kernel's
+    tile count (None: the forward's)."""
     from attngen.reference.forward import InputError
 
     if plan.spec.scheduler != "persistent":
@@ -50,16 +51,17 @@ def check_num_sms(num_sms, plan, dims: dict) -> int:
                              '(num_sms is a persistent kernel\'s: scheduler = "persistent")')
         return 0
     if num_sms is None:
-        return max(1, min(SM_COUNT, total_tiles(plan, dims)))
+        return max(1, min(SM_COUNT, total_tiles(plan, dims) if tiles is None else tiles))
     if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or not 1 <= num_sms <= SM_COUNT:
         raise InputError("num_sms", repr(num_sms), f"an integer from 1 to {SM_COUNT} (the blocks: one per SM)")
     return int(num_sms)
 
 
-def launch_inputs(plan, dims: dict, num_sms: int, counters: TileCounters) -> list:
+def launch_inputs(plan, dims: dict, num_sms: int, counters: TileCounters, section: int | None = None) -> list:
     """The kernel's arguments after softmax_scale: the counters (the driver writes them back after the
-    run, crashed or not, through `keep`), this call's epoch, the blocks and the L2 section."""
-    return [counters.slots, counters.take_epoch(), num_sms, section_of(plan.spec, dims["kv_len"])]
+    run, crashed or not, through `keep`), this call's epoch, the blocks and the L2 section (None: the
+    forward's)."""
+    return [counters.slots, counters.take_epoch(), num_sms, section_of(plan.spec, dims["kv_len"]) if section is None else section]
 
 
 def keep(counters: TileCounters, tensors: dict) -> None:
@@ -75,10 +77,34 @@ def check_each_tile_once(plan, dims: dict, q_boxes: list) -> None:
     want = collections.Counter((b, m * plan.spec.block_m + g * wg_rows, h, 0)
                                for b in range(dims["batch"]) for h in range(dims["heads"])
                                for m in range(-(-dims["q_len"] // plan.spec.block_m)) for g in range(plan.spec.consumers))
-    got = collections.Counter(tuple(box) for box in q_boxes)
-    for box in sorted(set(want) | set(got)):
-        if got[box] != want[box]:
-            b, row, h, _ = box
-            raise KernelError(f"KERNEL ERROR: the persistent schedule loaded Q rows {row}..{row + wg_rows - 1} of batch "
-                              f"{b}, head {h} {got[box]} time(s), expected {want[box]}: the counter hands out each "
-                              "tile exactly once (a tile run twice, or skipped)")
+    each_once(want, collections.Counter(tuple(box) for box in q_boxes),
+              lambda b, row, h, _: f"Q rows {row}..{row + wg_rows - 1} of batch {b}, head {h}")
+
+
+def each_once(want: collections.Counter, got: collections.Counter, what) -> None:
+    """Tile loads counted against the schedule's: a KernelError naming the first that differs
+    (`what(*key)` says which tile)."""
+    for key in sorted(set(want) | set(got)):
+        if got[key] != want[key]:
+            raise KernelError(f"KERNEL ERROR: the persistent schedule loaded {what(*key)} {got[key]} time(s), expected "
+                              f"{want[key]}: the schedule hands out each tile exactly once (a tile run twice, or skipped)")
+
+
+def check_each_kv_tile_once(bp, dims: dict, k_boxes: list) -> None:
+    """The backward's main kernel: every (batch, KV tile, KV head) loaded once per consumer warpgroup
+    by each block that owns it (one per query head of the group, one for a grouped deterministic tile)."""
+    owners = 1 if bp.deterministic else bp.spec.gqa_group
+    want = collections.Counter({(b, t, h): bp.consumers * owners for b in range(dims["batch"])
+                                for t in range(-(-dims["kv_len"] // bp.block_n)) for h in range(dims["kv_heads"])})
+    got = collections.Counter((b, key // bp.block_n, h) for b, key, h, _ in k_boxes)
+    each_once(want, got, lambda b, t, h: f"K tile {t} ({bp.block_n} keys) of batch {b}, KV head {h}")
+
+
+def check_each_dq_tile_once(bp, dims: dict, q_boxes: list) -> None:
+    """The deterministic dq kernel: every (batch, rows, head) loaded once per consumer warpgroup."""
+    wg_rows = bp.dq_block_m // bp.consumers
+    want = collections.Counter((b, m * bp.dq_block_m + g * wg_rows, h, 0) for b in range(dims["batch"])
+                               for h in range(dims["heads"]) for m in range(-(-dims["q_len"] // bp.dq_block_m))
+                               for g in range(bp.consumers))
+    each_once(want, collections.Counter(tuple(box) for box in q_boxes),
+              lambda b, row, h, _: f"dq's Q rows {row}..{row + wg_rows - 1} of batch {b}, head {h}")

@@ -589,6 +589,7 @@ class TLang:
             rt.cta.stats["tma"] += 1
             if src.buf.name == "K":  # a K tile: what a block mask's skipped tiles save (Stats.k_tiles)
                 rt.cta.stats["k_tiles"] += 1
+                rt.cta.k_boxes.append(src.lo)  # which (a persistent backward checks each KV tile is loaded once)
             elif src.buf.name == "Q":  # a Q tile (its column slices count each): the backward's analogue
                 rt.cta.stats["q_tiles"] += 1
                 rt.cta.q_boxes.append(src.lo)  # which tile (a persistent run checks each is loaded once)

@@ -10,13 +10,15 @@ import dataclasses
 import time
 
 from attngen.kernels.bwd.plan import autograd_spec, plan_backward
+from attngen.kernels.bwd.persistent import grouped, main_section
 from attngen.kernels.bwd.render import term_names
+from attngen.kernels.common.schedulers import section_of
 from attngen.kernels.common.plan import BLOCK_MASK_TENSORS, Shape
 from attngen.kernels.fwd.plan import Plan
 from attngen.reference.forward import InputError
 from attngen.run.checks import _detach, _torch
 from attngen.run.entries import KernelBuildError, Precompiled, _built_parts, _failure_message, _load_parts, _once, runtime_entry
-from attngen.run import forward
+from attngen.run import forward, persistent
 from attngen.run.inputs import backward_block_mask
 from attngen.spec import Spec
 
@@ -95,12 +97,16 @@ class BackwardKernel:
         calls = calls + bm[4:] + seq  # ... and the dq kernel's kv_*
         scale = [float(softmax_scale)]
         main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + main_calls + scale
+        dq_tail = list(scale)
+        if not varlen:  # a persistent main kernel takes its counters, grid and section; the dq kernel a fixed order's
+            main += persistent.launch_args(bp.forward, q, k, main_section(bp.spec, int(q.shape[1]), grouped(bp)))
+            dq_tail += persistent.block_args(bp.forward, q, section_of(bp.spec, int(k.shape[1])))
         dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
         with torch.cuda.device(q.device):
             self.jits["preprocess"](*(_detach(a) for a in pre + seq))
             self.jits["main"](*(_detach(a) for a in main))
             if bp.deterministic:
-                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls + scale))
+                self.jits["dq"](*(_detach(a) for a in [q, k, v, dout, lse2, dpsum, dq] + calls + dq_tail))
             else:
                 self.jits["postprocess"](*(_detach(a) for a in [dq_accum, dq] + seq + scale))
             if bp.deterministic and bp.spec.sinks:  # one block per head sums the rows in order

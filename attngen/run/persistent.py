@@ -16,19 +16,34 @@ _counters: dict = {}  # (device index, stream handle) -> [counters tensor, next 
 _sm_counts: dict = {}  # device index -> its SM count
 
 
-def launch_args(plan, q, k) -> list:
-    """The arguments a persistent kernel takes after softmax_scale (none for a single-tile one)."""
+def launch_args(plan, q, k, section: int | None = None) -> list:
+    """The arguments a persistent kernel takes after softmax_scale (none for a single-tile one).
+    `section`: the kernel's L2 section (None: the forward's, schedulers.section_of). The backward's
+    main kernel shares the stream's counters: its calls and the forward's run in stream order."""
     if plan.spec.scheduler != "persistent":
         return []
     torch = _torch()
     device = q.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(q)
     key = (index, torch.cuda.current_stream(device).cuda_stream)
     state = _counters.get(key)
     if state is None:  # zeroed once; from here on each call zeroes the slots of the calls after it
         state = _counters[key] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
     epoch = state[1]
     state[1] = (epoch + 1) % COUNTER_SLOTS
+    return [state[0], epoch] + block_args(plan, q, section_of(plan.spec, k.shape[1]) if section is None else section)
+
+
+def block_args(plan, q, section: int) -> list:
+    """A persistent kernel's grid and L2 section (the deterministic dq kernel's fixed order takes no
+    counter); none for a single-tile one."""
+    if plan.spec.scheduler != "persistent":
+        return []
+    index = _index(q)
     if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return [state[0], epoch, _sm_counts[index], section_of(plan.spec, k.shape[1])]
+        _sm_counts[index] = _torch().cuda.get_device_properties(index).multi_processor_count
+    return [_sm_counts[index], section]
+
+
+def _index(q) -> int:
+    return q.device.index if q.device.index is not None else _torch().cuda.current_device()

@@ -18,8 +18,8 @@
 
 `attngen.attention` reads the table to choose the schedule (consumers, stages, block_n,
 ping-pong, steady loop) when the caller names none. An entry records the winner's scheduler too,
-but the runtime does not apply it: the default stays "single" (docs/build.md) and the backward
-takes single-tile specs only. An empty table, or no entry for a key, means "use
+but the runtime does not apply it: the default stays "single" (docs/build.md). The backward,
+which serves both schedulers, is not tuned: its plan derives its tiles from the spec. An empty table, or no entry for a key, means "use
 the plan's defaults" and is never an error.
 """
 

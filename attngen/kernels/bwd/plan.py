@@ -16,7 +16,7 @@ from attngen import hw
 from attngen.spec import Spec, SpecError, ruled_out
 from attngen.kernels.common.plan import (COMPILE_FLAGS, Shape, WarpSpecialized, elementwise_variant, head_dim_v, serving_tags,
                                          variant_tags)
-from attngen.kernels.fwd.plan import Plan, make_plan, walking_split
+from attngen.kernels.fwd.plan import TILE_SLOT_SMEM, Plan, make_plan, walking_split
 
 
 
@@ -99,6 +99,8 @@ def bwd_kernel_name(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     tail = ["det"] if spec.deterministic else []
     if spec.learnable:  # the tensors whose gradients the main kernel scatters
         tail.append("dt" + hashlib.sha256(",".join(spec.learnable).encode()).hexdigest()[:6])
+    if spec.scheduler != "single":
+        tail.append(spec.scheduler)
     return "_".join(parts + [t for t in variant_tags(spec) if t != "lse"] + serving_tags(spec) + tail)
 
 
@@ -138,6 +140,8 @@ def bwd_smem_layout(spec: Spec, block_m: int, block_n: int, consumers: int, q_st
     if not spec.deterministic:  # dQ is the dq kernel's there
         dq_cols = d // consumers if columns else d
         smem.update({"dS": consumers * hw.WGMMA_M * block_m * e, "dQ": consumers * block_m * dq_cols * 4})
+    if spec.scheduler == "persistent":  # the main kernel's tile index, handed from the producer to the consumers
+        smem["tile"] = TILE_SLOT_SMEM
     return smem
 
 
@@ -179,9 +183,6 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("splits", spec.splits, "split-KV is an inference layout: the backward runs with splits = 1")
     if spec.kv_dtype is not None and spec.kv_dtype != spec.dtype:
         raise SpecError("kv_dtype", spec.kv_dtype, "an fp8 KV cache is for inference: the backward takes k and v of dtype")
-    if spec.scheduler != "single":
-        raise SpecError("scheduler", spec.scheduler, 'expected "single" for the backward: its kernels launch a block '
-                        "per tile (the persistent scheduler is the forward's so far)")
     if spec.block_mask and spec.deterministic and spec.gqa_group > 1:
         raise ruled_out("deterministic", True, "false", f"block_mask = true and gqa_group = {spec.gqa_group}", "the "
                         "deterministic backward loops over a KV head's query heads in one CTA, whose block-mask lists differ per head")
@@ -207,7 +208,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     fa3_m, fa3_n, _ = fa3
     consumers = 2
     # a block mask's producer walks its lists per Q tile: the forward's walking share (24 registers spilled)
-    producer_regs, consumer_regs = walking_split(consumers) if spec.block_mask else hw.REG_SPLIT[consumers]
+    # a block mask's producer walks its lists per tile; a persistent one takes and decodes each tile: at
+    # 24 registers it spilled (hd128 causal: 52 B, deterministic 76 B, its dq kernel 36 B; attngen build)
+    walking = spec.block_mask or spec.scheduler == "persistent"
+    producer_regs, consumer_regs = walking_split(consumers) if walking else hw.REG_SPLIT[consumers]
     if block_m is not None and (type(block_m) is not int or block_m < hw.WGMMA_M or block_m % hw.WGMMA_M):
         raise SpecError("block_m", block_m, f"expected a multiple of {hw.WGMMA_M} (the dQ wgmma's M)")
     fixed = block_m is not None
@@ -218,6 +222,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
     if columns is None:
         columns = bwd_regs_needed(rspec, block_m) > consumer_regs
     needed = bwd_regs_needed(rspec, block_m, consumers if columns else 1)
+    if check_registers and needed > consumer_regs and spec.scheduler == "persistent":
+        raise ruled_out("scheduler", spec.scheduler, '"single"', f"head_dim = {rspec.head_dim}", "the persistent "
+                        f"backward's producer takes {producer_regs} registers, leaving {consumer_regs} per consumer thread; "
+                        f"dK and dV split by columns need about {needed}")
     if check_registers and needed > consumer_regs:
         raise SpecError("head_dim", rspec.head_dim,
                         f"the generated backward keeps dK and dV of 64 keys in registers, split over {consumers} "

@@ -18,7 +18,8 @@ from attngen.kernels.common.plan import BLOCK_MASK_AXES, BLOCK_MASK_TENSORS, Ker
 from attngen.kernels.common.block_mask import backward_walk
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
-from attngen.kernels.common.schedulers import schedule_of
+from attngen.kernels.bwd import persistent
+from attngen.kernels.common.schedulers import BLOCK_PARAMS, COUNTER_PARAMS, schedule_of
 from attngen.kernels.common.variants import Variant, has_offset
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
@@ -118,10 +119,12 @@ def consumer_args(bp: BackwardPlan) -> str:
     if not bp.deterministic:
         names.append("dQ_accum")
     names += ["dK_accum", "dV_accum"] if bp.kv_accum else ["dK", "dV"]
-    names += ["kv_block"] + ([] if grouped_visits(bp) else ["head"]) + ["kv_head", "batch_idx", "q_first", "n_q"]
-    if has_edges(bp):
-        names += ["full_first", "full_stop"]
-    names.append("kv_partial")
+    if schedule_of(bp.forward).persistent:  # a persistent consumer binds its tile itself, from the index handed over
+        names += ["tile_shared", "tile_full", "tile_empty", "kv_blocks", "heads_total", "total_tiles", "section"]
+    else:
+        names += ["kv_block"] + ([] if grouped_visits(bp) else ["head"]) + ["kv_head", "batch_idx", "q_first", "n_q"]
+        names += ["full_first", "full_stop"] if has_edges(bp) else []
+        names.append("kv_partial")
     names += seq_names(bp)
     names += [t.param for t in call_tensors(bp)]
     names += term_names(bp) if bp.deterministic else ["d" + t.param for t in learnable_tensors(bp)]
@@ -222,10 +225,13 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     terms = [tensor_param(n, ["batch", "heads", "q_len", "kv_len"], '"float32"', "in/out: zeroed by the caller; "
                           "a learnable read's term per element (0 where masked)") for n in term_names(bp)]
     main += calls + (terms if bp.deterministic else grads) + block_mask_params(bp) + seq + [scale]
+    counted = schedule_of(bp.forward).persistent
+    main += COUNTER_PARAMS + BLOCK_PARAMS if counted else []
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
           tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
           tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
+    dq += BLOCK_PARAMS if counted else []  # a fixed order: no counter
     post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'),
             tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output")] + seq + [scale]
     post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), tensor_param("dV_accum", kv_shape(dv), '"float32"'),
@@ -395,11 +401,15 @@ def template_context(bp: BackwardPlan) -> dict:
         "tensor_grads_mask": Variant.of(f).bwd_mask_cond(inline=True) if spec.learnable else "",
         "bmask": backward_walk(f),
         "dq_bmask": backward_walk(f, dq=True),
+        **({"persistent": persistent.main_context(bp, q_range(bp), has_edges(bp))} if schedule_of(f).persistent else {}),
     }
 
 
 def dq_context(bp: BackwardPlan) -> dict:
-    return {**dq_range(bp),
+    tile_args = ("q_empty, q_blocks, heads_total, total_tiles, num_sms, section, sm" if schedule_of(bp.forward).persistent
+                 else "q0, head, batch_idx, kv_first, n_kv")
+    return {**dq_range(bp), "dq_tile_args": tile_args,
+            **({"dq_persistent": persistent.dq_context(bp, dq_range(bp))} if schedule_of(bp.forward).persistent else {}),
             "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
             "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}

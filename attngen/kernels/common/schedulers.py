@@ -124,18 +124,46 @@ def section_of(spec, kv_len: int) -> int:
     return section_heads(kv_len, per_key, spec.gqa_group)
 
 
-def persistent_steps(tile, m_blocks, heads_total, section, longest_first: bool, name=lambda step, value: value):
+def persistent_steps(tile, m_blocks, heads_total, section, longest_first: bool, name=lambda step, value: value,
+                     tile_name: str = "q_block"):
     """persistent_tile's rule step by step: each step's value goes through `name(step, value)`, which
     returns what later steps use (the value itself, or the kernel's name for it: render's
-    tile_lines binds each step to a name, so the kernel's text reads step by step)."""
+    tile_lines binds each step to a name, so the kernel's text reads step by step). `m_blocks` counts
+    the tiles along the kernel's tile axis (the forward's row tiles, the backward's KV tiles), and
+    `tile_name` names the last step, the tile along it; `longest_first` walks that axis backwards."""
     per_section = tiles.mul(section, m_blocks)
     sec = name("sec", tiles.floordiv(tile, per_section))
     within = name("within", tiles.sub(tile, tiles.mul(sec, per_section)))
     width = name("width", tiles.min_(section, tiles.sub(heads_total, tiles.mul(sec, section))))  # the last section may be narrower
     block = name("row_step", tiles.floordiv(within, width))
     bh = name("bh", tiles.add(tiles.mul(sec, section), tiles.sub(within, tiles.mul(block, width))))
-    m_block = name("q_block", tiles.sub(tiles.sub(m_blocks, 1), block) if longest_first else block)
+    m_block = name(tile_name, tiles.sub(tiles.sub(m_blocks, 1), block) if longest_first else block)
     return bh, m_block
+
+
+def persistent_tile_lines(blocks: str, longest_first: bool, tile_name: str = "q_block") -> list[str]:
+    """persistent_steps' rule as kernel text: a `step = value` line per step, from the index `tile`
+    over `blocks` tiles per head (a kernel name), heads_total and section."""
+    lines = []
+
+    def name(step, value):
+        lines.append(f"{step} = {tiles.text(value)}")
+        return tiles.Sym(step, 0)
+
+    persistent_steps(tiles.Sym("tile", 0), tiles.Sym(blocks, 1), tiles.Sym("heads_total", 1), tiles.Sym("section", 1),
+                     longest_first, name, tile_name)
+    return lines
+
+
+# What a persistent kernel's launcher passes after softmax_scale (run/persistent.py, emulator/persistent.py)
+COUNTER_PARAMS = ['tile_counter: T.Tensor([COUNTER_SLOTS], "int32"),  # the tile counters: call `epoch` takes from slot '
+                  'epoch % COUNTER_SLOTS and zeroes the others',
+                  "epoch: T.int32,  # this call's number (the launcher counts its calls)"]
+BLOCK_PARAMS = ["num_sms: T.int32,  # blocks: one per SM",
+                "section: T.int32,  # heads whose tiles go out together (schedulers.section_heads: their K/V fits L2)"]
+COUNTER_CONSTANT = (f"COUNTER_SLOTS = {COUNTER_SLOTS}  # tile counters, used in turn "
+                    "by successive calls (schedulers.COUNTER_SLOTS)")
+SLOT_LINE = "slot = T.truncmod(epoch, COUNTER_SLOTS)  # this call's counter: the two calls before it zeroed it"
 
 
 def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
@@ -148,3 +176,12 @@ def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
     share L2 run together. `longest_first` reverses the row tiles (FA3's LPT for causal and
     local attention: with bottom-right alignment the last row tile sees the most keys)."""
     return persistent_steps(tile, m_blocks, heads_total, section, longest_first)
+
+
+def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
+    """Whether a persistent order walks its tile axis backwards so that the `first` ("longest" or
+    "shortest") tiles go out first. `visits(t)`: tile t's visits as ints (tiles.Frame's ranges at a
+    sample shape), t in [0, n_tiles); the visit count is monotone along the axis under causal
+    attention, so its two ends decide. A tie (no mask) keeps the natural order."""
+    head, tail = visits(0), visits(n_tiles - 1)
+    return tail > head if first == "longest" else tail < head

@@ -21,7 +21,8 @@ from attngen.kernels.combine.render import combine_context
 from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
-from attngen.kernels.common.schedulers import COUNTER_SLOTS, persistent_steps, schedule_of
+from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, persistent_tile_lines,
+                                               schedule_of)
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
@@ -166,11 +167,7 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
     lines += layout.serving_params()
     lines.append("softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))")
     if schedule_of(plan).persistent:
-        lines += ['tile_counter: T.Tensor([COUNTER_SLOTS], "int32"),  # the tile counters: call `epoch` takes from slot '
-                  'epoch % COUNTER_SLOTS and zeroes the others',
-                  "epoch: T.int32,  # this call's number (the launcher counts its calls)",
-                  "num_sms: T.int32,  # blocks: one per SM",
-                  "section: T.int32,  # heads whose tiles go out together (schedulers.section_heads: their K/V fits L2)"]
+        lines += COUNTER_PARAMS + BLOCK_PARAMS
     return lines
 
 
@@ -296,14 +293,7 @@ def persistent_context(plan: Plan) -> dict:
     """The persistent scheduler's lines (the template's `persistent`): `setup`, the block's tile
     count and counter slot; `tile`, what each tile binds from its index `tile` (persistent_steps'
     rule, a line per step, then the lines a single-tile block binds from its grid position)."""
-    lines = []
-
-    def name(step, value):
-        lines.append(f"{step} = {tiles.text(value)}")
-        return tiles.Sym(step, 0)
-
-    persistent_steps(tiles.Sym("tile", 0), tiles.Sym("m_blocks", 1), tiles.Sym("heads_total", 1), tiles.Sym("section", 1),
-                     longest_first(plan), name)
+    lines = persistent_tile_lines("m_blocks", longest_first(plan))
     lines[-1] += "  # longest first: the last row tile sees the most keys" if longest_first(plan) else ""
     lines += ["batch_idx = T.truncdiv(bh, heads)  # truncdiv: both >= 0, no floor fix-up code", "head = T.truncmod(bh, heads)"]
     lines += layout_of(plan).block_setup(has_offset(plan))
@@ -318,10 +308,9 @@ def persistent_context(plan: Plan) -> dict:
     setup = ["m_blocks = T.ceildiv(q_len, BLOCK_M)  # row tiles per head",
              "heads_total = batch * heads  # tile t's (batch, head) pair is bh = batch_idx * heads + head",
              "total_tiles = m_blocks * heads_total  # the counter hands out [0, total_tiles), then an end mark per block",
-             "slot = T.truncmod(epoch, COUNTER_SLOTS)  # this call's counter: the two calls before it zeroed it"]
+             SLOT_LINE]
     return {"setup": setup, "tile": lines, "vars": [f'{name} = T.alloc_var("int32", 0)' for name in held],
-            "constants": [f"COUNTER_SLOTS = {COUNTER_SLOTS}  # tile counters, used in turn "
-                                                          "by successive calls (schedulers.COUNTER_SLOTS)"]}
+            "constants": [COUNTER_CONSTANT]}
 
 
 def template_context(plan: Plan) -> dict:
