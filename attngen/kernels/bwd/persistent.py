@@ -17,30 +17,20 @@ from __future__ import annotations
 from attngen import tiles
 from attngen.hw import DTYPES
 from attngen.kernels.common.schedulers import (COUNTER_CONSTANT, SLOT_LINE, Persistent, persistent_tile_lines,
-                                               section_heads, walks_backwards)
-
-SAMPLE_TILES = 8  # the sample problem's length in tiles (of the larger side): enough for the ranges' ends to differ
-
-
-def _frame(bp, block_m: int, block_n: int) -> tiles.Frame:
-    f = bp.forward
-    length = SAMPLE_TILES * max(block_m, block_n)
-    return tiles.Frame.of(length, length, tiles.Edges(f.window_left, f.window_right), block_m, block_n)
-
+                                               row_tile_visits, sample_frame, section_heads, walks_backwards)
 
 def main_backwards(bp) -> bool:
     """The main kernel's order walks the KV tiles backwards: the tiles that see the most Q tiles first
     (under causal attention with bottom-right alignment, the first KV tile: the axis stays forward)."""
-    fr = _frame(bp, bp.block_m, bp.block_n)
+    fr = sample_frame(bp.forward, bp.block_m, bp.block_n)
     return walks_backwards(lambda t: len(fr.q_span(t).tiles), tiles.ceildiv(fr.kv_len, fr.block_n), "longest")
 
 
 def dq_backwards(bp) -> bool:
     """The dq kernel's fixed order walks the Q tiles backwards: the tiles that see the fewest KV tiles
     first (under causal attention, the first Q tile: forward)."""
-    fr = _frame(bp, bp.dq_block_m, bp.dq_block_n)
-    rows = lambda t: tiles.Rows(t * fr.block_m, min(fr.q_len, (t + 1) * fr.block_m) - 1)  # noqa: E731
-    return walks_backwards(lambda t: len(fr.kv_span(rows(t)).tiles), fr.q_tiles(), "shortest")
+    fr = sample_frame(bp.forward, bp.dq_block_m, bp.dq_block_n)
+    return walks_backwards(lambda t: row_tile_visits(fr, t), fr.q_tiles(), "shortest")
 
 
 def grouped(bp) -> bool:

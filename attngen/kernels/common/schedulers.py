@@ -178,6 +178,21 @@ def persistent_tile(tile, m_blocks, heads_total, section, longest_first: bool):
     return persistent_steps(tile, m_blocks, heads_total, section, longest_first)
 
 
+SAMPLE_TILES = 8  # a sample problem's length in tiles (of the larger side): enough for the ranges' ends to differ
+
+
+def sample_frame(plan, block_m: int, block_n: int) -> tiles.Frame:
+    """tiles.Frame of a square sample problem under the forward plan's mask edges: where the persistent
+    orders read which tiles see more (each axis's visits are monotone, so its ends decide)."""
+    length = SAMPLE_TILES * max(block_m, block_n)
+    return tiles.Frame.of(length, length, tiles.Edges(plan.window_left, plan.window_right), block_m, block_n)
+
+
+def row_tile_visits(frame: tiles.Frame, t: int) -> int:
+    """KV tiles row tile t of `frame` visits."""
+    return len(frame.kv_span(tiles.Rows(t * frame.block_m, min(frame.q_len, (t + 1) * frame.block_m) - 1)).tiles)
+
+
 def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
     """Whether a persistent order walks its tile axis backwards so that the `first` ("longest" or
     "shortest") tiles go out first. `visits(t)`: tile t's visits as ints (tiles.Frame's ranges at a

@@ -22,7 +22,7 @@ from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, persistent_tile_lines,
-                                               schedule_of)
+                                               row_tile_visits, sample_frame, schedule_of, walks_backwards)
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
@@ -274,9 +274,11 @@ class ForwardNumbers(KernelNumbers):
 
 
 def longest_first(plan: Plan) -> bool:
-    """Whether the persistent order hands out the row tiles that see the most keys first (FA3's LPT:
-    under causal attention or a window, row tiles differ in their visits)."""
-    return plan.spec.causal or plan.spec.window != (-1, -1)
+    """Whether the persistent order walks the row tiles backwards, so that those that see the most keys
+    go first (FA3's LPT): under causal attention the last row tile sees the most; under a left-only
+    window the first. Read from tiles.Frame's ranges, as the backward's orders are."""
+    fr = sample_frame(plan, plan.spec.block_m, plan.spec.block_n)
+    return walks_backwards(lambda t: row_tile_visits(fr, t), fr.q_tiles(), "longest")
 
 
 def held_in_vars(lines: list[str]) -> list[str]:
