@@ -205,7 +205,7 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
                         f"{rspec.gqa_group} the deterministic backward spills at every head dim "
                         f"(measured: {VARLEN_GROUPED_VARIANT_SPILLS}); use deterministic = false or gqa_group = 1")
     if spec.scheduler == "persistent" and rspec.layout == "varlen":
-        raise ruled_out("scheduler", spec.scheduler, '"single"', 'layout = "varlen"', "the persistent backward does not "
+        raise ruled_out("layout", rspec.layout, '"bshd"', 'scheduler = "persistent"', "the persistent backward does not "
                         "hand out a varlen batch's tiles yet (the persistent forward does)")
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
