@@ -427,18 +427,18 @@ def check_block_mask_field(s: Spec) -> None:
 
 
 def check_scheduler_field(s: Spec) -> None:
-    """The persistent scheduler serves bshd, dense, unsplit kernels without a block mask so far: the
+    """The persistent scheduler serves dense (bshd or varlen), unsplit kernels without a block mask so far: the
     others choose their tile's sequence, split or visits from grid axes it replaces (not done yet)."""
     if not isinstance(s.scheduler, str) or s.scheduler not in SCHEDULERS:
         raise SpecError("scheduler", s.scheduler, 'expected "single" (a block per tile) or "persistent" (a block '
                         'per SM looping over tiles from an atomic counter)')
     if s.scheduler == "single":
         return
-    for field in ("layout", "paged_kv", "splits", "block_mask"):
+    for field in ("paged_kv", "splits", "block_mask"):
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
-                            "the persistent scheduler serves bshd, dense, unsplit kernels without a block mask "
-                            "(a tile's sequence, split or block-mask visits are not handed out yet)")
+                            "the persistent scheduler serves dense (bshd or varlen), unsplit kernels without a block mask "
+                            "(a tile's pages, split or block-mask visits are not handed out yet)")
     if s.dtype == E4M3:
         raise ruled_out("dtype", s.dtype, '"float16" or "bfloat16"', 'scheduler = "persistent"', "the persistent producer's "
                         "tile loop does not transpose V yet (fp8's producer warpgroup does, in its own loop)")

@@ -27,7 +27,7 @@ from attngen.kernels.fwd.plan import make_plan
 from attngen.spec import Spec
 from attngen.timeline.latency import Latency
 from attngen.timeline.multi_sm import (fit_tile_cost, list_schedule, persistent_order, row_tile_visits,
-                                       single_tile_order, static_schedule)
+                                       single_tile_order, static_schedule, varlen_pair_order)
 
 TOKENS, HEADS = 16384, 16
 PUBLISHED = {  # H200, causal hd128, TFLOP/s (flash-attention PR #2754)
@@ -93,6 +93,17 @@ def sort_microseconds(lengths: list[int], repeat: int = 200) -> float:
     return best * 1e6
 
 
+def pair_sort_milliseconds(p: Problem, repeat: int = 5) -> tuple[list, float]:
+    """The varlen persistent launcher's sort (varlen_pair_order, the kernel's tile list; best of
+    `repeat`) and its order."""
+    best, s = math.inf, p.plan.spec
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        order = varlen_pair_order(p.seqlens, p.seqlens, p.heads, s.block_m, s.block_n, s.causal)
+        best = min(best, time.perf_counter() - t0)
+    return order, best * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--handover", type=float, default=None, help="cycles per persistent tile (default: see above)")
@@ -148,6 +159,11 @@ def main(argv=None) -> int:
         print(f"    the host's sort of {len(lengths)} lengths: {sort_microseconds(lengths):.1f} us on this machine's CPU "
               f"(Python sorted, best of 200; a CPU figure, not the GPU's); the kernel: "
               f"{ms['persistent'] / (lat.clock_ghz * 1e3):.0f} us in the model")
+        pairs, pair_ms = pair_sort_milliseconds(p)
+        kernel = list_schedule(p.costs(pairs), SM_COUNT, handover).makespan
+        print(f"    the kernel's order, (sequence, row tile) pairs longest first, heads innermost: {ms['single'] / kernel:.3f}; "
+              f"its host sort (schedulers.varlen_tile_order, {len(pairs)} tiles): {pair_ms:.1f} ms on this machine's CPU "
+              f"(best of 5; a CPU figure, not the GPU's)")
     return 0
 
 

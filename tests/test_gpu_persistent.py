@@ -42,6 +42,20 @@ def test_persistent_equals_single_tile_bit_for_bit_call_after_call(fields, shape
             assert torch.equal(a, b), call
 
 
+@pytest.mark.parametrize("check", [True, False])  # False: the launcher reads cu_seqlens itself (a sync)
+def test_persistent_varlen_equals_single_tile_bit_for_bit_call_after_call(check):
+    single, persistent = pair({"causal": True, "layout": "varlen", "lse": True})
+    lengths, heads, dim = [1000, 1, 0, 129, 4000, 77], 16, persistent.spec.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    cu = torch.tensor([0] + lengths, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lengths)}
+    want = single(q, k, v, **kw)
+    for call in range(7):  # every counter slot used more than twice
+        got = persistent(q, k, v, out=torch.full_like(q, float("nan")), check=check, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), call
+
+
 @pytest.mark.parametrize("fields, shape", [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))])
 def test_persistent_backward_equals_single_tile_call_after_call(fields, shape):
     """dK and dV (stored by one block) and the deterministic dQ bit for bit; the atomic dQ within a

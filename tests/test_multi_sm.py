@@ -7,7 +7,7 @@ import pytest
 
 from attngen import tiles
 from attngen.timeline.multi_sm import (TileCost, list_schedule, persistent_order, row_tile_visits, single_tile_order,
-                                       static_schedule)
+                                       static_schedule, varlen_pair_order)
 
 SCHEDULES = {"list": list_schedule, "static": static_schedule}
 
@@ -95,6 +95,19 @@ def test_orders_list_every_tile_once(lengths, heads, sections):
             assert sorted(order) == want
             if seq_order:
                 assert [b for b, _, _ in order[:heads * m_blocks[2]]] == [2] * (heads * m_blocks[2])
+
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (200, 0)), (False, (-1, -1))])
+def test_the_varlen_kernels_order_lists_every_tile_once_longest_first(causal, window):
+    """varlen_pair_order (the kernel's tile list): each (sequence, head, row tile) once, visits never
+    rising (the model's own row_tile_visits), a pair's heads consecutive."""
+    lq, lk, heads = [300, 0, 1000, 40, 129], [300, 9, 700, 400, 129], 3
+    order = varlen_pair_order(lq, lk, heads, 128, 64, causal, window)
+    visits = [row_tile_visits(q, k, 128, 64, causal, window) if q else [] for q, k in zip(lq, lk)]
+    assert sorted(order) == sorted((b, h, m) for b, v in enumerate(visits) for h in range(heads) for m in range(len(v)))
+    seen = [visits[b][m] for b, _, m in order]
+    assert seen == sorted(seen, reverse=True)
+    assert all(order[i][::2] == order[i + h][::2] for i in range(0, len(order), heads) for h in range(heads))
 
 
 @pytest.mark.parametrize("q_len, kv_len, causal, window", [(1000, 1000, True, (-1, -1)), (300, 1000, True, (-1, -1)),

@@ -16,7 +16,7 @@ import numpy as np
 
 from attngen.emulator.errors import KernelError
 from attngen.hw import SM_COUNT
-from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of
+from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of, varlen_tile_list
 
 
 class TileCounters:
@@ -36,7 +36,17 @@ DEFAULT_COUNTERS = TileCounters()  # the CPU model's launcher, as the GPU runtim
 
 
 def total_tiles(plan, dims: dict) -> int:
+    if "tile_list" in dims:  # varlen: the host's list
+        return len(dims["tile_list"])
     return -(-dims["q_len"] // plan.spec.block_m) * dims["heads"] * dims["batch"]
+
+
+def varlen_tiles(plan, dims: dict, arrays: dict) -> np.ndarray:
+    """A varlen persistent kernel's tile list (schedulers.varlen_tile_list over the call's lengths), as
+    the GPU launcher builds it; kept in `dims` ("tile_list", "total_tiles") for the launch and its check."""
+    listed = varlen_tile_list(plan, arrays["cu_seqlens_q"], arrays["cu_seqlens_k"], dims["heads"])
+    dims["tile_list"], dims["total_tiles"] = listed, len(listed)
+    return listed
 
 
 def check_num_sms(num_sms, plan, dims: dict, tiles: int | None = None) -> int:
@@ -61,6 +71,8 @@ def launch_inputs(plan, dims: dict, num_sms: int, counters: TileCounters, sectio
     """The kernel's arguments after softmax_scale: the counters (the driver writes them back after the
     run, crashed or not, through `keep`), this call's epoch, the blocks and the L2 section (None: the
     forward's)."""
+    if "tile_list" in dims:  # varlen: the sorted tile list in the L2 section's place
+        return [counters.slots, counters.take_epoch(), num_sms, dims["tile_list"]]
     return [counters.slots, counters.take_epoch(), num_sms, section_of(plan.spec, dims["kv_len"]) if section is None else section]
 
 
@@ -74,6 +86,15 @@ def check_each_tile_once(plan, dims: dict, q_boxes: list) -> None:
     """Every (batch, row tile, head) loaded by exactly one block, once per consumer warpgroup: a
     tile handed out twice (or skipped) is a KernelError naming it, whatever the numbers say."""
     wg_rows = plan.wg_rows
+    if "tile_list" in dims:  # varlen: packed rows (first row, head, 0), each sequence's row tiles from its start
+        cu_q = dims["cu_seqlens_q"]
+        want = collections.Counter((int(cu_q[b]) + m * plan.spec.block_m + g * wg_rows, h, 0)
+                                   for b in range(len(cu_q) - 1) for h in range(dims["heads"])
+                                   for m in range(-(-int(cu_q[b + 1] - cu_q[b]) // plan.spec.block_m))
+                                   for g in range(plan.spec.consumers))
+        each_once(want, collections.Counter(tuple(box) for box in q_boxes),
+                  lambda row, h, _: f"Q rows {row}..{row + wg_rows - 1} (packed), head {h}")
+        return
     want = collections.Counter((b, m * plan.spec.block_m + g * wg_rows, h, 0)
                                for b in range(dims["batch"]) for h in range(dims["heads"])
                                for m in range(-(-dims["q_len"] // plan.spec.block_m)) for g in range(plan.spec.consumers))

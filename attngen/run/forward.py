@@ -130,6 +130,7 @@ class Kernel:
         bufs = serving_outputs(self.plan, call, q, out)
         if not call.empty:  # no query row: an empty grid would be a launch error
             main, combine = launch_arguments(self.plan, call, q, k, v, extra=extra, softmax_scale=softmax_scale, **bufs)
+            main += persistent.varlen_launch_args(self.plan, call, q, k)
             if combine is not None and self.combine_jit is None:
                 raise RuntimeError(f"{self.name}: a split-KV kernel without its combine kernel (build_combine_kernel)")
             with torch.cuda.device(q.device):

@@ -9,7 +9,7 @@ for the device. The epoch counts calls modulo COUNTER_SLOTS (only its slot matte
 
 from __future__ import annotations
 
-from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of
+from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of, varlen_tile_list
 from attngen.run.checks import _torch
 
 _counters: dict = {}  # (device index, stream handle) -> [counters tensor, next epoch]
@@ -31,7 +31,23 @@ def launch_args(plan, q, k, section: int | None = None) -> list:
         state = _counters[key] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
     epoch = state[1]
     state[1] = (epoch + 1) % COUNTER_SLOTS
+    if plan.varlen:  # the sorted tile list in the L2 section's place (varlen_launch_args)
+        return [state[0], epoch, sm_count(q)]
     return [state[0], epoch] + block_args(plan, q, section_of(plan.spec, k.shape[1]) if section is None else section)
+
+
+def varlen_launch_args(plan, call, q, k) -> list:
+    """A varlen persistent forward's arguments after softmax_scale: the counters, the epoch, the grid and
+    the tile list, sorted longest first on the host (schedulers.varlen_tile_list). It reads
+    cu_seqlens_q / cu_seqlens_k on the host where the call's check has not already: a device-to-host
+    copy, so such a launch waits for the stream (a sync per call; FA3 sorts in a prepare kernel instead)."""
+    if plan.spec.scheduler != "persistent":
+        return []
+    named = dict(zip(call.arg_names, call.args))
+    cu = [call.arrays.get(n) if call.arrays.get(n) is not None else named[n].cpu().numpy()
+          for n in ("cu_seqlens_q", "cu_seqlens_k")]
+    listed = varlen_tile_list(plan, *cu, call.heads)
+    return launch_args(plan, q, k) + [_torch().from_numpy(listed).to(q.device)]
 
 
 def block_args(plan, q, section: int) -> list:
@@ -39,10 +55,15 @@ def block_args(plan, q, section: int) -> list:
     counter); none for a single-tile one."""
     if plan.spec.scheduler != "persistent":
         return []
+    return [sm_count(q), section]
+
+
+def sm_count(q) -> int:
+    """The SMs of q's device: a persistent kernel's grid."""
     index = _index(q)
     if index not in _sm_counts:
         _sm_counts[index] = _torch().cuda.get_device_properties(index).multi_processor_count
-    return [_sm_counts[index], section]
+    return _sm_counts[index]
 
 
 def _index(q) -> int:

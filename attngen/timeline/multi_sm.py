@@ -11,7 +11,8 @@ it finishes its last. That is both policies:
 - single-tile: the order is the hardware's block order (blockIdx.x fastest, then y, then z:
   `single_tile_order`), and the block scheduler gives the next block to the SM that frees;
 - persistent: the order is schedulers.persistent_tile's, handed out by an atomic counter, plus
-  `handover` cycles per tile for fetching the index and passing it to the consumers.
+  `handover` cycles per tile for fetching the index and passing it to the consumers; a varlen
+  kernel's is its launcher's sorted tile list (`varlen_pair_order`).
 `static_schedule` is FA4's static round-robin (tile i on SM i % sms), for comparison.
 
 Assumptions: one resident block per SM (the forward's shared memory fills it); a tile costs the
@@ -28,7 +29,7 @@ import heapq
 import numpy as np
 
 from attngen import tiles
-from attngen.kernels.common.schedulers import persistent_tile
+from attngen.kernels.common.schedulers import persistent_tile, varlen_tile_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,13 @@ def persistent_order(m_blocks: list[int], heads: int, sections: list[int], longe
             h, mb = persistent_tile(i, m_blocks[b], heads, sections[b], longest_first)
             out.append((b, h, mb))
     return out
+
+
+def varlen_pair_order(q_lens: list[int], kv_lens: list[int], heads: int, block_m: int, block_n: int, causal: bool,
+                      window=(-1, -1)) -> list[tuple]:
+    """The varlen persistent kernel's order: the tile list its launcher sorts per call, (sequence, row
+    tile) pairs longest first, heads innermost (schedulers.varlen_tile_order, the one home)."""
+    return varlen_tile_order(q_lens, kv_lens, heads, tiles.edges(causal, window), block_m, block_n)
 
 
 # -- schedules -----------------------------------------------------------------------------

@@ -204,6 +204,9 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("deterministic", True, "with layout 'varlen', alibi, a score_mod or a mask_mod, and gqa_group "
                         f"{rspec.gqa_group} the deterministic backward spills at every head dim "
                         f"(measured: {VARLEN_GROUPED_VARIANT_SPILLS}); use deterministic = false or gqa_group = 1")
+    if spec.scheduler == "persistent" and rspec.layout == "varlen":
+        raise ruled_out("layout", rspec.layout, '"bshd"', 'scheduler = "persistent"', "the persistent backward does not "
+                        "hand out a varlen batch's tiles yet (the persistent forward does)")
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
     consumers = 2

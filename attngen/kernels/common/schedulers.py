@@ -200,3 +200,35 @@ def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
     attention, so its two ends decide. A tie (no mask) keeps the natural order."""
     head, tail = visits(0), visits(n_tiles - 1)
     return tail > head if first == "longest" else tail < head
+
+
+# -- the varlen persistent order: a call-time tile list (issue 30) --------------------------
+VARLEN_TILE_PARAM = ('tile_list: T.Tensor([total_tiles, 3], "int32"),  # the counter\'s tile t is (sequence, head, '
+                     'row tile) tile_list[t]: schedulers.varlen_tile_order, longest first')
+
+
+def varlen_tile_order(q_lens, kv_lens, heads: int, edges: tiles.Edges, block_m: int, block_n: int) -> list[tuple]:
+    """A varlen persistent kernel's tiles as (sequence, head, row tile), in the order the counter hands
+    them out: (sequence, row tile) pairs by KV visits (tiles.Frame's ranges, each sequence bottom-right
+    aligned), most first, ties in (sequence, row tile) order; a pair's heads go out together,
+    innermost, so a GQA group's heads read their shared K/V tiles at once. A sequence without
+    queries has no tile. The host sorts per call (a Python sort of the pairs)."""
+    pairs = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len <= 0:
+            continue
+        frame = tiles.Frame.of(int(q_len), int(kv_len), edges, block_m, block_n)
+        pairs += [(-row_tile_visits(frame, t) if kv_len > 0 else 0, b, t) for t in range(frame.q_tiles())]
+    pairs.sort()
+    return [(b, h, t) for _, b, t in pairs for h in range(heads)]
+
+
+def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, heads: int):
+    """varlen_tile_order for a forward plan's call, from its cu_seqlens (host ints) as the kernel's
+    tile_list: an int32 [tiles, 3] array (the CPU model's input; the GPU launcher copies it over)."""
+    import numpy as np
+
+    lens = [np.diff(np.asarray(cu, np.int64)).tolist() for cu in (cu_seqlens_q, cu_seqlens_k)]
+    order = varlen_tile_order(*lens, heads, tiles.Edges(plan.window_left, plan.window_right), plan.spec.block_m,
+                              plan.spec.block_n)
+    return np.array(order, np.int32).reshape(-1, 3)

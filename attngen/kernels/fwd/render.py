@@ -21,8 +21,8 @@ from attngen.kernels.combine.render import combine_context
 from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
-from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, persistent_tile_lines,
-                                               row_tile_visits, sample_frame, schedule_of, walks_backwards)
+from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, VARLEN_TILE_PARAM,
+                                               persistent_tile_lines, row_tile_visits, sample_frame, schedule_of, walks_backwards)
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
@@ -167,7 +167,8 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
     lines += layout.serving_params()
     lines.append("softmax_scale: T.float32,  # call time: score = q . k * softmax_scale (default 1 / sqrt(HEAD_DIM))")
     if schedule_of(plan).persistent:
-        lines += COUNTER_PARAMS + BLOCK_PARAMS
+        # varlen: the host's sorted tile list replaces the L2 section (heads go out together per row tile)
+        lines += COUNTER_PARAMS + ([BLOCK_PARAMS[0], VARLEN_TILE_PARAM] if layout.per_sequence else BLOCK_PARAMS)
     return lines
 
 
@@ -178,15 +179,20 @@ def consumer_args(plan: Plan) -> str:
     names += ["k_full", "k_empty", "v_full", "v_empty"]
     persistent = schedule_of(plan).persistent
     # a persistent consumer binds its tile's rows, head and visits itself, from the index the producer hands over
-    names += ["tile_shared", "tile_full", "tile_empty", "m_blocks", "heads_total", "total_tiles", "section"] if persistent \
-        else ["q0", "n_tiles", "head", "batch_idx"]
+    if persistent and layout.per_sequence:
+        names += ["tile_shared", "tile_full", "tile_empty", "tile_list", "total_tiles"]
+    else:
+        names += ["tile_shared", "tile_full", "tile_empty", "m_blocks", "heads_total", "total_tiles", "section"] if persistent \
+            else ["q0", "n_tiles", "head", "batch_idx"]
     if plan.fp8:
         names += ["P_shared", "Vt_shared", "vt_full", "vt_empty"]
     names += [layout.lse_param if t.output else t.param for t in plan.extra]
     names += layout.extra_output_args(plan.spec.lse)
     if has_first_tile(plan) and not persistent:
         names.append("first_tile")
-    names += layout.q_load_args() + layout.sequence_args(has_offset(plan)) + layout.split_args()
+    # a varlen persistent consumer reads its tile's sequence bounds itself
+    sequence = ["cu_seqlens_q", "cu_seqlens_k"] if persistent and layout.per_sequence else layout.sequence_args(has_offset(plan))
+    names += layout.q_load_args() + sequence + layout.split_args()
     if plan.block_mask:
         names += ["q_block", "bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
     names.append("softmax_scale")
@@ -295,9 +301,13 @@ def persistent_context(plan: Plan) -> dict:
     """The persistent scheduler's lines (the template's `persistent`): `setup`, the block's tile
     count and counter slot; `tile`, what each tile binds from its index `tile` (persistent_steps'
     rule, a line per step, then the lines a single-tile block binds from its grid position)."""
-    lines = persistent_tile_lines("m_blocks", longest_first(plan))
-    lines[-1] += "  # longest first: the last row tile sees the most keys" if longest_first(plan) else ""
-    lines += ["batch_idx = T.truncdiv(bh, heads)  # truncdiv: both >= 0, no floor fix-up code", "head = T.truncmod(bh, heads)"]
+    varlen = layout_of(plan).per_sequence
+    if varlen:  # the host listed the tiles longest first (schedulers.varlen_tile_order)
+        lines = ["batch_idx = tile_list[tile, 0]", "head = tile_list[tile, 1]", "q_block = tile_list[tile, 2]"]
+    else:
+        lines = persistent_tile_lines("m_blocks", longest_first(plan))
+        lines[-1] += "  # longest first: the last row tile sees the most keys" if longest_first(plan) else ""
+        lines += ["batch_idx = T.truncdiv(bh, heads)  # truncdiv: both >= 0, no floor fix-up code", "head = T.truncmod(bh, heads)"]
     lines += layout_of(plan).block_setup(has_offset(plan))
     lines.append(schedule_of(plan).tile_start("q0", "q_block", "BLOCK_M"))
     if first_tile_expr(plan):
@@ -307,10 +317,15 @@ def persistent_context(plan: Plan) -> dict:
     # names (lets) TileLang inlined the decoding into every use: a window with softcap and ALiBi built to
     # 105801 SASS lines and 64 B of spills, against 12153 lines and none for the single-tile kernel
     held = ["batch_idx", "head", "kv_head", "q0", "n_tiles"] + (["first_tile"] if first_tile_expr(plan) else [])
+    if varlen:  # the tile's sequence bounds change from tile to tile too
+        bound = [line.split(" = ", 1)[0] for line in layout_of(plan).block_setup(has_offset(plan))]
+        held[2:2] = [name for name in bound if name not in held]
     setup = ["m_blocks = T.ceildiv(q_len, BLOCK_M)  # row tiles per head",
              "heads_total = batch * heads  # tile t's (batch, head) pair is bh = batch_idx * heads + head",
              "total_tiles = m_blocks * heads_total  # the counter hands out [0, total_tiles), then an end mark per block",
              SLOT_LINE]
+    if varlen:  # total_tiles: the tile list's length
+        setup = [SLOT_LINE]
     return {"setup": setup, "tile": lines, "vars": [f'{name} = T.alloc_var("int32", 0)' for name in held],
             "constants": [COUNTER_CONSTANT]}
 
@@ -323,6 +338,8 @@ def template_context(plan: Plan) -> dict:
     free_dims = [t.dim(a) for t in plan.extra for a in range(len(t.shape)) if t.shape[a] is None]
     if plan.block_mask:
         free_dims += list(BLOCK_MASK_AXES)
+    if schedule_of(plan).persistent and layout_of(plan).per_sequence:
+        free_dims.append("total_tiles")  # the tile list's length
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     layout = layout_of(plan)
