@@ -379,3 +379,50 @@ def test_the_ops_fake_gives_fp8s_output_type_and_compile_has_no_graph_break():
                       fullgraph=True)
     assert torch.equal(f(q, k, v, *d), attngen.attention(q, k, v, q_descale=d[0], k_descale=d[1], v_descale=d[2]))
     assert not counters["graph_break"]
+
+
+# -- v_layout = "transposed": V arrives as [batch, kv_heads, head_dim_v, kv_len] (FA3's V_colmajor) -------
+def test_v_layout_is_fp8_only_and_named_only_when_set():
+    assert make_plan(Spec(head_dim=64, **FP8)).name == make_plan(Spec(head_dim=64, v_layout="keys", **FP8)).name
+    assert make_plan(Spec(head_dim=64, v_layout="transposed", **FP8)).name.endswith("_vtransposed")
+    for fields, words in (({"v_layout": "transposed"}, "only an fp8 kernel"), ({"v_layout": "cols", **FP8}, '"transposed"'),
+                          ({"v_layout": "transposed", "layout": "varlen", **FP8}, "bshd")):
+        with pytest.raises(SpecError, match="v_layout") as e:
+            Spec(**fields)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_transposed_v_is_landed_by_the_tma_with_no_transpose():
+    src = fwd.render_source(Spec(head_dim=64, v_layout="transposed", **FP8))
+    code = "\n".join(line.split("#")[0] for line in src.splitlines())  # comments may name what is gone
+    assert "V_shared" not in code and "v_full" not in code and "TRANSPOSE_KEYS" not in code
+    assert "V: T.Tensor([batch, kv_heads, HEAD_DIM, kv_len], DTYPE)" in src
+    assert "Vt_shared[v_stage, :, :], barrier=vt_full[v_stage]" in src
+
+
+@pytest.mark.parametrize("fields", [{"head_dim": 64}, {"head_dim": 64, "causal": True, "gqa_group": 2, "lse": True}])
+def test_a_transposed_v_runs_bit_identically_to_the_transposing_kernel(fields):
+    """The same values, V stored [dim, keys] per KV head: the CPU model gives the same bits as the kernel
+    that transposes V in shared memory (kv_len a multiple of 16: TMA's 16-byte strides)."""
+    keys = make_plan(Spec(block_n=64, **fields, **FP8))
+    transposed = make_plan(Spec(block_n=64, v_layout="transposed", **fields, **FP8))
+    from attngen.reference.forward import random_inputs
+    heads = 2 * keys.spec.gqa_group
+    q, k, v = random_inputs(E4M3, 64, 1, heads, 2, 70, 336, 3)
+    v_t = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+    rng = np.random.default_rng(4)
+    descales = {n: (rng.random((1, 2)) * 2).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    a = attngen.emulate(keys, q, k, v, **descales)
+    b = attngen.emulate(transposed, q, k, v_t, **descales)
+    for x, y in zip(a if keys.spec.lse else [a], b if keys.spec.lse else [b]):
+        assert np.array_equal(x, y)
+    c = attngen.emulate(transposed, q, k, v_t[:, :, :, ::-1].copy(), **descales)  # keys reversed: must differ
+    assert not np.array_equal(a[0] if keys.spec.lse else a, c[0] if keys.spec.lse else c)
+
+
+def test_a_v_not_transposed_is_refused_naming_its_shape():
+    from attngen.reference.forward import InputError, random_inputs
+    plan = make_plan(Spec(head_dim=64, v_layout="transposed", **FP8))
+    q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 70, 336, 0)
+    with pytest.raises(InputError, match=r"v.shape.*\[1, 2, 64, 336\].*head_dim_v, kv_len"):
+        attngen.emulate(plan, q, k, v)
