@@ -426,3 +426,17 @@ def test_a_v_not_transposed_is_refused_naming_its_shape():
     q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 70, 336, 0)
     with pytest.raises(InputError, match=r"v.shape.*\[1, 2, 64, 336\].*head_dim_v, kv_len"):
         attngen.emulate(plan, q, k, v)
+
+
+def test_attention_and_the_ops_fake_take_a_transposed_v():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, d = _torch_fp8(5, kv_len=112)
+    kw = dict(causal=True, q_descale=d[0], k_descale=d[1], v_descale=d[2])
+    v_t = v.permute(0, 2, 3, 1).contiguous()  # [batch, kv_heads, head_dim_v, seqlen_k]
+    out = attngen.attention(q, k, v_t, v_layout="transposed", **kw)
+    assert torch.equal(out, attngen.attention(q, k, v, **kw))
+    with FakeTensorMode() as mode:
+        fake = attngen.attention(*(mode.from_tensor(t) for t in (q, k, v_t)), v_layout="transposed")
+    assert fake.shape == out.shape and fake.dtype == torch.bfloat16
