@@ -197,3 +197,15 @@ def test_an_fp8_kernel_is_charted_with_its_pv_its_one_byte_tiles_and_its_transpo
     assert transposes and all("Vt_shared" in st.text and st.smem_bytes == 2 for st in transposes)
     assert not any(st.smem_bytes for st in SourceInfo(record(make_plan(Spec(head_dim=64)), q_len=64, kv_len=64,
                                                                  blocks={(0, 0, 0)}).source).loops.values())
+
+
+def test_a_transposed_v_is_recorded_with_no_transpose():
+    from attngen.spec import Spec
+
+    plan = make_plan(Spec(head_dim=64, dtype="float8_e4m3fn", block_n=64, v_layout="transposed"))
+    rec = record(plan, q_len=128, kv_len=256, blocks={(0, 0, 0)})
+    src = SourceInfo(rec.source)
+    tl = replay(rec.ctas[0], Latency.load(), src)
+    assert [sp.kind for sp in tl.spans].count("PV") == 2 * 4 and not any(st.smem_bytes for st in src.loops.values())
+    v_loads = [sp.info["bytes"] for sp in tl.spans if sp.kind == "TMA" and sp.info["dst"].startswith("Vt_shared")]
+    assert len(v_loads) == 4 and set(v_loads) == {64 * 64}
