@@ -440,3 +440,32 @@ def test_attention_and_the_ops_fake_take_a_transposed_v():
     with FakeTensorMode() as mode:
         fake = attngen.attention(*(mode.from_tensor(t) for t in (q, k, v_t)), v_layout="transposed")
     assert fake.shape == out.shape and fake.dtype == torch.bfloat16
+
+
+VT_FREE = "                        T.mbarrier_wait_parity(vt_empty[v_stage], ((k // V_STAGES) % 2) ^ 1)\n"
+VT_LANDED_HAZARDS = {
+    # the consumer reads V^T before the barrier its TMA load completes
+    "vt_read_before_its_barrier": ((VT_WAIT + PV_STEADY, PV_STEADY + VT_WAIT), ("Vt_shared[",)),
+    # the TMA lands the next V^T tile over a stage a consumer's PV still reads
+    "vt_loaded_over_a_stage_in_use": ((VT_FREE, ""), ("Vt_shared[",)),
+}
+
+
+@pytest.mark.parametrize("name", VT_LANDED_HAZARDS)
+def test_a_transposed_v_race_is_reported_in_every_schedule(name):
+    from attngen.emulator import HazardError
+    from attngen.reference.forward import random_inputs
+
+    plan = make_plan(Spec(head_dim=64, causal=True, v_layout="transposed", **FP8))
+    source = attngen.render_source(plan)
+    (old, new), words = VT_LANDED_HAZARDS[name]
+    assert old in source, old
+    broken = source.replace(old, new)
+    q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 130, 704, 0)
+    v = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+    for policy, seed in FP8_SWEEP:
+        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
+        with pytest.raises(HazardError) as info:
+            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
+        for w in words:
+            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
