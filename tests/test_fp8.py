@@ -469,3 +469,14 @@ def test_a_transposed_v_race_is_reported_in_every_schedule(name):
             attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
         for w in words:
             assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+
+
+@pytest.mark.parametrize("fields", [{}, {"head_dim_v": 128, "causal": True, "gqa_group": 2},
+                                    {"block_mask": True, "mask_mod": "kv_idx <= q_idx", "lse": True}],
+                         ids=lambda f: ",".join(f) or "plain")
+def test_a_transposed_v_kernel_passes_the_fp8_rule_on_the_cpu_model(fields):
+    """check_emulated (attngen emulate's path) stores v transposed for the kernel, the reference keeps it keys-major."""
+    plan = make_plan(Spec(head_dim=64, v_layout="transposed", **FP8, **fields))
+    ok, text, stats = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 70, 336, seed=1)
+    assert ok, text
+    assert stats.wgmma > 0
