@@ -480,3 +480,13 @@ def test_a_transposed_v_kernel_passes_the_fp8_rule_on_the_cpu_model(fields):
     ok, text, stats = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 70, 336, seed=1)
     assert ok, text
     assert stats.wgmma > 0
+
+
+def test_the_ops_plan_memo_tells_transposed_vs_by_their_head_dim():
+    """Two transposed v of one seqlen_k and different head_dim_v: two plans, not one memoized for both."""
+    import torch
+
+    q, k, _, _ = _torch_fp8(6, kv_len=112)
+    for dv in (64, 128):
+        v_t = torch.randn(1, 2, dv, 112).to(torch.float8_e4m3fn)
+        assert attngen.attention(q, k, v_t, v_layout="transposed").shape == (1, 70, 2, dv)
