@@ -188,10 +188,20 @@ FP8_HAZARDS = {
 }
 
 
-@pytest.mark.parametrize("name", FP8_HAZARDS)
-def test_an_fp8_race_is_reported_in_every_schedule(name):
+def _race_in_every_schedule(plan, source, broken, words, q, k, v):
+    """The unmodified kernel runs clean and the broken one is reported, naming `words`, in every schedule."""
     from attngen.emulator import HazardError
 
+    for policy, seed in FP8_SWEEP:
+        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
+        with pytest.raises(HazardError) as info:
+            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
+        for w in words:
+            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+
+
+@pytest.mark.parametrize("name", FP8_HAZARDS)
+def test_an_fp8_race_is_reported_in_every_schedule(name):
     plan = make_plan(Spec(head_dim=64, **FP8, causal=True))
     source = attngen.render_source(plan)
     edits, words = FP8_HAZARDS[name]
@@ -200,12 +210,7 @@ def test_an_fp8_race_is_reported_in_every_schedule(name):
         assert old in broken, old
         broken = broken.replace(old, new)
     q, k, v = _fp8_inputs(plan, 130, 700)
-    for policy, seed in FP8_SWEEP:
-        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
-        with pytest.raises(HazardError) as info:
-            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
-        for w in words:
-            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+    _race_in_every_schedule(plan, source, broken, words, q, k, v)
 
 
 # -- the SASS census and `attngen check`'s verdict --------------------------------------------------------
@@ -453,7 +458,6 @@ VT_LANDED_HAZARDS = {
 
 @pytest.mark.parametrize("name", VT_LANDED_HAZARDS)
 def test_a_transposed_v_race_is_reported_in_every_schedule(name):
-    from attngen.emulator import HazardError
     from attngen.reference.forward import random_inputs
 
     plan = make_plan(Spec(head_dim=64, causal=True, v_layout="transposed", **FP8))
@@ -463,12 +467,7 @@ def test_a_transposed_v_race_is_reported_in_every_schedule(name):
     broken = source.replace(old, new)
     q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 130, 704, 0)
     v = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
-    for policy, seed in FP8_SWEEP:
-        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
-        with pytest.raises(HazardError) as info:
-            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
-        for w in words:
-            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+    _race_in_every_schedule(plan, source, broken, words, q, k, v)
 
 
 @pytest.mark.parametrize("fields", [{}, {"head_dim_v": 128, "causal": True, "gqa_group": 2},
