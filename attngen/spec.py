@@ -148,6 +148,10 @@ class Spec:
     # "single": a block per tile; "persistent": a block per SM loops over tiles an atomic counter hands
     # out (longest first under causal or a window; docs/build.md). At "single" the kernel is unchanged.
     scheduler: str = "single"
+    # fp8 only (docs/fp8.md): "keys" takes v as [batch, seqlen_k, kv_heads, head_dim_v], like k, and the
+    # kernel transposes each V tile in shared memory; "transposed" takes v already stored as
+    # [batch, kv_heads, head_dim_v, seqlen_k] (FA3's V_colmajor) and TMA-loads it straight into V^T.
+    v_layout: str = "keys"
 
     def __init__(self, **fields):
         # Keyword-only, and a typo is a SpecError with the nearest field, not a TypeError.
@@ -187,6 +191,8 @@ VARIANT_DEFAULTS = {"out_dtype": None,
                     "deterministic": False, "learnable": (), "scheduler": "single"}
 
 
+VARIANT_DEFAULTS["v_layout"] = "keys"  # left out of names and hashes at its default (docs/fp8.md)
+V_LAYOUTS = ("keys", "transposed")
 VARIANT_DEFAULTS["kv_dtype"] = None  # an fp8 KV cache (docs/fp8-kv-cache.md): left out of names and hashes at its default
 
 
@@ -293,8 +299,17 @@ FP8_REFUSED = {
 
 def check_fp8_fields(s: Spec) -> None:
     """What an fp8 kernel takes beside its dtype: unsplit, unpaged; block_n a multiple of the fp8 wgmma's K step."""
+    if s.v_layout not in V_LAYOUTS:
+        raise SpecError("v_layout", s.v_layout, 'expected "keys" (v as [batch, seqlen_k, kv_heads, head_dim_v], the default) '
+                        'or "transposed" (v as [batch, kv_heads, head_dim_v, seqlen_k], fp8 only)')
+    if s.v_layout != "keys" and s.dtype != E4M3:
+        raise ruled_out("v_layout", s.v_layout, '"keys" (or no v_layout)', f"dtype = {toml_value(s.dtype)}",
+                        "only an fp8 kernel reads V transposed (its PV wgmma takes V K-major)")
     if s.dtype != E4M3:
         return
+    if s.v_layout != "keys" and s.layout != "bshd":
+        raise ruled_out("v_layout", s.v_layout, '"keys"', f"layout = {toml_value(s.layout)}",
+                        "a transposed V is built for the bshd layout only (packed sequences would need [kv_heads, head_dim_v, total_k])")
     for field, why in FP8_REFUSED.items():
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), f'dtype = "{E4M3}"', why)

@@ -188,10 +188,20 @@ FP8_HAZARDS = {
 }
 
 
-@pytest.mark.parametrize("name", FP8_HAZARDS)
-def test_an_fp8_race_is_reported_in_every_schedule(name):
+def _race_in_every_schedule(plan, source, broken, words, q, k, v):
+    """The unmodified kernel runs clean and the broken one is reported, naming `words`, in every schedule."""
     from attngen.emulator import HazardError
 
+    for policy, seed in FP8_SWEEP:
+        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
+        with pytest.raises(HazardError) as info:
+            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
+        for w in words:
+            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+
+
+@pytest.mark.parametrize("name", FP8_HAZARDS)
+def test_an_fp8_race_is_reported_in_every_schedule(name):
     plan = make_plan(Spec(head_dim=64, **FP8, causal=True))
     source = attngen.render_source(plan)
     edits, words = FP8_HAZARDS[name]
@@ -200,12 +210,7 @@ def test_an_fp8_race_is_reported_in_every_schedule(name):
         assert old in broken, old
         broken = broken.replace(old, new)
     q, k, v = _fp8_inputs(plan, 130, 700)
-    for policy, seed in FP8_SWEEP:
-        attngen.emulate(plan, q, k, v, source=source, policy=policy, seed=seed)  # the unmodified kernel: no report
-        with pytest.raises(HazardError) as info:
-            attngen.emulate(plan, q, k, v, source=broken, policy=policy, seed=seed)
-        for w in words:
-            assert w in info.value.report, f"{policy} seed {seed}:\n{info.value.report}"
+    _race_in_every_schedule(plan, source, broken, words, q, k, v)
 
 
 # -- the SASS census and `attngen check`'s verdict --------------------------------------------------------
@@ -379,3 +384,108 @@ def test_the_ops_fake_gives_fp8s_output_type_and_compile_has_no_graph_break():
                       fullgraph=True)
     assert torch.equal(f(q, k, v, *d), attngen.attention(q, k, v, q_descale=d[0], k_descale=d[1], v_descale=d[2]))
     assert not counters["graph_break"]
+
+
+# -- v_layout = "transposed": V arrives as [batch, kv_heads, head_dim_v, kv_len] (FA3's V_colmajor) -------
+def test_v_layout_is_fp8_only_and_named_only_when_set():
+    assert make_plan(Spec(head_dim=64, **FP8)).name == make_plan(Spec(head_dim=64, v_layout="keys", **FP8)).name
+    assert make_plan(Spec(head_dim=64, v_layout="transposed", **FP8)).name.endswith("_vtransposed")
+    for fields, words in (({"v_layout": "transposed"}, "only an fp8 kernel"), ({"v_layout": "cols", **FP8}, '"transposed"'),
+                          ({"v_layout": "transposed", "layout": "varlen", **FP8}, "bshd")):
+        with pytest.raises(SpecError, match="v_layout") as e:
+            Spec(**fields)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_transposed_v_is_landed_by_the_tma_with_no_transpose():
+    src = fwd.render_source(Spec(head_dim=64, v_layout="transposed", **FP8))
+    code = "\n".join(line.split("#")[0] for line in src.splitlines())  # comments may name what is gone
+    assert "V_shared" not in code and "v_full" not in code and "TRANSPOSE_KEYS" not in code
+    assert "V: T.Tensor([batch, kv_heads, HEAD_DIM, kv_len], DTYPE)" in src
+    assert "Vt_shared[v_stage, :, :], barrier=vt_full[v_stage]" in src
+
+
+@pytest.mark.parametrize("fields", [{"head_dim": 64}, {"head_dim": 64, "causal": True, "gqa_group": 2, "lse": True}])
+def test_a_transposed_v_runs_bit_identically_to_the_transposing_kernel(fields):
+    """The same values, V stored [dim, keys] per KV head: the CPU model gives the same bits as the kernel
+    that transposes V in shared memory (kv_len a multiple of 16: TMA's 16-byte strides)."""
+    keys = make_plan(Spec(block_n=64, **fields, **FP8))
+    transposed = make_plan(Spec(block_n=64, v_layout="transposed", **fields, **FP8))
+    from attngen.reference.forward import random_inputs
+    heads = 2 * keys.spec.gqa_group
+    q, k, v = random_inputs(E4M3, 64, 1, heads, 2, 70, 336, 3)
+    v_t = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+    rng = np.random.default_rng(4)
+    descales = {n: (rng.random((1, 2)) * 2).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    a = attngen.emulate(keys, q, k, v, **descales)
+    b = attngen.emulate(transposed, q, k, v_t, **descales)
+    for x, y in zip(a if keys.spec.lse else [a], b if keys.spec.lse else [b]):
+        assert np.array_equal(x, y)
+    c = attngen.emulate(transposed, q, k, v_t[:, :, :, ::-1].copy(), **descales)  # keys reversed: must differ
+    assert not np.array_equal(a[0] if keys.spec.lse else a, c[0] if keys.spec.lse else c)
+
+
+def test_a_v_not_transposed_is_refused_naming_its_shape():
+    from attngen.reference.forward import InputError, random_inputs
+    plan = make_plan(Spec(head_dim=64, v_layout="transposed", **FP8))
+    q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 70, 336, 0)
+    with pytest.raises(InputError, match=r"v.shape.*\[1, 2, 64, 336\].*head_dim_v, kv_len"):
+        attngen.emulate(plan, q, k, v)
+
+
+def test_attention_and_the_ops_fake_take_a_transposed_v():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, d = _torch_fp8(5, kv_len=112)
+    kw = dict(causal=True, q_descale=d[0], k_descale=d[1], v_descale=d[2])
+    v_t = v.permute(0, 2, 3, 1).contiguous()  # [batch, kv_heads, head_dim_v, seqlen_k]
+    out = attngen.attention(q, k, v_t, v_layout="transposed", **kw)
+    assert torch.equal(out, attngen.attention(q, k, v, **kw))
+    with FakeTensorMode() as mode:
+        fake = attngen.attention(*(mode.from_tensor(t) for t in (q, k, v_t)), v_layout="transposed")
+    assert fake.shape == out.shape and fake.dtype == torch.bfloat16
+
+
+VT_FREE = "                        T.mbarrier_wait_parity(vt_empty[v_stage], ((k // V_STAGES) % 2) ^ 1)\n"
+VT_LANDED_HAZARDS = {
+    # the consumer reads V^T before the barrier its TMA load completes
+    "vt_read_before_its_barrier": ((VT_WAIT + PV_STEADY, PV_STEADY + VT_WAIT), ("Vt_shared[",)),
+    # the TMA lands the next V^T tile over a stage a consumer's PV still reads
+    "vt_loaded_over_a_stage_in_use": ((VT_FREE, ""), ("Vt_shared[",)),
+}
+
+
+@pytest.mark.parametrize("name", VT_LANDED_HAZARDS)
+def test_a_transposed_v_race_is_reported_in_every_schedule(name):
+    from attngen.reference.forward import random_inputs
+
+    plan = make_plan(Spec(head_dim=64, causal=True, v_layout="transposed", **FP8))
+    source = attngen.render_source(plan)
+    (old, new), words = VT_LANDED_HAZARDS[name]
+    assert old in source, old
+    broken = source.replace(old, new)
+    q, k, v = random_inputs(E4M3, 64, 1, 2, 2, 130, 704, 0)
+    v = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+    _race_in_every_schedule(plan, source, broken, words, q, k, v)
+
+
+@pytest.mark.parametrize("fields", [{}, {"head_dim_v": 128, "causal": True, "gqa_group": 2},
+                                    {"block_mask": True, "mask_mod": "kv_idx <= q_idx", "lse": True}],
+                         ids=lambda f: ",".join(f) or "plain")
+def test_a_transposed_v_kernel_passes_the_fp8_rule_on_the_cpu_model(fields):
+    """check_emulated (attngen emulate's path) stores v transposed for the kernel, the reference keeps it keys-major."""
+    plan = make_plan(Spec(head_dim=64, v_layout="transposed", **FP8, **fields))
+    ok, text, stats = check_emulated(plan, 1, 2 * plan.spec.gqa_group, 2, 70, 336, seed=1)
+    assert ok, text
+    assert stats.wgmma > 0
+
+
+def test_the_ops_plan_memo_tells_transposed_vs_by_their_head_dim():
+    """Two transposed v of one seqlen_k and different head_dim_v: two plans, not one memoized for both."""
+    import torch
+
+    q, k, _, _ = _torch_fp8(6, kv_len=112)
+    for dv in (64, 128):
+        v_t = torch.randn(1, 2, dv, 112).to(torch.float8_e4m3fn)
+        assert attngen.attention(q, k, v_t, v_layout="transposed").shape == (1, 70, 2, dv)

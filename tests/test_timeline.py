@@ -178,3 +178,34 @@ def test_a_users_latency_file_is_checked_against_the_default(tmp_path, edit, why
     copy = tmp_path / "copy.toml"
     copy.write_text(DEFAULT.read_text())
     assert Latency.load(copy).params == Latency.load().params  # an unedited copy loads
+
+
+def test_an_fp8_kernel_is_charted_with_its_pv_its_one_byte_tiles_and_its_transpose():
+    """fp8 (docs/fp8.md): PV reads P from shared memory (a PV, not a second QK), tiles are 1 byte an
+    element, and the producer's V transpose is priced as shared-memory traffic (read + write)."""
+    from attngen.spec import Spec
+
+    plan = make_plan(Spec(head_dim=64, dtype="float8_e4m3fn", block_n=64))
+    rec = record(plan, q_len=128, kv_len=256, blocks={(0, 0, 0)})
+    src = SourceInfo(rec.source)
+    tl = replay(rec.ctas[0], Latency.load(), src)
+    kinds = [sp.kind for sp in tl.spans]
+    assert kinds.count("QK") == kinds.count("PV") == 2 * 4  # 2 consumers x 4 tiles of 64 keys
+    k_loads = [sp.info["bytes"] for sp in tl.spans if sp.kind == "TMA" and sp.info["dst"].startswith("K_shared")]
+    assert k_loads and set(k_loads) == {64 * 64}
+    transposes = [st for st in src.loops.values() if st.smem_bytes]
+    assert transposes and all("Vt_shared" in st.text and st.smem_bytes == 2 for st in transposes)
+    assert not any(st.smem_bytes for st in SourceInfo(record(make_plan(Spec(head_dim=64)), q_len=64, kv_len=64,
+                                                                 blocks={(0, 0, 0)}).source).loops.values())
+
+
+def test_a_transposed_v_is_recorded_with_no_transpose():
+    from attngen.spec import Spec
+
+    plan = make_plan(Spec(head_dim=64, dtype="float8_e4m3fn", block_n=64, v_layout="transposed"))
+    rec = record(plan, q_len=128, kv_len=256, blocks={(0, 0, 0)})
+    src = SourceInfo(rec.source)
+    tl = replay(rec.ctas[0], Latency.load(), src)
+    assert [sp.kind for sp in tl.spans].count("PV") == 2 * 4 and not any(st.smem_bytes for st in src.loops.values())
+    v_loads = [sp.info["bytes"] for sp in tl.spans if sp.kind == "TMA" and sp.info["dst"].startswith("Vt_shared")]
+    assert len(v_loads) == 4 and set(v_loads) == {64 * 64}

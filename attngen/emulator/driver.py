@@ -684,6 +684,11 @@ def emulate(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random", sou
     return (out, lse) if plan.spec.lse else out
 
 
+def stored_v(spec, v):
+    """v [B, Skv, HKV, Dv] as the kernel takes it: fp8's v_layout = "transposed" stores it [B, HKV, Dv, Skv]."""
+    return v.transpose(0, 2, 3, 1).copy() if spec.v_layout == "transposed" else v
+
+
 def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, seed: int = 0):
     """Random q, k, v (v with head_dim_v) and every call-time tensor the plan takes, by name.
 
@@ -766,8 +771,8 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
                                       source=source, filename=filename, run=run, softmax_scale=softmax_scale)
     spec = plan.spec
     q, k, v, tensors = variant_inputs(plan, batch, heads, kv_heads, q_len, kv_len, seed)
-    result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
-                                           tensors=tensors, softmax_scale=softmax_scale)
+    result, stats = (run or emulate_stats)(plan, q, k, stored_v(plan.spec, v), seed=seed, policy=policy, source=source,
+                                           filename=filename, tensors=tensors, softmax_scale=softmax_scale)
     out, lse = result if spec.lse else (result, None)
     if spec.kv_dtype is not None:
         k, v, tensors = reference_kv(k, v, tensors)

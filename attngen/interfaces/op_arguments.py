@@ -152,7 +152,7 @@ def resolve(q, k, v, fields: str, window: tuple = (-1, -1), softcap: float = 0.0
     Memoized on what spec_for reads (ranks, heads, head dims, the page size, the tuned table's
     sequence bucket and its file's stamp), so a call pays a dict lookup, not a Spec and a plan."""
     key = (fields, tuple(window), softcap, tensor_names, str(q.dtype), str(k.dtype), q.dim(), int(q.shape[-2]), int(q.shape[-1]),
-           k.dim(), int(k.shape[-2]), int(v.shape[-1]), cu_seqlens_q is not None,
+           k.dim(), int(k.shape[-2]), int(v.shape[-1]), int(v.shape[-2]), cu_seqlens_q is not None,  # [-2]: a transposed v's dim
            None if block_table is None else int(k.shape[1]), num_splits,
            tuning_table.seq_bucket(max(int(q.shape[1]), int(k.shape[1]))), _table_stamp())
     plan = _plans.get(key)

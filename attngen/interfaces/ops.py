@@ -135,8 +135,9 @@ def out_metadata(q, v, fields: str, cu_seqlens_q) -> tuple[list, list]:
     """The shapes of (out, lse) from metadata alone: out packed like q with v's head dim; lse
     (heads, total_q) for packed q (cu_seqlens_q given), (batch, heads, q_len) otherwise, and
     [0] when the spec has no lse. Sizes may be symbolic: nothing here guards on them."""
-    out = [*q.shape[:-1], v.shape[-1]]
-    lse_on = bool(json.loads(fields).get("lse", False)) if fields else False
+    chosen = json.loads(fields) if fields else {}
+    out = [*q.shape[:-1], v.shape[-2 if chosen.get("v_layout") == "transposed" else -1]]  # fp8's [B, HKV, Dv, Skv] v
+    lse_on = bool(chosen.get("lse", False))
     if not lse_on:
         return out, [0]
     if cu_seqlens_q is not None:

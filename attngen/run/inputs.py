@@ -142,6 +142,12 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
         if len(t.shape) != 4:
             raise InputError(f"{name}.shape", list(t.shape), "4 dimensions: [batch, seq_len, heads, head_dim]")
     dv = spec.head_dim if spec.head_dim_v is None else spec.head_dim_v
+    stored_v = v
+    if getattr(spec, "v_layout", "keys") == "transposed":  # [batch, kv_heads, dv, kv_len]: checked as its keys-major view
+        want = [int(k.shape[0]), int(k.shape[2]), dv, int(k.shape[1])]
+        if list(v.shape) != want:
+            raise InputError("v.shape", list(v.shape), f"{want}: [batch, kv_heads, head_dim_v, kv_len] (v_layout = \"transposed\")")
+        v = given["v"] = v.permute(0, 3, 1, 2) if is_torch(v) else v.transpose(0, 3, 1, 2)
     for name, t in given.items():
         check_kind(name, t, element_dtype(spec, name), cpu=cpu, spec_dtype=True)
         if name in ("v", "out") and dv != spec.head_dim:
@@ -186,6 +192,7 @@ def check_tensors(spec_or_plan, q, k, v, out=None, *, shape: Shape | None = None
         got = Shape(batch, heads, kv_heads, q_len, kv_len)
         if got != shape:
             raise InputError("shape (B,H,HKV,SQ,SKV)", str(got), f"{shape}, the static shape this kernel was built for")
+    given["v"] = stored_v  # its layout as stored
     for name, t in given.items():
         check_layout(name, t)
     if out is not None:

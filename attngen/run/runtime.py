@@ -75,8 +75,9 @@ def call_spec(q, k, v, fields: dict, *, causal: bool = False, window=(-1, -1), s
     variant = {"window": tuple(window) if isinstance(window, list) else window, "softcap": softcap,
                "alibi": alibi, "sinks": sinks, "lse": lse}
     q_shape, v_shape = getattr(q, "shape", ()), getattr(v, "shape", ())
-    if len(v_shape) in (3, 4) and len(q_shape) in (3, 4) and v_shape[-1] != q_shape[-1]:
-        variant["head_dim_v"] = int(v_shape[-1])
+    v_dim = -2 if fields.get("v_layout") == "transposed" else -1  # a transposed v: [batch, kv_heads, head_dim_v, seqlen_k]
+    if len(v_shape) in (3, 4) and len(q_shape) in (3, 4) and v_shape[v_dim] != q_shape[-1]:
+        variant["head_dim_v"] = int(v_shape[v_dim])
     inferred = serving_overrides(q, k, cu_seqlens_q=cu_seqlens_q, block_table=block_table, num_splits=num_splits)
     # a spec field given by name (lse=, alibi=, splits=) wins over the one derived from the call
     return _spec_for(q, k, causal, {**variant, **fields}, call, inferred)

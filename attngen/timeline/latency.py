@@ -89,6 +89,7 @@ class Statement:
     fp: int  # fp32 operations per element
     mufu: int  # special-function (exp2) operations per element
     role: str  # softmax, rescale, epilogue or other
+    smem_bytes: int = 0  # shared-memory bytes moved per element: a shared-to-shared copy (fp8's V transpose) reads and writes
 
 
 def classify(text: str) -> str:
@@ -105,6 +106,23 @@ def classify(text: str) -> str:
     return "other"
 
 
+def _element_size(tree) -> int:
+    """Bytes of the kernel's element type (its DTYPE constant; 2 when it has none)."""
+    from attngen.timeline.trace import ITEMSIZE
+
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["DTYPE"] \
+                and isinstance(node.value, ast.Constant):
+            return ITEMSIZE.get(node.value.value, 2)
+    return 2
+
+
+def _shared_copy(body) -> bool:
+    """A loop body that only copies one shared buffer's element into another (fp8's V transpose)."""
+    return len(body) == 1 and isinstance(body[0], ast.Assign) and isinstance(body[0].value, ast.Subscript) \
+        and all("_shared" in ast.unparse(x) for x in (body[0].targets[0], body[0].value.value))
+
+
 class SourceInfo:
     """Line texts of the emitted source and what each T.Parallel loop costs per element."""
 
@@ -112,13 +130,16 @@ class SourceInfo:
         self.lines = source.splitlines()
         lines = self.lines
         self.loops: dict[int, Statement] = {}
-        for node in ast.walk(ast.parse(source)):
+        tree = ast.parse(source)
+        itemsize = _element_size(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and getattr(node.iter.func, "attr", "") == "Parallel":
                 ops = _Ops()
                 for stmt in node.body:
                     ops.visit(stmt)
                 body = "\n".join("\n".join(lines[n.lineno - 1:n.end_lineno]).strip() for n in node.body)
-                self.loops[node.lineno] = Statement(body, max(ops.fp, 1), ops.mufu, classify(body))
+                smem = 2 * itemsize if _shared_copy(node.body) else 0
+                self.loops[node.lineno] = Statement(body, max(ops.fp, 1), ops.mufu, classify(body), smem)
 
     def text(self, line) -> str:
         if line is None or not 1 <= line <= len(self.lines):

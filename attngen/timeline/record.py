@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from attngen.emulator import blas
-from attngen.emulator.driver import Runtime, Stats, _prepare
+from attngen.emulator.driver import Runtime, Stats, _prepare, stored_v
 from attngen.timeline.trace import Recorder
 
 
@@ -59,6 +59,7 @@ def record(plan, *, batch=1, kv_heads=1, q_len=128, kv_len=128, seed=0, policy="
     spec = plan.spec
     heads = kv_heads * spec.gqa_group
     q, k, v = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
+    v = stored_v(spec, v)  # fp8's v_layout = "transposed": [batch, kv_heads, head_dim_v, kv_len]
     inputs, dims, _ = _prepare(plan, q, k, v, tensors)  # a bshd, dense kernel: no serving call
     grid = grid_of(plan, dims)
     wanted = sample_blocks(grid, None, limit) if blocks == "auto" else blocks

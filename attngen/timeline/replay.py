@@ -207,8 +207,9 @@ def replay(cta: CTATrace, lat: Latency, src: SourceInfo) -> Timeline:
         elif k == "parallel":
             st = src.loops.get(e.line)
             fp, mufu, role = (st.fp, st.mufu, st.role) if st else (1, 0, classify(src.text(e.line)))
-            el = i["elems"]
-            compute(a, e, lat.compute_cycles(el * fp, el * mufu), role, elements=el, ops=f"{fp} fp32 + {mufu} exp2 per element")
+            el, smem = i["elems"], st.smem_bytes if st else 0
+            compute(a, e, lat.compute_cycles(el * fp, el * mufu, smem_bytes=el * smem), role, elements=el,
+                    ops=f"{fp} fp32 + {mufu} exp2 per element" + (f" + {smem} shared-memory bytes" if smem else ""))
         elif k == "reduce":
             el = i["elems"]
             compute(a, e, lat.compute_cycles(el, shuffles=2), "softmax", elements=el, reduce=i["op"])
@@ -220,6 +221,7 @@ def replay(cta: CTATrace, lat: Latency, src: SourceInfo) -> Timeline:
             elif scopes.endswith("->shared"):
                 cyc = lat.compute_cycles(el, smem_bytes=i["bytes"])
                 role = "epilogue" if "O_" in i["dst"] or not cta.producers[a] else "other"
+                role = "softmax" if i["dst"].startswith("P_shared") else role  # fp8's P, stored for its PV
             else:
                 cvt = el if i["src"].split("[")[0] != i["dst"].split("[")[0] else 0
                 cyc = lat.compute_cycles(el, cvt=cvt)

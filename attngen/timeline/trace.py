@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "float8_e5m2": 1, "int64": 8, "int32": 4}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "float8_e5m2": 1, "float8_e4m3fn": 1, "int64": 8,
+            "int32": 4}
 
 
 @dataclasses.dataclass
@@ -127,7 +128,8 @@ class Recorder:
     @staticmethod
     def _wgmma(i):
         a, b, c = i["a"], i["b"], i["c"]
-        kind = "PV" if a.buf.scope == "fragment" else "QK"  # register-P feeds PV; QK reads Q from shared memory
+        # QK reads K; PV reads V, or fp8's V^T with P from shared memory (P_shared)
+        kind = "QK" if _region(b).startswith("K_shared") else "PV"
         return {"a": _region(a), "b": _region(b), "c": _region(c), "m": int(i["m"]), "n": int(i["n"]), "k": int(i["k"]),
                 "dtype": b.buf.dtype, "op": kind}
 

@@ -381,7 +381,8 @@ class Variant:
         if self.fp8:
             lines.append(f'OUT_DTYPE = "{out_dtype_of(self.spec)}"  # O: an fp8 kernel writes 16 bits')
             keys = fp8_transpose_keys(self.plan.head_dim_v, self.plan.producer_regs)
-            lines.append(f"TRANSPOSE_KEYS = {keys}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
+            if self.spec.v_layout != "transposed":  # a transposed V (v_layout) lands as V^T: nothing to transpose
+                lines.append(f"TRANSPOSE_KEYS = {keys}  # keys of V the producer transposes at a time (its registers: docs/fp8.md)")
             lines.append(f"MAX_OFFSET = {float(FP8_MAX_OFFSET)!r}  # P = exp2(s - m + MAX_OFFSET): e4m3's range, "
                          "not [0, 1] (FA3's Max_offset)")
         return lines

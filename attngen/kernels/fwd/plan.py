@@ -87,6 +87,8 @@ def kernel_name(spec: Spec) -> str:
     parts += variant_tags(spec) + serving_tags(spec)
     if spec.scheduler != "single":
         parts.append(spec.scheduler)
+    if spec.v_layout != "keys":
+        parts.append("vtransposed")
     return "_".join(parts)
 
 
@@ -107,6 +109,8 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     if is_fp8(spec):  # fp8 wgmma reads both operands K-major from shared memory: V transposed, P stored
         smem["Vt"] = spec.v_stages * dv * block_n * elem
         smem["P"] = rows_q * block_n * elem
+        if spec.v_layout == "transposed":  # the TMA lands V^T itself: no V_shared to transpose from
+            del smem["V"]
     if spec.splits != 1:
         del smem["O"]  # float32 partial outputs go straight from registers to global memory
     if spec.scheduler == "persistent":

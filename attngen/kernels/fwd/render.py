@@ -158,6 +158,8 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
     """The main prim_func's parameter lines, in the order of docs/serving.md's ABI."""
     layout = layout_of(plan)
     lines = layout.io_params(dv, KvCache.of(plan).k_dtype, "OUT_DTYPE" if plan.fp8 else "DTYPE")
+    if v_transposed(plan):  # FA3's V_colmajor: each KV head's V as [dim, keys], a TMA box lands V^T
+        lines[2] = tensor_param("V", ["batch", "kv_heads", dv, "kv_len"], "DTYPE")
     for t in plan.extra:
         if t.output and not layout.kernel_writes_lse:
             continue  # the combine kernel writes the LSE
@@ -172,11 +174,16 @@ def kernel_params(plan: Plan, dv: str) -> list[str]:
     return lines
 
 
+def v_transposed(plan: Plan) -> bool:
+    """v_layout = "transposed" (fp8 only, docs/fp8.md): V arrives as [batch, kv_heads, head_dim_v, kv_len]."""
+    return plan.spec.v_layout == "transposed"
+
+
 def consumer_args(plan: Plan) -> str:
     """The consumer macro's parameters after (g, wait_bar, signal_bar); the call passes the same names."""
     layout = layout_of(plan)
-    names = ["Q_shared", "K_shared", "V_shared"] + layout.consumer_outputs() + layout.q_barrier_args()
-    names += ["k_full", "k_empty", "v_full", "v_empty"]
+    names = ["Q_shared", "K_shared"] + ([] if v_transposed(plan) else ["V_shared"]) + layout.consumer_outputs() + layout.q_barrier_args()
+    names += ["k_full", "k_empty"] + ([] if v_transposed(plan) else ["v_full", "v_empty"])
     persistent = schedule_of(plan).persistent
     # a persistent consumer binds its tile's rows, head and visits itself, from the index the producer hands over
     if persistent and layout.per_sequence:
@@ -378,6 +385,7 @@ def template_context(plan: Plan) -> dict:
         "kv_cache": KvCache.of(plan),
         **({"persistent": persistent_context(plan)} if schedule_of(plan).persistent else {}),
         "fp8": plan.fp8,
+        "v_transposed": v_transposed(plan),
     }
 
 
