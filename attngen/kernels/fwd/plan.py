@@ -195,6 +195,12 @@ def fp8_producer_spills(spec: Spec, block_n: int) -> bool:
     return block_n in block_ns and (spec.causal or not causal_only)
 
 
+def tile_fits(spec: Spec, block_n: int, consumer_regs: int) -> bool:
+    """block_n within the register estimate and shared memory, and not a tile measured to spill."""
+    return (regs_needed(spec, block_n) <= consumer_regs and sum(smem_layout(spec, block_n).values()) <= hw.SMEM_PER_BLOCK
+            and not fp8_producer_spills(spec, block_n))
+
+
 def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
@@ -203,8 +209,7 @@ def default_block_n(spec: Spec) -> int:
     limit = block_n_limit(spec) or candidates[0]
     fits_page = [bn for bn in candidates if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
     for bn in fits_page:
-        if (regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK
-                and not fp8_producer_spills(spec, bn)):
+        if tile_fits(spec, bn, consumer_regs):
             return bn
     return fits_page[-1]
 
@@ -292,8 +297,7 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
         raise SpecError("consumers", n, "an fp8 varlen kernel with 3 consumers spills (hd128 causal: 44 bytes, its 32-register "
                         "producer and its consumers; bench/plan_sweep.py --fp8): use 1 or 2 consumers")
     if check_registers and fp8_producer_spills(spec, spec.block_n):
-        fits = [bn for bn in block_n_candidates(spec) if regs_needed(spec, bn) <= consumer_regs
-                and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK and not fp8_producer_spills(spec, bn)]
+        fits = [bn for bn in block_n_candidates(spec) if tile_fits(spec, bn, consumer_regs)]
         raise SpecError("block_n", spec.block_n, f"this fp8 tile (head_dim_v {head_dim_v(spec)}, {n} consumers"
                         + (", causal" if spec.causal else "") + f") spilled in its {producer_regs}-register producer, "
                         f"the V transpose (bench/plan_sweep.py --fp8); block_n in {sorted(fits)} fits")
