@@ -79,6 +79,13 @@ FP8_K_STEP = 32  # an fp8 wgmma contracts 32 elements per instruction: the PV GE
 # many below 40. bench/plan_sweep.py --fp8, docs/fp8.md.
 FP8_TRANSPOSE_ELEMENTS = 16
 FP8_TRANSPOSE_REGS = 40  # the producer registers FP8_TRANSPOSE_ELEMENTS was measured with
+# fp8 tiles whose transposing producer spills at its setmaxnreg count (40 beside 2 consumers, 32
+# beside 3) although the block_n on both sides builds clean: the LDL/STL sit before the consumers'
+# setmaxnreg, so no consumer estimate sees it; measured points, not a term. (head_dim_v, consumers):
+# (block_n's, causal only). hd64 c2: 96 (28 B), 128 (36 B), 32/64/160 clean; hd64 c3 causal: 128
+# (8 B), 96/160 and non-causal 128 clean; hd128 c3 causal: 64 (4 B), 32/96 and non-causal 64 clean.
+# Measured 2026-12-05 (docs/hw-measurements.md).
+FP8_PRODUCER_SPILL_TILES = {(64, 2): ((96, 128), False), (64, 3): ((128,), True), (128, 3): ((64,), True)}
 
 
 def fp8_transpose_keys(head_dim_v: int, producer_regs: int) -> int:

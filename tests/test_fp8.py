@@ -50,6 +50,37 @@ def test_what_fp8_does_not_take_is_refused_naming_the_field(fields, field, words
     assert "\n" not in str(info.value)
 
 
+# Built with ptxas (docs/hw-measurements.md, "FP8_PRODUCER_SPILL_TILES"): the first of each pair
+# spilled in its V-transposing producer, the second (the same spec at the next block_n) did not.
+GQA8_3C = dict(head_dim=128, causal=True, gqa_group=8, consumers=3, k_stages=2, v_stages=3, **FP8)
+HD64_2C = dict(head_dim=64, causal=True, consumers=2, k_stages=2, v_stages=4, pingpong=False, **FP8)
+HD64_3C = dict(head_dim=64, causal=True, gqa_group=4, consumers=3, k_stages=2, v_stages=2, **FP8)
+
+
+@pytest.mark.parametrize("spilled, clean, fits", [
+    ({**GQA8_3C, "block_n": 64}, {**GQA8_3C, "block_n": 96}, "block_n in [32, 96] fits"),
+    ({**HD64_2C, "block_n": 128}, {**HD64_2C, "block_n": 160}, "block_n in [32, 64, 160] fits"),
+    ({**HD64_3C, "block_n": 128}, {**HD64_3C, "block_n": 96}, "block_n in [32, 64, 96] fits"),
+])
+def test_a_tile_whose_producer_spilled_is_refused_and_its_neighbour_is_not(spilled, clean, fits):
+    with pytest.raises(SpecError) as info:
+        make_plan(Spec(**spilled))
+    assert info.value.field == "block_n" and info.value.value == spilled["block_n"]
+    assert "producer" in str(info.value) and fits in str(info.value) and "\n" not in str(info.value)
+    assert make_plan(Spec(**clean)).spec.block_n == clean["block_n"]
+
+
+def test_the_producer_spill_is_causal_only_where_it_was_measured_so():
+    """hd128 with 3 consumers at block_n 64 built clean without the causal mask (and with a window)."""
+    assert make_plan(Spec(**{**GQA8_3C, "causal": False, "block_n": 64})).spec.block_n == 64
+    assert make_plan(Spec(**{**HD64_3C, "causal": False, "block_n": 128})).spec.block_n == 128
+
+
+def test_the_default_skips_a_tile_whose_producer_spilled():
+    """hd64 causal with 3 consumers took 128 (8 B spilled in the producer): now 96, which built clean."""
+    assert make_plan(Spec(**{**HD64_3C, "block_n": None})).spec.block_n == 96
+
+
 def test_the_backward_is_refused():
     with pytest.raises(SpecError, match="fp8 has no backward: train in 16 bits"):
         plan_backward(Spec(**FP8))

@@ -187,6 +187,20 @@ def block_n_limit(spec: Spec) -> int | None:
     return None
 
 
+def fp8_producer_spills(spec: Spec, block_n: int) -> bool:
+    """An fp8 tile whose V-transposing producer spilled where its neighbours did not (hw.FP8_PRODUCER_SPILL_TILES)."""
+    if not is_fp8(spec) or spec.v_layout == "transposed":  # measured on the transposing producer only
+        return False
+    block_ns, causal_only = hw.FP8_PRODUCER_SPILL_TILES.get((head_dim_v(spec), spec.consumers), ((), False))
+    return block_n in block_ns and (spec.causal or not causal_only)
+
+
+def tile_fits(spec: Spec, block_n: int, consumer_regs: int) -> bool:
+    """block_n within the register estimate and shared memory, and not a tile measured to spill."""
+    return (regs_needed(spec, block_n) <= consumer_regs and sum(smem_layout(spec, block_n).values()) <= hw.SMEM_PER_BLOCK
+            and not fp8_producer_spills(spec, block_n))
+
+
 def default_block_n(spec: Spec) -> int:
     """The largest candidate within both budgets (the smallest if none fits: make_plan then says why).
     A paged cache also needs the tile to divide the page (one TMA box per tile, inside one page)."""
@@ -195,7 +209,7 @@ def default_block_n(spec: Spec) -> int:
     limit = block_n_limit(spec) or candidates[0]
     fits_page = [bn for bn in candidates if (not spec.paged_kv or spec.page_size % bn == 0) and bn <= limit]
     for bn in fits_page:
-        if regs_needed(spec, bn) <= consumer_regs and sum(smem_layout(spec, bn).values()) <= hw.SMEM_PER_BLOCK:
+        if tile_fits(spec, bn, consumer_regs):
             return bn
     return fits_page[-1]
 
@@ -282,6 +296,11 @@ def make_plan(spec: Spec, shape: Shape | None = None, *, check_registers: bool =
     if check_registers and is_fp8(spec) and spec.layout == "varlen" and n == 3:
         raise SpecError("consumers", n, "an fp8 varlen kernel with 3 consumers spills (hd128 causal: 44 bytes, its 32-register "
                         "producer and its consumers; bench/plan_sweep.py --fp8): use 1 or 2 consumers")
+    if check_registers and fp8_producer_spills(spec, spec.block_n):
+        fits = [bn for bn in block_n_candidates(spec) if tile_fits(spec, bn, consumer_regs)]
+        raise SpecError("block_n", spec.block_n, f"this fp8 tile (head_dim_v {head_dim_v(spec)}, {n} consumers"
+                        + (", causal" if spec.causal else "") + f") spilled in its {producer_regs}-register producer, "
+                        f"the V transpose (bench/plan_sweep.py --fp8); block_n in {sorted(fits)} fits")
     limit = block_n_limit(spec)
     if check_registers and limit and spec.block_n > limit:
         raise SpecError("block_n", spec.block_n, f"with alibi, split-KV and 3 consumers the S tile of a block_n above {limit} "
