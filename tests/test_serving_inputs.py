@@ -29,7 +29,7 @@ def fake(layout="varlen", paged=False, page_size=None, splits=1, head_dim=64, he
     """A planned spec as the serving ABI reads it (plan.spec.<field>), with no plan behind it."""
     spec = SimpleNamespace(layout=layout, paged_kv=paged, page_size=page_size, splits=splits, head_dim=head_dim,
                            head_dim_v=head_dim_v, gqa_group=gqa_group, block_m=block_m, block_n=block_n, lse=lse,
-                           aligned=aligned, dtype=dtype, window=(-1, -1))
+                           aligned=aligned, dtype=dtype, window=(-1, -1), scheduler="single")
     return SimpleNamespace(spec=spec, extra=(), shape=None, name="fake")
 
 
