@@ -33,6 +33,7 @@ from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, T
 from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
 from attngen.reference.kv_cache import dequantize, quantize, random_descales, row_batches
 from attngen.kernels.fwd.kv_cache import DESCALES
+from attngen.kernels.fwd.plan import DESCALE_TENSORS
 
 
 # Generic-proxy smem writes read by TMA or wgmma must be fenced and barrier-ordered
@@ -697,10 +698,8 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
     from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
-    from attngen.kernels.fwd.plan import DESCALE_TENSORS
 
     spec = plan.spec
-    qkv_descales = {name for name, _ in DESCALE_TENSORS}  # fp8 Q, K and V's: drawn here; an fp8 cache's below
     lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | (set(DESCALES) if spec.kv_dtype is not None else set())
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
@@ -714,7 +713,7 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
         elif t.name == "sinks":
             tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
-        elif t.name in qkv_descales:  # FA3's test draws rand(b, h_k) * 2
+        elif t.name in DESCALE_NAMES:  # fp8 Q, K and V's (an fp8 cache's: below); FA3's test draws rand(b, h_k) * 2
             tensors[t.name] = (rng.random((batch, kv_heads)) * 2).astype(np.float32)
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
@@ -789,7 +788,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     return ok, text, stats
 
 
-DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")  # kernels/fwd/plan.py's DESCALE_TENSORS, by call-time name
+DESCALE_NAMES = tuple(name for name, _ in DESCALE_TENSORS)  # fp8 Q, K and V's descales, by call-time name
 
 
 def descales_of(tensors: dict):
