@@ -456,6 +456,26 @@ def test_a_transposed_v_runs_bit_identically_to_the_transposing_kernel(fields):
     assert not np.array_equal(a[0] if keys.spec.lse else a, c[0] if keys.spec.lse else c)
 
 
+@settings(max_examples=4, deadline=None)
+@given(fields=st.sampled_from(VARIANTS[:6]), q_len=st.integers(1, 140), kv_tiles=st.integers(1, 25),
+       seed=st.integers(0, 2**16), policy=st.sampled_from(["random", "producer-first", "consumers-first"]))
+def test_drawn_transposed_v_specs_shapes_and_schedules_pass_and_match_the_transposing_kernel(fields, q_len, kv_tiles,
+                                                                                             seed, policy):
+    """Drawn variants, shapes, descales and schedules with V stored [dim, keys]: the fp8 rule holds, and the bits
+    are the transposing kernel's. kv_len is a multiple of 16 (TMA's 16-byte strides)."""
+    from attngen.emulator.driver import stored_v, variant_inputs
+    keys = make_plan(Spec(head_dim=64, block_n=64, **FP8, **fields))
+    transposed = make_plan(Spec(head_dim=64, block_n=64, v_layout="transposed", **FP8, **fields))
+    shape = (1, 2 * keys.spec.gqa_group, 2, q_len, 16 * kv_tiles)
+    ok, text, _ = check_emulated(transposed, *shape, seed=seed, policy=policy)
+    assert ok, text
+    q, k, v, tensors = variant_inputs(keys, *shape, seed)
+    a = attngen.emulate(keys, q, k, v, policy=policy, seed=seed, **tensors)
+    b = attngen.emulate(transposed, q, k, stored_v(transposed.spec, v), policy=policy, seed=seed, **tensors)
+    for x, y in zip(a if keys.spec.lse else [a], b if keys.spec.lse else [b]):
+        assert np.array_equal(x, y, equal_nan=True)
+
+
 def test_a_v_not_transposed_is_refused_naming_its_shape():
     from attngen.reference.forward import InputError, random_inputs
     plan = make_plan(Spec(head_dim=64, v_layout="transposed", **FP8))
