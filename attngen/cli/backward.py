@@ -10,7 +10,6 @@ line naming the field.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import numpy as np
@@ -200,23 +199,19 @@ def emulate_command(args, plan) -> int:
     """`attngen emulate --backward`: random inputs and dout, the emitted backward kernels on the CPU
     model, each gradient's error against its bound. Exit 0 all within, 1 a mismatch, hazard or
     deadlock, 2 bad input (checked before any input is drawn)."""
-    from attngen.emulator import EmulationError
-    from attngen.cli.common import emulate_options
+    from attngen.cli.common import emulate_options, emulated
 
     bp = plan_backward(plan.spec)  # a spec the backward refuses: its SpecError, exit 2
     source, filename, heads = emulate_options(args, plan.spec)  # InputError: exit 2
     scale = args.softmax_scale
     print(f"attngen emulate --backward: {bp.name} ({'--source ' + filename if filename else 'rendered'}), "
           f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
-    try:
-        checks, stats, seconds, ran = emulated_grads(bp, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
-                                                     seed=args.seed, policy=args.policy, source=source, softmax_scale=scale)
-    except EmulationError as e:
-        print(e.report)
-        return 1
-    except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
-        print(f"attngen: error: {e}", file=sys.stderr)
-        return 2
+    result, status = emulated(lambda: emulated_grads(bp, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
+                                                     seed=args.seed, policy=args.policy, source=source,
+                                                     softmax_scale=scale))
+    if result is None:
+        return status
+    checks, stats, seconds, ran = result
     print(f"  {ran}")
     print(f"  the forward (lse) and {stats.ctas} backward CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads, {stats.atomics} atomics, {stats.reduce_adds} TMA reduce-adds, {seconds:.2f} s")

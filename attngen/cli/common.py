@@ -4,9 +4,10 @@ options (checked alike for the forward and, with --backward, the backward)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from attngen.emulator import POLICIES, check_run
+from attngen.emulator import POLICIES, EmulationError, check_run
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import InputError, check_scale
@@ -55,3 +56,17 @@ def emulate_options(args, spec):
             raise InputError("--source", args.source, f"a readable file ({e.strerror or e})") from None
         filename = str(args.source)
     return source, filename, heads
+
+
+def emulated(run):
+    """Run one CPU-model emulation for `emulate` (forward or --backward): (its result, None), or (None, the
+    exit status) once why it stopped is printed: a hazard's or deadlock's report (1), or a --source the
+    emulator cannot take, null bytes say (2)."""
+    try:
+        return run(), None
+    except EmulationError as e:
+        print(e.report)
+        return None, 1
+    except ValueError as e:
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return None, 2

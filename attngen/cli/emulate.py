@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from attngen.cli.common import emulate_options, plan_of
-from attngen.emulator import EmulationError
+from attngen.cli.common import emulate_options, emulated, plan_of
 from attngen.emulator.driver import check_emulated, run_shape_text
 from attngen.reference.forward import InputError
 
@@ -37,16 +36,13 @@ def command(args, plan=None) -> int:
     scale = getattr(args, "softmax_scale", None)
     print(f"attngen emulate: {plan.name} ({'--source ' + filename if filename else 'rendered'}), {shape}, "
           f"seed {args.seed}, policy {args.policy}" + ("" if scale is None else f", softmax scale {scale!r}"))
-    try:  # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
-        ok, text, stats = check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
-                                         seed=args.seed, policy=args.policy, source=source, filename=filename,
-                                         softmax_scale=scale)
-    except EmulationError as e:
-        print(e.report)
-        return 1
-    except ValueError as e:  # a --source the emulator cannot take (null bytes, ...)
-        print(f"attngen: error: {e}", file=sys.stderr)
-        return 2
+    # variant inputs (v of head_dim_v, call-time tensors) and the LSE check where the spec has lse
+    result, status = emulated(lambda: check_emulated(plan, args.batch, heads, args.kv_heads, args.q_len, args.kv_len,
+                                                     seed=args.seed, policy=args.policy, source=source,
+                                                     filename=filename, softmax_scale=scale))
+    if result is None:
+        return status
+    ok, text, stats = result
     atomics = "".join(f", {n} {what}" for n, what in ((stats.atomics, "atomics"), (stats.reduce_adds, "TMA reduce-adds")) if n)
     print(f"  {stats.ctas} CTAs, {stats.handovers} scheduler hand-overs, {stats.wgmma} wgmma, "
           f"{stats.tma} TMA loads{atomics}, {stats.seconds:.2f} s")
