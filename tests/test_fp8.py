@@ -442,12 +442,12 @@ def test_a_transposed_v_runs_bit_identically_to_the_transposing_kernel(fields):
     that transposes V in shared memory (kv_len a multiple of 16: TMA's 16-byte strides)."""
     keys = make_plan(Spec(block_n=64, **fields, **FP8))
     transposed = make_plan(Spec(block_n=64, v_layout="transposed", **fields, **FP8))
-    from attngen.reference.forward import random_inputs
+    from attngen.reference.forward import fa3_descale, random_inputs
     heads = 2 * keys.spec.gqa_group
     q, k, v = random_inputs(E4M3, 64, 1, heads, 2, 70, 336, 3)
     v_t = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
     rng = np.random.default_rng(4)
-    descales = {n: (rng.random((1, 2)) * 2).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    descales = {n: fa3_descale(rng, 1, 2) for n in ("q_descale", "k_descale", "v_descale")}
     a = attngen.emulate(keys, q, k, v, **descales)
     b = attngen.emulate(transposed, q, k, v_t, **descales)
     for x, y in zip(a if keys.spec.lse else [a], b if keys.spec.lse else [b]):

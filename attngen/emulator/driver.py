@@ -30,7 +30,7 @@ from attngen.emulator.hazards import Launch, Tracker
 from attngen.emulator.memory import Buffer, Owned, stored
 from attngen.emulator.rewrite import RT, TL, rewrite
 from attngen.emulator.tlang import FakeTileLang, GridProbe, Helpers, PrimFunc, TensorType, TLang
-from attngen.reference.forward import InputError, check_close, check_scale, random_inputs, resolve_scale, to_numpy
+from attngen.reference.forward import InputError, check_close, check_scale, fa3_descale, random_inputs, resolve_scale, to_numpy
 from attngen.reference.kv_cache import dequantize, quantize, random_descales, row_batches
 from attngen.kernels.fwd.kv_cache import DESCALES
 from attngen.kernels.fwd.plan import DESCALE_TENSORS
@@ -713,8 +713,8 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
             tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
         elif t.name == "sinks":
             tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
-        elif t.name in DESCALE_NAMES:  # fp8 Q, K and V's (an fp8 cache's: below); FA3's test draws rand(b, h_k) * 2
-            tensors[t.name] = (rng.random((batch, kv_heads)) * 2).astype(np.float32)
+        elif t.name in DESCALE_NAMES:  # fp8 Q, K and V's (an fp8 cache's: below)
+            tensors[t.name] = fa3_descale(rng, batch, kv_heads)
         else:
             shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
             tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
@@ -856,7 +856,7 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         k, v, tensors = quantize(k, kd, row_batch), quantize(v, vd, row_batch), {"k_descale": kd, "v_descale": vd}
     else:  # fp8 Q, K and V: descales per sequence and KV head, as FA3's test draws them
         rng = np.random.default_rng(seed + 1)
-        tensors = {t.name: (rng.random((len(lq), kv_heads)) * 2).astype(np.float32) for t in plan.extra if t.name in DESCALE_NAMES}
+        tensors = {t.name: fa3_descale(rng, len(lq), kv_heads) for t in plan.extra if t.name in DESCALE_NAMES}
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)

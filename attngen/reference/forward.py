@@ -291,6 +291,12 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, batc
     return out, lse
 
 
+def fa3_descale(rng, rows: int, kv_heads: int):
+    """One random fp8 descale, float32 [rows, kv_heads], drawn as FA3's fp8 test draws it: rand * 2 (an fp8
+    cache's per-page descales keep clear of 0 instead: reference/kv_cache.random_descales)."""
+    return (rng.random((rows, kv_heads)) * 2).astype(np.float32)
+
+
 def dequantize(q, k, v, descales):
     """fp8's inputs as the values they stand for (fp64): q, k, v times their float32 [batch, kv_heads]
     descales (FA3's q_descale, k_descale, v_descale; None: 1), query head h taking its KV head's."""
