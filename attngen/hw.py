@@ -33,6 +33,9 @@ LOG2E = 1.44269504  # exp(x) = exp2(x * log2(e)); the constant the seed kernel u
 REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 # A producer that looks up pages or split ranges per tile spills at 24 registers.
 SERVING_PRODUCER_REGS = {1: 56, 2: 40}
+# fp8's producer warpgroup under the persistent scheduler transposes V and takes tiles: at 40 registers
+# (two consumers) causal hd64/128/256 spilled 20/4/20 B; at 56 none did.
+FP8_PERSISTENT_PRODUCER_REGS = 56
 # Registers a consumer thread needs beyond its accumulators (row statistics, addresses, loop state).
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 # ...and beyond that when tiles are masked along a diagonal (causal or a window): the mask's row

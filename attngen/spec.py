@@ -454,9 +454,6 @@ def check_scheduler_field(s: Spec) -> None:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
                             "the persistent scheduler serves dense (bshd or varlen), unsplit kernels without a block mask "
                             "(a tile's pages, split or block-mask visits are not handed out yet)")
-    if s.dtype == E4M3:
-        raise ruled_out("dtype", s.dtype, '"float16" or "bfloat16"', 'scheduler = "persistent"', "the persistent producer's "
-                        "tile loop does not transpose V yet (fp8's producer warpgroup does, in its own loop)")
     if s.kv_dtype not in (None, s.dtype):
         raise ruled_out("kv_dtype", s.kv_dtype, "none", 'scheduler = "persistent"', "the persistent producer's tile loop "
                         "loads 16-bit K/V: an fp8 cache's dequantizing producer is not wrapped in it yet")

@@ -157,6 +157,8 @@ def reg_split(spec: Spec) -> tuple:
     (page and split lookups per tile), the consumers keeping what the pool leaves them."""
     # a block mask's producer walks its lists per tile; an fp8 cache's producer dequantizes each tile;
     # fp8's producer warpgroup transposes V
+    if is_fp8(spec) and spec.scheduler == "persistent":
+        return walking_split(spec.consumers, hw.FP8_PERSISTENT_PRODUCER_REGS)
     if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec) or is_fp8(spec):
         return walking_split(spec.consumers)
     if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B
@@ -164,11 +166,11 @@ def reg_split(spec: Spec) -> tuple:
     return hw.REG_SPLIT[spec.consumers]
 
 
-def walking_split(n: int) -> tuple:
+def walking_split(n: int, producer: int | None = None) -> tuple:
     """The split of n consumers whose producer looks up each tile (pages, splits, a block mask's lists,
-    a persistent schedule's next tile)."""
-    producer, consumer = hw.REG_SPLIT[n]
-    producer = hw.SERVING_PRODUCER_REGS.get(n, producer)
+    a persistent schedule's next tile), or holds `producer` registers where that is given."""
+    fa3_producer, consumer = hw.REG_SPLIT[n]
+    producer = producer or hw.SERVING_PRODUCER_REGS.get(n, fa3_producer)
     pool = (n + 1) * hw.launch_regs(hw.WARPGROUP_THREADS * (n + 1))
     return producer, min(consumer, (pool - producer) // n // 8 * 8)  # setmaxnreg counts are multiples of 8
 

@@ -334,7 +334,18 @@ def persistent_context(plan: Plan) -> dict:
     if varlen:  # total_tiles: the tile list's length
         setup = [SLOT_LINE]
     return {"setup": setup, "tile": lines, "vars": [f'{name} = T.alloc_var("int32", 0)' for name in held],
-            "constants": [COUNTER_CONSTANT]}
+            "constants": [COUNTER_CONSTANT], "consumer_tile": tile_scale_setup(plan)}
+
+
+def tile_scale_setup(plan: Plan) -> list[str]:
+    """The consumer's scale lines that read the tile's (batch, KV head): fp8's descales. A single-tile block
+    derives them once; a persistent block's tile changes both, so it derives them per tile."""
+    return Variant.of(plan).scale_setup() if plan.fp8 and schedule_of(plan).persistent else []
+
+
+def block_scale_setup(plan: Plan) -> list[str]:
+    """The consumer's scale lines derived once per block (all of them, unless a tile rederives them)."""
+    return [] if tile_scale_setup(plan) else Variant.of(plan).scale_setup()
 
 
 def template_context(plan: Plan) -> dict:
@@ -380,6 +391,7 @@ def template_context(plan: Plan) -> dict:
         **(combine_context(plan, dv) if layout.split_kv else {}),
         **(split_exprs(plan) if layout.split_kv else {}),
         "variant": Variant.of(plan),
+        "scale_setup": block_scale_setup(plan),
         "serving_constants": layout.constants(),
         "bmask": visits,
         "kv_cache": KvCache.of(plan),
