@@ -111,3 +111,25 @@ def test_a_tile_that_kept_another_tiles_descales_gives_other_bits():
     want = outputs({"causal": True}, scheduler="single")
     got = outputs({"causal": True}, num_sms=2, source=text.replace(per_tile, "Q_descale[0, 0] * K_descale[0, 0]"))
     assert not same(got, want)
+
+
+def test_a_varlen_fp8_batch_equals_the_single_tile_kernel_bit_for_bit():
+    """A ragged batch (a long causal sequence, one row, no rows, more keys than rows), descales per
+    (sequence, KV head): the tile list's tiles scale by their own sequence's descales."""
+    from attngen.reference.forward import fa3_descale, round_to
+
+    lq, lk = [300, 1, 0, 129], [300, 40, 7, 200]
+    rng = np.random.default_rng(5)
+    q = round_to(rng.standard_normal((sum(lq), 2, 64)), E4M3)
+    k, v = (round_to(rng.standard_normal((sum(lk), 2, 64)), E4M3) for _ in range(2))
+    serving = {"cu_seqlens_q": np.cumsum([0] + lq).astype(np.int32), "cu_seqlens_k": np.cumsum([0] + lk).astype(np.int32),
+               "max_seqlen_q": max(lq)}
+    tensors = {n: fa3_descale(rng, len(lq), 2) for n in ("q_descale", "k_descale", "v_descale")}
+
+    def varlen(scheduler, **run):
+        spec = attngen.Spec(**FP8, causal=True, lse=True, layout="varlen", scheduler=scheduler)
+        return emulate_stats(spec, q, k, v, serving=serving, tensors=tensors, **run)[0]
+
+    want = varlen("single")
+    for num_sms, policy in ((1, "random"), (3, "producer-first"), (6, "consumers-first")):
+        assert same(varlen("persistent", num_sms=num_sms, policy=policy, counters=TileCounters()), want)
