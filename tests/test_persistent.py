@@ -255,7 +255,8 @@ def test_the_unmutated_kernel_passes_where_the_mutants_run():
 FIELDS = st.sampled_from([CAUSAL, {}, {"causal": True, "gqa_group": 2, "lse": True}, {"window": (100, 30)},
                           {"causal": True, "consumers": 1, "k_stages": 1, "v_stages": 3}, {"lse": True, "sinks": True},
                           {"causal": True, "alibi": True, "head_dim": 64}, {"mask_mod": "(q_idx + kv_idx) % 3 != 0"},
-                          {"causal": True, "steady_loop": "split", "dtype": "bfloat16"}])
+                          {"causal": True, "steady_loop": "split", "dtype": "bfloat16"},
+                          {"causal": True, "head_dim": 64, "dtype": "float8_e4m3fn", "lse": True}])
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
