@@ -302,3 +302,83 @@ def test_the_smoke_stage_runs_a_backward_presets_backward_and_fails_a_nan_gradie
             smoke.backward_once(spec, q, k, v)
     else:
         assert smoke.backward_once(spec, q, k, v) == "backward ok (every gradient finite: dq, dk, dv, dsinks)"
+
+
+@pytest.mark.parametrize("preset", ["hd128_e4m3_full", "hd64_e4m3_causal_gqa4_lse", "hd64_bf16_alibi"])
+def test_the_smoke_stage_gives_a_dense_preset_its_inputs_and_rule(preset):
+    """gpu_smoke.dense_inputs (on CPU tensors) hands the emitted kernel every call-time tensor it takes
+    (fp8: e4m3 q, k, v and FA3's descales [batch, kv_heads]); on the CPU model its output passes the
+    rule check_output applies on the GPU (fp8's, with its twin), and the output x 1.05 fails it."""
+    import numpy as np
+    import torch
+
+    import attngen
+    from attngen.emulator.driver import check_output
+    from attngen.reference.forward import to_numpy
+
+    plan = attngen.make_plan(attngen.load_spec(ROOT / "examples" / f"{preset}.toml"))
+    q, k, v, tensors = smoke.dense_inputs(plan, "cpu")
+    b, hkv = q.shape[0], k.shape[2]
+    assert q.dtype == getattr(torch, plan.spec.dtype) and q.shape[2] == hkv * plan.spec.gqa_group
+    if plan.fp8:
+        assert {n: tuple(t.shape) for n, t in tensors.items() if n.endswith("descale")} == {
+            n: (b, hkv) for n in ("q_descale", "k_descale", "v_descale")}
+    got = attngen.emulate(plan, *(to_numpy(x) for x in (q, k, v)), **{n: to_numpy(t) for n, t in tensors.items()})
+    out, lse = got if plan.spec.lse else (got, None)
+    ok, text = check_output(plan.spec, out, lse, q, k, v, tensors)
+    assert ok, text
+    ok, text = check_output(plan.spec, np.asarray(out) * 1.05, lse, q, k, v, tensors)
+    assert not ok, text
+
+
+def test_the_fp8_and_persistent_rows_pair_each_kernel_with_its_partner_goal_rows_first():
+    """Issue 29's and 30's benchmark rows: fp8 hd64/128/256, causal or not, at every length, beside our
+    float16 kernel; persistent hd128 beside the single-tile kernel of its tiles; the goal rows (fp8 hd128
+    non-causal at 16k; persistent causal at 1k, 4k, 16k) planned right after the seed rows."""
+    from attngen.hw import E4M3
+
+    gpu = bench_module("bench_gpu")
+    seqlens = [1024, 2048, 4096, 8192, 16384]
+    goal, rest = gpu.plan_pair_rows(seqlens, 16384)
+    assert [(r.label, r.shape.q_len) for r in goal] == [("fp8 hd128", 16384), ("persistent hd128 causal", 1024),
+                                                        ("persistent hd128 causal", 4096), ("persistent hd128 causal", 16384)]
+    fp8 = [r for r in goal + rest if r.spec.dtype == E4M3]
+    assert {(r.spec.head_dim, r.spec.causal, r.shape.q_len) for r in fp8} == {
+        (d, c, s) for d in (64, 128, 256) for c in (False, True) for s in seqlens}
+    for r in goal + rest:
+        assert r.kernel_keys == [(r.spec, None, None), (r.beside, None, None)]
+        assert r.shape.batch * r.shape.q_len == 16384 and r.shape.heads * r.spec.head_dim == 2048
+        if r.spec.dtype == E4M3:
+            assert (r.beside.dtype, r.beside.head_dim, r.beside.causal) == ("float16", r.spec.head_dim, r.spec.causal)
+        else:
+            assert r.spec.scheduler == "persistent" and r.beside.scheduler == "single"
+            assert dataclasses.replace(r.beside, scheduler="persistent") == r.spec  # the same tiles
+    assert {r.spec.causal for r in goal + rest if r.spec.scheduler == "persistent"} == {True, False}
+
+
+def test_the_prebuild_covers_the_kernels_the_persistent_and_fp8_cache_gpu_tests_launch():
+    import attngen
+    from attngen.kernels.bwd.plan import plan_backward
+
+    gpu = bench_module("bench_gpu")
+    keys = gpu.gpu_test_keys()
+    names = {attngen.make_plan(s).name if v is None else plan_backward(s).name for s, _, v in keys}
+    persistent = bench_module_tests("test_gpu_persistent")
+    for fields, _ in persistent.FORWARD_CASES + [(persistent.VARLEN_FIELDS, None)]:
+        assert {attngen.make_plan(s).name for s in persistent.pair_specs(fields)} <= names
+    assert any(n.endswith("_e4m3_obf16_causal_g1_c2_k2v2_m128n160_persistent") for n in names)  # fp8 persistent
+    assert {plan_backward(attngen.Spec(**f, scheduler=s)).name for f, _ in persistent.BACKWARD_CASES
+            for s in ("single", "persistent")} <= names
+    assert sum(n.endswith("_kv8") for n in names) == 2
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert "tests/test_gpu_persistent.py tests/test_gpu_kv_cache_fp8.py" in script
+
+
+def bench_module_tests(name):
+    """A GPU test module, imported on the CPU (its tests skip; its lists and helpers are plain Python)."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    spec = importlib.util.spec_from_file_location(f"harness_{name}", ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
