@@ -50,7 +50,6 @@ from attngen.run.gputime import n_sets, time_launches  # noqa: E402
 from attngen.kernels.bwd.plan import autograd_spec, plan_backward  # noqa: E402
 from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops  # noqa: E402
 from attngen.kernels.fwd.plan import make_plan  # noqa: E402
-from attngen.hw import E4M3  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -74,8 +73,6 @@ class Config:
     seed: Path | None = None  # the hand-written seed kernel (bench/seed_kernel.py) instead of ours
     variant: str | None = None  # a bench/build_time.py variant of our emitted text, timed beside it
     backward: bool = False  # a backward row: the spec's backward module (its forward with lse feeds it)
-    beside: Spec | None = None  # a pair row: this kernel timed beside ours on the same inputs (fp8: our 16-bit
-    #                             kernel; persistent: the single-tile one), the ratio printed (plan_pair_rows)
 
     @property
     def kernel_key(self):
@@ -88,7 +85,7 @@ class Config:
         """Every kernel the row launches: a backward row's forward (with lse) too."""
         if self.backward:
             return [(autograd_forward(self.spec), None, None), self.kernel_key]
-        return [self.kernel_key] + ([(self.beside, None, None)] if self.beside else [])
+        return [self.kernel_key]
 
     @property
     def kernel_name(self) -> str:
@@ -162,36 +159,6 @@ def plan_backward_rows(seqlens, tokens) -> list[Config]:
     return rows
 
 
-PAIR_HEAD_DIMS = (128, 64, 256)  # hd128 first: the goal rows
-
-
-def plan_pair_rows(seqlens, tokens) -> tuple[list[Config], list[Config]]:
-    """fp8 (issue 29) and persistent (issue 30) rows, each timed beside its partner on the same inputs:
-    (goal rows, the rest). Goals: fp8 hd128 non-causal at 16k (>= 1.6x our fp16 kernel, >= 1000 TFLOP/s);
-    persistent hd128 fp16 causal at 1k, 4k and 16k (>= single everywhere, >= 1.1x at 1k). The goal rows
-    run right after the seed rows, the rest after the presets' rows (the forward's budget share)."""
-    rows = []
-    for s in sorted(seqlens, reverse=True):
-        for d in PAIR_HEAD_DIMS:
-            h = heads_for(d, 1)
-            shape = Shape(max(1, tokens // s), h, h, s, s)
-            for causal in (False, True):
-                fp8 = make_plan(Spec(head_dim=d, dtype=E4M3, causal=causal)).spec
-                rows.append(Config(f"fp8 hd{d}{' causal' if causal else ''}", fp8, shape,
-                                   beside=make_plan(Spec(head_dim=d, dtype="float16", causal=causal)).spec))
-    for s in sorted(seqlens):
-        h = heads_for(128, 1)
-        shape = Shape(max(1, tokens // s), h, h, s, s)
-        for causal in (True, False):
-            persistent = make_plan(Spec(head_dim=128, dtype="float16", causal=causal, scheduler="persistent")).spec
-            single = make_plan(Spec(head_dim=128, dtype="float16", causal=causal, block_n=persistent.block_n)).spec
-            rows.append(Config(f"persistent hd128{' causal' if causal else ''}", persistent, shape, beside=single))
-    goal = [r for r in rows if (r.spec.dtype == E4M3 and r.spec.head_dim == 128 and not r.spec.causal
-                                and r.shape.q_len == max(seqlens))
-            or (r.spec.scheduler == "persistent" and r.spec.causal and r.shape.q_len in (1024, 4096, 16384))]
-    return goal, [r for r in rows if r not in goal]
-
-
 # -- building -----------------------------------------------------------------------------------
 
 
@@ -236,26 +203,6 @@ def backward_preset_keys(preset_paths) -> list[tuple]:
         if Path(path).stem in BACKWARD_PRESETS:
             spec = load(path)  # the backward plan's resolved spec: one key per module, as the benchmark rows'
             keys += [(autograd_forward(spec), None, None), (plan_backward(spec).spec, None, BACKWARD)]
-    return keys
-
-
-GPU_TEST_MODULES = ("test_gpu_persistent", "test_gpu_kv_cache_fp8")  # each names the kernels it launches
-
-
-def gpu_test_keys() -> list[tuple]:
-    """The kernels the GPU tests of the persistent scheduler and the fp8 cache launch, as each test module
-    lists them (kernels(), backward_kernels()): the build stage builds them, the tests only load them."""
-    import importlib.util
-
-    if str(ROOT / "tests") not in sys.path:  # the modules import gpu_marks from there
-        sys.path.insert(0, str(ROOT / "tests"))
-    keys = []
-    for name in GPU_TEST_MODULES:
-        spec = importlib.util.spec_from_file_location(f"attngen_gpu_{name}", ROOT / "tests" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        keys += [(s, None, None) for s in module.kernels()]
-        keys += [(plan_backward(s).spec, None, BACKWARD) for s in getattr(module, "backward_kernels", list)()]
     return keys
 
 
@@ -437,67 +384,6 @@ def run_config(cfg: Config, args, l2: int) -> dict:
     return row
 
 
-def run_pair(cfg: Config, args, l2: int) -> dict:
-    """A pair row: our kernel and its partner (cfg.beside) timed on the same inputs, then SDPA's backends.
-    fp8: the 16-bit sets are first rounded through e4m3, so our fp8 kernel (on their exact e4m3 copies, no
-    descales), our 16-bit kernel and SDPA all compute with the same numbers; the difference from SDPA is
-    then the fp8 kernel's own error (P in e4m3)."""
-    import torch
-    from torch.nn.attention import SDPBackend
-
-    from attngen.run.checks import check_written, out_torch_dtype, torch_dtype
-
-    row = {"label": cfg.label, "pass": "pair", "shape": str(cfg.shape), "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
-           "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(), "kernel": cfg.kernel_name,
-           "beside_kernel": make_plan(cfg.beside).name}
-    partner_cfg = dataclasses.replace(cfg, spec=cfg.beside, beside=None)
-    n = cfg.n_sets(l2)
-    row["sets"] = n
-    sets = make_sets(partner_cfg, n)
-    fp8 = cfg.spec.dtype == E4M3
-    e4m3 = torch_dtype(E4M3)
-    if fp8:
-        sets = [tuple(t.to(e4m3).to(t.dtype) for t in qkv[:3]) + (qkv[3],) for qkv in sets]
-        ours = [tuple(t.to(e4m3) for t in qkv[:3]) + (torch.empty(qkv[3].shape, dtype=out_torch_dtype(make_plan(cfg.spec)),
-                                                                  device=DEVICE),) for qkv in sets]
-    else:
-        ours = [qkv[:3] + (torch.empty_like(qkv[3]),) for qkv in sets]
-    kernel, partner = kernel_for(cfg.spec, None, None), kernel_for(cfg.beside, None, None)
-    s = cfg.shape  # fp8's descales as ones (what absent means), passed: the timed launches skip the checks that fill them
-    scales = {f"{x}_descale": torch.ones(s.batch, s.kv_heads, device=DEVICE) for x in "qkv"} if fp8 else {}
-
-    def rate(secs, spread):
-        return {"s": secs, "spread_s": spread, "tflops": cfg.tflops(secs)}
-
-    try:
-        q, k, v, out = ours[0]
-        out.fill_(float("nan"))
-        kernel(q, k, v, out=out, **scales)  # checked launch
-        torch.cuda.synchronize()
-        try:
-            check_written(out)
-            row["written"] = True
-        except AssertionError as e:
-            row["written"] = False
-            row["error"] = str(e)
-        row["attngen"] = rate(*time_launches(lambda i: kernel(*ours[i][:3], out=ours[i][3], check=False, **scales), n,
-                                             args.warmup, args.reps))
-        row["beside"] = rate(*time_launches(lambda i: partner(*sets[i][:3], out=sets[i][3], check=False), n, args.warmup,
-                                            args.reps))
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                fn, ref, note = sdpa_runner(partner_cfg, sets, backend)
-                diff = (out.float() - ref.float()).abs().max().item()
-                row[name] = {**rate(*time_launches(fn, n, args.warmup, args.reps)), "max_abs_diff": diff, "note": note}
-            except Exception as e:  # a backend that cannot take this configuration: n/a, with the reason
-                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
-    finally:
-        sets.clear()
-        ours.clear()
-        torch.cuda.empty_cache()
-    return row
-
-
 def run_backward(cfg: Config, args, l2: int) -> dict:
     """A backward row: our backward kernels on the forward's out and LSE, then SDPA's backward on
     each backend (autograd.grad over a retained forward graph), the same input sets rotated."""
@@ -609,26 +495,6 @@ def table(rows, dry_run: bool) -> str:
     return "\n".join(lines)
 
 
-def pair_table(rows, dry_run: bool) -> str:
-    """fp8 and persistent rows: ours beside its partner kernel (same inputs, same run) and SDPA."""
-    head = ["kernel", "D", "causal", "B,H,HKV,Sq,Skv", "attngen TFLOP/s", "beside", "beside TFLOP/s", "ratio",
-            "SDPA flash", "SDPA cuDNN", "max abs diff vs SDPA", "written"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        a, b = r.get("attngen"), r.get("beside")
-        ratio = f"{a['tflops'] / b['tflops']:.2f}" if a and b and "tflops" in a and "tflops" in b else "-"
-        diffs = [e["max_abs_diff"] for e in (r.get("flash"), r.get("cudnn")) if e and "max_abs_diff" in e]
-        beside = "single-tile" if "persistent" in r["label"] else "float16"
-        written = "planned" if dry_run else {True: "yes", False: "NO"}.get(r.get("written"), "-")
-        lines.append("| " + " | ".join([r["label"], str(r["head_dim"]), "yes" if r["causal"] else "no", r["shape"], cell(a),
-                                         beside, cell(b), ratio, cell(r.get("flash")), cell(r.get("cudnn")),
-                                         f"{min(diffs):.1e}" if diffs else "-", written]) + " |")
-    failures = [r["label"] + " " + r["shape"] + ": " + r["error"] for r in rows if r.get("error")]
-    if failures:
-        lines.append("\nFAILED: " + "; ".join(failures))
-    return "\n".join(lines)
-
-
 def environment_lines(dry_run: bool) -> list[str]:
     import torch
 
@@ -678,21 +544,18 @@ def main(argv=None) -> int:
         ap.error(f"--backward-share {args.backward_share}: expected a fraction in [0, 1)")
     seqlens = [int(s) for s in args.seqlens.split(",")]
     configs = plan(presets, seqlens, args.tokens, seed)
-    goal_pairs, other_pairs = plan_pair_rows(seqlens, args.tokens)
-    n_seed = sum(c.static for c in configs)  # the seed rows first, then the fp8 and persistent goal rows
-    configs = configs[:n_seed] + goal_pairs + configs[n_seed:] + other_pairs
     if args.backward_share > 0:
         configs += plan_backward_rows(seqlens, args.tokens)
     print(f"{len(presets)} presets, {len(configs)} rows ({sum(c.backward for c in configs)} backward), "
           f"{len({k for c in configs for k in c.kernel_keys})} kernels", flush=True)
-    extra = preset_keys(presets) + backward_preset_keys(presets) + gpu_test_keys() if args.prebuild_only else ()
+    extra = preset_keys(presets) + backward_preset_keys(presets) if args.prebuild_only else ()
     build_rows = prebuild(configs, args.jobs, extra, load=not args.prebuild_only)
     if args.prebuild_only:
         return 1 if any(r.get("error") for r in build_rows) else 0
 
     import torch
 
-    from attngen.run.checks import out_torch_dtype, torch_dtype
+    from attngen.run.checks import torch_dtype
     from attngen.run.inputs import check_layout, check_tensors
 
     rows = []
@@ -700,13 +563,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every row: a run cut short still leaves its table behind
-        fwd_rows = [r for r in rows if r.get("pass") not in (BACKWARD, "pair")]
+        fwd_rows = [r for r in rows if r.get("pass") != BACKWARD]
         bwd_rows = [r for r in rows if r.get("pass") == BACKWARD]
-        pair_rows = [r for r in rows if r.get("pass") == "pair"]
         text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
                          + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(fwd_rows, args.dry_run), ""]
-                         + (["## fp8 and persistent (each beside its partner kernel on the same inputs)", "",
-                             pair_table(pair_rows, args.dry_run), ""] if pair_rows else [])
                          + (["## Backward (TFLOP/s at 2.5 x the forward's FLOPs; the backward kernels alone)", "",
                              table(bwd_rows, args.dry_run), ""] if bwd_rows else []))
         (out / "bench.md").write_text(text)
@@ -719,13 +579,7 @@ def main(argv=None) -> int:
             s, d, dt = cfg.shape, cfg.spec.head_dim, torch_dtype(cfg.spec.dtype)
             q = torch.empty(s.batch, s.q_len, s.heads, d, dtype=dt, device="meta")
             kv = torch.empty(s.batch, s.kv_len, s.kv_heads, d, dtype=dt, device="meta")
-            if cfg.beside is not None:  # the partner on the 16-bit sets; fp8: ours on their e4m3 copies
-                q16, kv16 = (torch.empty(t.shape, dtype=torch_dtype(cfg.beside.dtype), device="meta") for t in (q, kv))
-                check_tensors(cfg.beside, q16, kv16, kv16.clone(), torch.empty_like(q16))
-                kernel_for(cfg.beside, None, None)
-                kernel_for(cfg.spec, None, None)
-            out = torch.empty(q.shape, dtype=out_torch_dtype(make_plan(cfg.spec)), device="meta")
-            check_tensors(cfg.spec, q, kv, kv.clone(), out, shape=s if cfg.static else None)
+            check_tensors(cfg.spec, q, kv, kv.clone(), torch.empty_like(q), shape=s if cfg.static else None)
             if cfg.seed is not None:
                 seed_launcher(cfg)  # builds it (nvcc, no launch)
             if cfg.backward:  # the forward with lse that feeds it, and dout laid out as the kernels take it
@@ -733,13 +587,11 @@ def main(argv=None) -> int:
                 check_layout("dout", torch.empty_like(q))
                 for key in cfg.kernel_keys:  # loaded (the prebuild built them)
                     kernel_for(*key)
-            rows.append({"label": cfg.label, "pass": BACKWARD if cfg.backward else "pair" if cfg.beside else "forward",
-                         "shape": str(s),
+            rows.append({"label": cfg.label, "pass": BACKWARD if cfg.backward else "forward", "shape": str(s),
                          "dtype": cfg.spec.dtype, "causal": cfg.spec.causal,
                          "head_dim": d, "gflop": cfg.gflop(), "sets": cfg.n_sets(l2),
                          "kernel": cfg.kernel_name,
-                         "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"},
-                         **({"beside": {"plan": "planned"}} if cfg.beside else {})})
+                         "attngen": {"plan": "planned"}, "flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}})
             save()
     else:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -751,16 +603,13 @@ def main(argv=None) -> int:
                 skipped[cfg.backward] += 1
                 continue
             try:
-                row = (run_backward if cfg.backward else run_pair if cfg.beside else run_config)(cfg, args, l2)
+                row = (run_backward if cfg.backward else run_config)(cfg, args, l2)
             except Exception as e:  # record the row's failure and go on, unless the context is poisoned
-                row = {"label": cfg.label, "pass": BACKWARD if cfg.backward else "pair" if cfg.beside else "forward",
-                       "shape": str(cfg.shape),
+                row = {"label": cfg.label, "pass": BACKWARD if cfg.backward else "forward", "shape": str(cfg.shape),
                        "dtype": cfg.spec.dtype, "causal": cfg.spec.causal, "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(),
                        "error": f"{type(e).__name__}: {str(e)[-300:]}"}
             rows.append(row)
-            shown = pair_table if cfg.beside else table
-            print(shown([row], False).splitlines()[-1] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}",
-                  flush=True)
+            print(table([row], False).splitlines()[-1] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}", flush=True)
             save()
             if "error" in row:
                 try:

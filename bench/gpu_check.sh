@@ -99,15 +99,11 @@ if [[ -n "$HUNG" ]]; then
   BENCH_PRESETS=$(for f in examples/*.toml; do n=$(basename "$f" .toml); [[ " $HUNG " == *" $n "* ]] || printf '%s,' "$f"; done)
 fi
 
-# 5. GPU tests (they skip cleanly without a compute capability 9.0 device); no shrinking on a failure. The fp8
-#    presets run in tests/test_gpu.py; the persistent and fp8-cache files' kernels were built in stage 3 (the
-#    fp8-cache door test builds its own append kernel: left to a full `pytest -m gpu`)
+# 5. GPU tests (they skip cleanly without a compute capability 9.0 device); no shrinking on a failure
 export ATTNGEN_HYPOTHESIS_PROFILE=gpu
 "${PY[@]}" -c "import pytest_timeout" 2>/dev/null && PYTEST_SELECT+=(--timeout=90)  # the H200 image has it
 stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 \
-  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_backward.py tests/test_gpu_serving.py tests/test_ops.py tests/test_ops_backward.py \
-  tests/test_gpu_persistent.py tests/test_gpu_kv_cache_fp8.py \
-  --deselect tests/test_gpu_kv_cache_fp8.py::test_flash_attn_with_kvcache_appends_into_an_fp8_cache_on_the_gpu 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
+  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_backward.py tests/test_gpu_serving.py tests/test_ops.py tests/test_ops_backward.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
 TEST_RC=${PIPESTATUS[0]}
 
 # 6. compute-sanitizer racecheck and synccheck on one small launch of two presets (skipped in a dry run)

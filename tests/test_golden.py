@@ -21,7 +21,7 @@ def test_there_are_enough_presets():
     specs = [attngen.load_spec(p) for p in PRESETS]
     assert len(specs) >= 6
     assert {64, 128, 256} <= {s.head_dim for s in specs}
-    assert {"float16", "bfloat16", "float8_e4m3fn"} == {s.dtype for s in specs}  # fp8 presets: the GPU check times and checks them
+    assert {"float16", "bfloat16"} == {s.dtype for s in specs}
     assert {True, False} == {s.causal for s in specs}
     assert {1, 2, 3} == {s.consumers for s in specs}
     assert {1, 2, 3} <= {s.k_stages for s in specs} | {s.v_stages for s in specs}

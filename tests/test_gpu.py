@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from attngen.run import forward, runtime
 from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
-from attngen.emulator.driver import check_output, variant_inputs
-from attngen.reference.forward import check_close
-from attngen.run.checks import check_written, out_torch_dtype, torch_dtype
+from attngen.emulator.driver import variant_inputs
+from attngen.reference.forward import check_close, check_lse, variant_of
+from attngen.run.checks import check_written, torch_dtype
 from attngen.run.runtime import InputError
 from attngen.spec import load
 from gpu_marks import GPU_ONLY
@@ -62,8 +62,8 @@ def run_and_check(kernel, q, k, v, scale=None):
     spec = kernel.spec
     shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
     _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
-    extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}  # fp8: FA3's random descales too
-    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=out_torch_dtype(kernel.plan), device=q.device)
+    extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
     got = kernel(q, k, v, out=out, softmax_scale=scale, **extra)
     lse = None
     if spec.lse:
@@ -71,8 +71,13 @@ def run_and_check(kernel, q, k, v, scale=None):
     torch.cuda.synchronize()
     assert got is out  # written in place: the poisoned buffer is what we inspect
     check_written(out)
-    ok, text = check_output(spec, out, lse, q, k, v, extra, scale)  # fp8: the fp8 rule, on the dequantized inputs
-    assert ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {text}"
+    variant = variant_of(spec, extra.get("alibi_slopes"), extra.get("sinks"),
+                         {n: x for n, x in extra.items() if n not in ("alibi_slopes", "sinks")})
+    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+    assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {result}"
+    if lse is not None:
+        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+        assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: lse {res}"
     return out
 
 

@@ -21,24 +21,9 @@ pytestmark = GPU_ONLY
 FP8 = getattr(torch, E4M3)
 
 
-PAGED_CASES = [("bfloat16", False, "auto", 8), ("float16", True, 1, 4)]
-PAGE = 64
-
-
-def paged_spec(dtype, causal, splits, group):
-    return attngen.Spec(head_dim=128, dtype=dtype, gqa_group=group, causal=causal, paged_kv=True, page_size=PAGE,
-                        splits=splits, kv_dtype=E4M3)
-
-
-def kernels() -> list:
-    """The forward specs the paged test launches: the GPU check's build stage builds them first
-    (bench/bench_gpu.py: gpu_test_keys). flash_attn_with_kvcache's kernels build when that test runs."""
-    return [make_plan(paged_spec(*case)).spec for case in PAGED_CASES]
-
-
-@pytest.mark.parametrize("dtype, causal, splits, group", PAGED_CASES)
+@pytest.mark.parametrize("dtype, causal, splits, group", [("bfloat16", False, "auto", 8), ("float16", True, 1, 4)])
 def test_a_paged_fp8_cache_matches_the_reference_per_sequence(dtype, causal, splits, group):
-    kv_heads, page = 2, PAGE
+    kv_heads, page = 2, 64
     x = random_serving_inputs("bshd", True, page, dtype, 128, 128, [3] * 4, [1000, 333, 64, 5], group * kv_heads,
                               kv_heads, seed=5, neighbour_fill=1e4)
     kd, vd = random_descales(x.k.shape[0], kv_heads, seed=6)
@@ -49,7 +34,8 @@ def test_a_paged_fp8_cache_matches_the_reference_per_sequence(dtype, causal, spl
     num_splits = None if splits == 1 else "auto"
     out = attngen.attention(q, torch.from_numpy(k8).to(FP8).cuda(), torch.from_numpy(v8).to(FP8).cuda(),
                             causal=causal, num_splits=num_splits, **cuda)
-    plan = make_plan(paged_spec(dtype, causal, splits, group))
+    plan = make_plan(attngen.Spec(head_dim=128, dtype=dtype, gqa_group=group, causal=causal, paged_kv=True,
+                                  page_size=page, splits=splits, kv_dtype=E4M3))
     call = check_serving(plan, x.q, k8, v8, block_table=x.block_table, seqused_k=x.seqused_k)
     res = check_serving_close(out.float().cpu(), x.q, dequantize(k8, kd), dequantize(v8, vd), call, causal, dtype)
     assert res.ok, res
