@@ -225,6 +225,13 @@ def gpu_test_keys() -> list[tuple]:
     return keys
 
 
+def build_order(keys, configs) -> list:
+    """The goal rows' kernels first (a build stage cut short still leaves the goal rows theirs), then the
+    backward modules (each builds its 3-5 kernels in one worker: the longest jobs), then the rest."""
+    goals = {key for c in configs if getattr(c, "goal", False) for key in c.kernel_keys}
+    return sorted(keys, key=lambda k: (k not in goals, k[2] != BACKWARD))
+
+
 def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk
     (load=False, the GPU check's build stage: only those no worker built, so that a failure is
@@ -238,8 +245,7 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
 
         try:
             with cf.ProcessPoolExecutor(max_workers=min(jobs, len(keys)), mp_context=mp.get_context("spawn")) as pool:
-                # the backward modules first: each builds its 3-5 kernels in one worker, the longest jobs
-                futures = {pool.submit(_build_one, *key): key for key in sorted(keys, key=lambda k: k[2] != BACKWARD)}
+                futures = {pool.submit(_build_one, *key): key for key in build_order(keys, configs)}
                 for f in cf.as_completed(futures):
                     try:
                         name, source, seconds = f.result()

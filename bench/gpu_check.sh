@@ -105,7 +105,7 @@ fi
 #     the benchmark below runs every other row
 GOAL_ARGS=(--rows goals --backward-share 0 --budget-s 45 -j 1 --out "$OUTDIR/goals" --presets "$BENCH_PRESETS")
 [[ $DRY == 1 ]] && GOAL_ARGS+=(--dry-run)
-stage "benchmark: goal rows" 60 200 "${PY[@]}" bench/bench_gpu.py "${GOAL_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/goals.log"
+stage "benchmark: goal rows" 60 110 "${PY[@]}" bench/bench_gpu.py "${GOAL_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/goals.log"
 GOAL_RC=${PIPESTATUS[0]}
 grep "^|" "$OUTDIR/goals.log" | tail -n 12
 

@@ -384,6 +384,11 @@ def test_the_benchmark_plans_the_fp8_and_persistent_rows_goals_first_and_checks_
     assert sum(varlen.lengths) == 16384 and len(set(varlen.lengths)) == len(varlen.lengths)
     assert varlen.gflop() == pytest.approx(4 * varlen.shape.heads * 128 * sum(n * n for n in varlen.lengths) / 2 / 1e9)
     assert all(pairs.FP8 not in c.spec.dtype for c in others)  # fp8 presets: timed only in the fp8 rows
+    keys = list(dict.fromkeys(k for c in rows + gpu.plan_backward_rows([1024], 16384) for k in c.kernel_keys))
+    order = gpu.build_order(keys, rows)
+    goal_keys = {k for r in rows[:4] for k in r.kernel_keys}  # fp8 and fp16 hd128; persistent and single hd128 causal
+    assert len(goal_keys) == 4 and set(order[:4]) == goal_keys  # a cut-short build stage still has them
+    assert order[4][2] == gpu.BACKWARD  # then the longest jobs
     for r in rows[:4] + [varlen]:  # the dry run's checks: meta tensors through the runtime's input checks
         pairs.check_planned(r)
     x = pairs.input_tensors(fp8[0], "meta", empty=True)
