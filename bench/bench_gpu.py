@@ -52,6 +52,9 @@ from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops  # noqa: E402
 from attngen.kernels.fwd.plan import make_plan  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))  # python3 -P puts no script folder on the path
+import bench_pairs  # noqa: E402  (the fp8 and persistent rows)
+
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384  # B * S per row, as FlashAttention-3's benchmarks
 HIDDEN = 2048  # H * D per row
@@ -133,6 +136,9 @@ def plan(preset_paths, seqlens, tokens, seed_kernel: Path | None = None) -> list
         if planned.varlen or planned.page_size or planned.split_kv:
             print(f"skipping {Path(path).stem}: a serving preset (bench/bench_serving.py times it)")
             continue
+        if spec.dtype == bench_pairs.FP8:
+            print(f"skipping {Path(path).stem}: an fp8 preset (the fp8 rows time fp8 beside our fp16 kernel)")
+            continue
         if planned.extra or planned.head_dim_v != spec.head_dim:
             # variant presets (docs/variants.md) take call-time tensors or a different V: not timed here yet
             print(f"skipping {Path(path).stem}: a variant preset (the timing loop passes q, k, v only)")
@@ -206,6 +212,26 @@ def backward_preset_keys(preset_paths) -> list[tuple]:
     return keys
 
 
+def gpu_test_keys() -> list[tuple]:
+    """The kernels of the GPU tests that name their specs beyond the presets (tests/test_gpu_persistent.py,
+    tests/test_gpu_kv_cache_fp8.py: each one's KERNELS), so that pytest only loads them."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    keys = []
+    for name in ("test_gpu_persistent", "test_gpu_kv_cache_fp8"):
+        for spec, backward in importlib.import_module(name).KERNELS:
+            keys.append((plan_backward(spec).spec, None, BACKWARD) if backward else (make_plan(spec).spec, None, None))
+    return keys
+
+
+def build_order(keys, configs) -> list:
+    """The goal rows' kernels first (a build stage cut short still leaves the goal rows theirs), then the
+    backward modules (each builds its 3-5 kernels in one worker: the longest jobs), then the rest."""
+    goals = {key for c in configs if getattr(c, "goal", False) for key in c.kernel_keys}
+    return sorted(keys, key=lambda k: (k not in goals, k[2] != BACKWARD))
+
+
 def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]:
     """Build every kernel in worker processes (nvcc is single-threaded), then load each here from disk
     (load=False, the GPU check's build stage: only those no worker built, so that a failure is
@@ -219,8 +245,7 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
 
         try:
             with cf.ProcessPoolExecutor(max_workers=min(jobs, len(keys)), mp_context=mp.get_context("spawn")) as pool:
-                # the backward modules first: each builds its 3-5 kernels in one worker, the longest jobs
-                futures = {pool.submit(_build_one, *key): key for key in sorted(keys, key=lambda k: k[2] != BACKWARD)}
+                futures = {pool.submit(_build_one, *key): key for key in build_order(keys, configs)}
                 for f in cf.as_completed(futures):
                     try:
                         name, source, seconds = f.result()
@@ -531,6 +556,8 @@ def main(argv=None) -> int:
                     help="start no new row once this many seconds have passed since the process started (prebuild included)")
     ap.add_argument("--seed-kernel", type=Path, default=ROOT / ".seed" / "seed_fa3.py",
                     help="the hand-written seed kernel (bench/seed_kernel.py writes it; skipped when absent)")
+    ap.add_argument("--rows", choices=("all", "goals", "rest"), default="all",
+                    help="goals: only issue 29's and 30's goal rows (the GPU check runs them early); rest: all but those")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/attngen-bench", help="folder for bench.md and bench.json")
     args = ap.parse_args(argv)
 
@@ -543,12 +570,15 @@ def main(argv=None) -> int:
     if not 0 <= args.backward_share < 1:
         ap.error(f"--backward-share {args.backward_share}: expected a fraction in [0, 1)")
     seqlens = [int(s) for s in args.seqlens.split(",")]
-    configs = plan(presets, seqlens, args.tokens, seed)
-    if args.backward_share > 0:
+    pairs = bench_pairs.fp8_rows(seqlens, args.tokens, heads_for) + bench_pairs.persistent_rows(args.tokens, heads_for)
+    configs = bench_pairs.forward_order(pairs, plan(presets, seqlens, args.tokens, seed))
+    if args.rows != "all":
+        configs = [c for c in configs if (args.rows == "goals") == bool(getattr(c, "goal", False))]
+    if args.backward_share > 0 and args.rows != "goals":
         configs += plan_backward_rows(seqlens, args.tokens)
     print(f"{len(presets)} presets, {len(configs)} rows ({sum(c.backward for c in configs)} backward), "
           f"{len({k for c in configs for k in c.kernel_keys})} kernels", flush=True)
-    extra = preset_keys(presets) + backward_preset_keys(presets) if args.prebuild_only else ()
+    extra = preset_keys(presets) + backward_preset_keys(presets) + gpu_test_keys() if args.prebuild_only else ()
     build_rows = prebuild(configs, args.jobs, extra, load=not args.prebuild_only)
     if args.prebuild_only:
         return 1 if any(r.get("error") for r in build_rows) else 0
@@ -563,10 +593,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every row: a run cut short still leaves its table behind
-        fwd_rows = [r for r in rows if r.get("pass") != BACKWARD]
+        fwd_rows = [r for r in rows if r.get("pass") not in (BACKWARD, "fp8", "persistent")]
         bwd_rows = [r for r in rows if r.get("pass") == BACKWARD]
+        paired = []
+        for kind, title in (("fp8", "fp8 beside our fp16 kernel (issue 29; SDPA and fp16 on the dequantized inputs)"),
+                            ("persistent", "persistent beside single-tile (issue 30)")):
+            kind_rows = [r for r in rows if r.get("pass") == kind]
+            if kind_rows:
+                paired += [f"## {title}", "", bench_pairs.pair_table(kind_rows, kind, args.dry_run, cell), ""]
         text = "\n".join(["# attngen forward benchmark" + (" (DRY RUN: nothing launched)" if args.dry_run else ""), ""]
-                         + [f"- {line}" for line in environment_lines(args.dry_run)] + ["", table(fwd_rows, args.dry_run), ""]
+                         + [f"- {line}" for line in environment_lines(args.dry_run)] + [""] + paired
+                         + ([table(fwd_rows, args.dry_run), ""] if fwd_rows or not paired else [])
                          + (["## Backward (TFLOP/s at 2.5 x the forward's FLOPs; the backward kernels alone)", "",
                              table(bwd_rows, args.dry_run), ""] if bwd_rows else []))
         (out / "bench.md").write_text(text)
@@ -576,6 +613,17 @@ def main(argv=None) -> int:
     if args.dry_run:
         l2 = H200_L2
         for cfg in configs:  # every planned input passes the runtime's checks (meta tensors: no memory)
+            if isinstance(cfg, bench_pairs.Pair):
+                bench_pairs.check_planned(cfg)
+                for key in cfg.kernel_keys:  # loaded (the prebuild built them)
+                    kernel_for(*key)
+                rows.append({"label": cfg.label, "pass": cfg.kind, "shape": str(cfg.shape), "dtype": cfg.spec.dtype,
+                             "causal": cfg.spec.causal, "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(),
+                             "sets": cfg.n_sets(H200_L2), "kernel": cfg.kernel_name, "goal": cfg.goal,
+                             "attngen": {"plan": "planned"}, "baseline": {"plan": "planned"},
+                             **({"flash": {"plan": "planned"}, "cudnn": {"plan": "planned"}} if cfg.kind == "fp8" else {})})
+                save()
+                continue
             s, d, dt = cfg.shape, cfg.spec.head_dim, torch_dtype(cfg.spec.dtype)
             q = torch.empty(s.batch, s.q_len, s.heads, d, dtype=dt, device="meta")
             kv = torch.empty(s.batch, s.kv_len, s.kv_heads, d, dtype=dt, device="meta")
@@ -603,13 +651,19 @@ def main(argv=None) -> int:
                 skipped[cfg.backward] += 1
                 continue
             try:
-                row = (run_backward if cfg.backward else run_config)(cfg, args, l2)
+                if isinstance(cfg, bench_pairs.Pair):
+                    row = bench_pairs.run_pair(cfg, args, l2, kernel_for, sdpa_runner)
+                else:
+                    row = (run_backward if cfg.backward else run_config)(cfg, args, l2)
             except Exception as e:  # record the row's failure and go on, unless the context is poisoned
-                row = {"label": cfg.label, "pass": BACKWARD if cfg.backward else "forward", "shape": str(cfg.shape),
+                kind = cfg.kind if isinstance(cfg, bench_pairs.Pair) else BACKWARD if cfg.backward else "forward"
+                row = {"label": cfg.label, "pass": kind, "shape": str(cfg.shape),
                        "dtype": cfg.spec.dtype, "causal": cfg.spec.causal, "head_dim": cfg.spec.head_dim, "gflop": cfg.gflop(),
                        "error": f"{type(e).__name__}: {str(e)[-300:]}"}
             rows.append(row)
-            print(table([row], False).splitlines()[-1] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}", flush=True)
+            paired = row.get("pass") in ("fp8", "persistent")
+            one = bench_pairs.pair_table([row], row["pass"], False, cell) if paired else table([row], False)
+            print(one.splitlines()[2] if "error" not in row else f"{cfg.label} {cfg.shape}: {row['error']}", flush=True)
             save()
             if "error" in row:
                 try:

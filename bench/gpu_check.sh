@@ -15,7 +15,8 @@ DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 OUTDIR="${OUT:-/tmp/attngen-gpu-check}"
 mkdir -p "$OUTDIR"
-rm -f "$OUTDIR"/{summary.md,pytest.log,bench.md,bench.json,bench.log,smoke.json,sanitizer.log,serving.md,serving.json,serving.log}  # no stale table
+rm -f "$OUTDIR"/{summary.md,pytest.log,bench.md,bench.json,bench.log,smoke.json,sanitizer.log,serving.md,serving.json,serving.log,goals.log}  # no stale table
+rm -rf "$OUTDIR/goals"
 # The whole script, install included: 330 s leaves a 15-minute lease room for the machine's start,
 # the upload and a second try (../shared/gpu-preflight.md).
 BUDGET=${GPU_CHECK_BUDGET_S:-330}
@@ -99,11 +100,20 @@ if [[ -n "$HUNG" ]]; then
   BENCH_PRESETS=$(for f in examples/*.toml; do n=$(basename "$f" .toml); [[ " $HUNG " == *" $n "* ]] || printf '%s,' "$f"; done)
 fi
 
+# 4b. the goal rows of issues 29 and 30 (fp8 hd128 non-causal at 16k beside our fp16 kernel; persistent
+#     beside single-tile, hd128 causal at 1k, 4k and 16k), early, so that the tests cannot crowd them out;
+#     the benchmark below runs every other row
+GOAL_ARGS=(--rows goals --backward-share 0 --budget-s 45 -j 1 --out "$OUTDIR/goals" --presets "$BENCH_PRESETS")
+[[ $DRY == 1 ]] && GOAL_ARGS+=(--dry-run)
+stage "benchmark: goal rows" 60 110 "${PY[@]}" bench/bench_gpu.py "${GOAL_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/goals.log"
+GOAL_RC=${PIPESTATUS[0]}
+grep "^|" "$OUTDIR/goals.log" | tail -n 12
+
 # 5. GPU tests (they skip cleanly without a compute capability 9.0 device); no shrinking on a failure
 export ATTNGEN_HYPOTHESIS_PROFILE=gpu
 "${PY[@]}" -c "import pytest_timeout" 2>/dev/null && PYTEST_SELECT+=(--timeout=90)  # the H200 image has it
 stage "pytest -m gpu" 200 110 "${PY[@]}" -m pytest -m gpu -v -rs -p no:cacheprovider --maxfail=5 \
-  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_backward.py tests/test_gpu_serving.py tests/test_ops.py tests/test_ops_backward.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
+  "${PYTEST_SELECT[@]}" tests/test_gpu.py tests/test_gpu_backward.py tests/test_gpu_serving.py tests/test_gpu_persistent.py tests/test_gpu_kv_cache_fp8.py tests/test_ops.py tests/test_ops_backward.py 2>&1 | tee "$OUTDIR/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout" | tail -n 40
 TEST_RC=${PIPESTATUS[0]}
 
 # 6. compute-sanitizer racecheck and synccheck on one small launch of two presets (skipped in a dry run)
@@ -144,7 +154,7 @@ grep "^|" "$OUTDIR/serving.log" | tail -n 20
 BENCH_T=$((BUDGET - SECONDS - 5))
 ((BENCH_T > 180)) && BENCH_T=180
 # -j 1: the kernels are in TileLang's disk cache already; worker processes would only reload them
-BENCH_ARGS=(--out "$OUTDIR" --budget-s $((BENCH_T > 60 ? BENCH_T - 40 : 20)) --backward-share 0.4 -j 1 --presets "$BENCH_PRESETS")
+BENCH_ARGS=(--rows rest --out "$OUTDIR" --budget-s $((BENCH_T > 60 ? BENCH_T - 40 : 20)) --backward-share 0.4 -j 1 --presets "$BENCH_PRESETS")
 [[ $DRY == 1 ]] && BENCH_ARGS+=(--dry-run)
 stage "benchmark" 180 5 "${PY[@]}" bench/bench_gpu.py "${BENCH_ARGS[@]}" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$OUTDIR/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
@@ -156,6 +166,7 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
   echo
   echo "- build kernels: exit $BUILD_RC"
   echo "- smoke (one launch per preset): exit $SMOKE_RC${HUNG:+, hung: $HUNG}"
+  echo "- benchmark goal rows (issues 29, 30): exit $GOAL_RC"
   echo "- pytest -m gpu: exit $TEST_RC, $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUTDIR/pytest.log" | tail -n 1)"
   echo "- compute-sanitizer: exit $SAN_RC$([[ $DRY == 1 ]] && echo ' (dry run: not run)')"
   echo "- timeline$([[ $DRY == 1 ]] && echo ' (dry run: stamped build only)'): exit $TL_RC"
@@ -163,6 +174,7 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
   echo "- serving benchmark: exit $SERVE_RC"
   echo "- total ${SECONDS} s"
   echo
+  [[ -f "$OUTDIR/goals/bench.md" ]] && { grep -E '^(\||## |FAILED)' "$OUTDIR/goals/bench.md"; echo; }
   if [[ -f "$OUTDIR/bench.md" ]]; then
     grep '^- ' "$OUTDIR/bench.md"
     echo
@@ -172,4 +184,4 @@ grep -v "^|" "$OUTDIR/bench.log" | tail -n 5
 } > "$OUTDIR/summary.md"
 echo
 cat "$OUTDIR/summary.md"
-((BUILD_RC == 0 && SMOKE_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && TL_RC == 0 && BENCH_RC == 0 && SERVE_RC == 0))
+((BUILD_RC == 0 && SMOKE_RC == 0 && GOAL_RC == 0 && TEST_RC == 0 && SAN_RC == 0 && TL_RC == 0 && BENCH_RC == 0 && SERVE_RC == 0))

@@ -55,23 +55,47 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     spec = plan.spec
     if plan.varlen or plan.page_size or plan.split_kv:
         return launch_serving_once(plan, kernel)
+    q, k, v, descales = dense_inputs(spec, "cuda")
+    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch_dtype(spec.out_dtype or spec.dtype))
+    kernel(q, k, v, out=out, **descales)
+    torch.cuda.synchronize()
+    check_written(out)
+    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **fp8_check(spec, descales))
+    if not res.ok:
+        raise AssertionError(str(res))
+    return f"ok ({res})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
+
+
+def dense_inputs(spec, device: str, seed: int = 0):
+    """q, k, v at SHAPE in the spec's dtype (whole tiles when aligned), and the call's descales: an fp8
+    spec (e4m3 Q, K, V) gets FA3's q/k/v_descale, float32 [batch, kv_heads], drawn (tests/test_gpu_harness.py)."""
+    import torch
+
+    from attngen.run.checks import torch_dtype
+
     b, hkv, sq, skv = SHAPE
     if spec.aligned:
         sq, skv = spec.block_m * 2, spec.block_n * 3
     h = hkv * spec.gqa_group
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch_dtype(spec.dtype)
-    q = torch.randn(b, sq, h, spec.head_dim, device="cuda", dtype=dt, generator=gen)
-    k = torch.randn(b, skv, hkv, spec.head_dim, device="cuda", dtype=dt, generator=gen)
-    v = torch.randn(b, skv, hkv, spec.head_dim, device="cuda", dtype=dt, generator=gen)
-    out = torch.full_like(q, float("nan"))
-    kernel(q, k, v, out=out)
-    torch.cuda.synchronize()
-    check_written(out)
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype)
-    if not res.ok:
-        raise AssertionError(str(res))
-    return f"ok ({res})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
+    if not spec.dtype.startswith("float8"):
+        q, k, v = (torch.randn(b, n, heads, spec.head_dim, device=device, dtype=dt, generator=gen)
+                   for n, heads in ((sq, h), (skv, hkv), (skv, hkv)))
+        return q, k, v, {}
+    q, k, v = (torch.randn(b, n, heads, spec.head_dim, device=device, generator=gen).to(dt)  # no fp8 randn
+               for n, heads in ((sq, h), (skv, hkv), (skv, hkv)))
+    names = ("q_descale", "k_descale", "v_descale")
+    return q, k, v, {n: torch.rand(b, hkv, device=device, generator=gen) + 0.5 for n in names}
+
+
+def fp8_check(spec, descales: dict) -> dict:
+    """check_close's keywords for the fp8 rule (docs/fp8.md): the descales, out_dtype, and the kernel's
+    block_n for the tile-exact twin's clause; none for a 16-bit spec."""
+    if not spec.dtype.startswith("float8"):
+        return {}
+    return {"descales": tuple(descales[n] for n in ("q_descale", "k_descale", "v_descale")),
+            "out_dtype": spec.out_dtype, "block_n": spec.block_n}
 
 
 def backward_kernels(preset: str):
@@ -134,19 +158,35 @@ def launch_serving_once(plan, kernel) -> str:
     x = random_serving_inputs(spec.layout, spec.paged_kv, plan.page_size or None, spec.dtype, spec.head_dim, None,
                               lq, lk, 2 * spec.gqa_group, 2, seed=0, neighbour_fill=1e4)
     dt = getattr(torch, spec.dtype)
-    q, k, v = (torch.from_numpy(t).to("cuda", dt) for t in (x.q, x.k, x.v))
+    k_host, v_host, k_ref, v_ref, descales = kv_cache(spec, x)
+    kv_dt = getattr(torch, spec.kv_dtype) if spec.kv_dtype else dt
+    q = torch.from_numpy(x.q).to("cuda", dt)
+    k, v = (torch.from_numpy(t).to("cuda", kv_dt) for t in (k_host, v_host))
     kw = {n: (torch.from_numpy(t).cuda() if hasattr(t, "dtype") else t) for n, t in x.keywords.items()}
     if plan.split_kv:
         kw["num_splits"] = 3
     out = torch.full_like(q, float("nan"))
-    kernel(q, k, v, out=out, **kw)
+    kernel(q, k, v, out=out, **kw, **{n: torch.from_numpy(d).cuda() for n, d in descales.items()})
     torch.cuda.synchronize()
     check_written(out)
-    call = check_serving(plan, x.q, x.k, x.v, **x.keywords, num_splits=kw.get("num_splits"))
-    res = check_serving_close(out.float().cpu().numpy(), x.q, x.k, x.v, call, spec.causal, spec.dtype)
+    call = check_serving(plan, x.q, k_host, v_host, **x.keywords, num_splits=kw.get("num_splits"))
+    res = check_serving_close(out.float().cpu().numpy(), x.q, k_ref, v_ref, call, spec.causal, spec.dtype)
     if not res.ok:
         raise AssertionError(str(res))
     return f"ok ({res})"
+
+
+def kv_cache(spec, x):
+    """The cache as the kernel reads it and as the reference does: an fp8 KV cache (kv_dtype) is x's
+    K and V quantized to e4m3 with drawn descales, one per (page or batch, KV head), and the reference
+    reads them dequantized (docs/fp8-kv-cache.md); a 16-bit cache is x's own."""
+    if not spec.kv_dtype:
+        return x.k, x.v, x.k, x.v, {}
+    from attngen.reference.kv_cache import dequantize, quantize, random_descales
+
+    kd, vd = random_descales(x.k.shape[0], x.k.shape[2], seed=1)
+    k8, v8 = quantize(x.k, kd), quantize(x.v, vd)
+    return k8, v8, dequantize(k8, kd), dequantize(v8, vd), {"k_descale": kd, "v_descale": vd}
 
 
 def run_child(cmd, load_timeout: float, launch_timeout: float) -> str:

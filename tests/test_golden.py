@@ -21,7 +21,8 @@ def test_there_are_enough_presets():
     specs = [attngen.load_spec(p) for p in PRESETS]
     assert len(specs) >= 6
     assert {64, 128, 256} <= {s.head_dim for s in specs}
-    assert {"float16", "bfloat16"} == {s.dtype for s in specs}
+    assert {"float16", "bfloat16", "float8_e4m3fn"} == {s.dtype for s in specs}
+    assert any(s.kv_dtype == "float8_e4m3fn" for s in specs)  # an fp8 KV cache beside 16-bit queries
     assert {True, False} == {s.causal for s in specs}
     assert {1, 2, 3} == {s.consumers for s in specs}
     assert {1, 2, 3} <= {s.k_stages for s in specs} | {s.v_stages for s in specs}

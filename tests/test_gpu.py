@@ -23,6 +23,7 @@ from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.emulator.driver import variant_inputs
 from attngen.reference.forward import check_close, check_lse, variant_of
+from attngen.reference.kv_cache import random_descales
 from attngen.run.checks import check_written, torch_dtype
 from attngen.run.runtime import InputError
 from attngen.spec import load
@@ -31,7 +32,12 @@ from gpu_marks import GPU_ONLY
 pytestmark = GPU_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))}
+# the dense presets (the serving ones take a ragged batch or a paged cache: tests/test_gpu_serving.py,
+# tests/test_gpu_kv_cache_fp8.py and bench/gpu_smoke.py launch them)
+PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))
+           if not (lambda plan: plan.varlen or plan.page_size or plan.split_kv)(make_plan(load(p)))}
+FP8 = "float8_e4m3fn"
+DESCALES = ("q_descale", "k_descale", "v_descale")
 ODD_LENGTHS = [1, 2, 3, 63, 64, 65, 113, 127, 128, 129, 191, 192, 193, 203, 217, 239, 255, 256, 257, 799, 1023, 1024]
 EXAMPLES = int(os.environ.get("ATTNGEN_GPU_EXAMPLES", "40"))
 
@@ -51,11 +57,22 @@ def inputs(spec, b, h, hkv, sq, skv, seed):
     return rnd(b, sq, h, spec.head_dim), rnd(b, skv, hkv, spec.head_dim), rnd(b, skv, hkv, dv)
 
 
-def poisoned(q):
-    return torch.full_like(q, float("nan"))
+def poisoned(q, spec=None):
+    """A NaN-filled output: of the spec's out_dtype (an fp8 spec writes bfloat16 or float16)."""
+    dtype = torch_dtype(spec.out_dtype) if spec is not None and spec.out_dtype else q.dtype
+    return torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
 
 
-def run_and_check(kernel, q, k, v, scale=None):
+def descales_for(spec, batch, kv_heads, seed):
+    """FA3's q/k/v_descale for an fp8 spec (float32 [batch, kv_heads], drawn: reference.kv_cache's range);
+    none for a 16-bit spec."""
+    if spec.dtype != FP8:
+        return {}
+    (qd, kd), (vd, _) = random_descales(batch, kv_heads, seed), random_descales(batch, kv_heads, seed + 1)
+    return {n: torch.from_numpy(d).cuda() for n, d in zip(DESCALES, (qd, kd, vd))}
+
+
+def run_and_check(kernel, q, k, v, scale=None, seed=0):
     """Variants (docs/variants.md): the call-time tensors come from variant_inputs (the CPU model's
     inputs), O has head_dim_v columns, and a spec with lse also has its LSE checked. `scale`: the
     run-time softmax scale, given to the kernel and the reference (None: 1/sqrt(head_dim))."""
@@ -63,8 +80,9 @@ def run_and_check(kernel, q, k, v, scale=None):
     shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
     _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
     extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}
-    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
-    got = kernel(q, k, v, out=out, softmax_scale=scale, **extra)
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=poisoned(q[:0], spec).dtype, device=q.device)
+    descales = descales_for(spec, shape.batch, shape.kv_heads, seed)
+    got = kernel(q, k, v, out=out, softmax_scale=scale, **extra, **descales)
     lse = None
     if spec.lse:
         got, lse = got
@@ -73,10 +91,14 @@ def run_and_check(kernel, q, k, v, scale=None):
     check_written(out)
     variant = variant_of(spec, extra.get("alibi_slopes"), extra.get("sinks"),
                          {n: x for n, x in extra.items() if n not in ("alibi_slopes", "sinks")})
-    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+    fp8 = {"descales": tuple(descales[n] for n in DESCALES), "out_dtype": spec.out_dtype} if descales else {}
+    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **fp8, **variant)
     assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {result}"
+    if descales:  # fp8's second clause: within a share of the twin's error of the tile-exact twin (docs/fp8.md)
+        result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, block_n=spec.block_n, **fp8, **variant)
+        assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: the twin's clause: {result}"
     if lse is not None:
-        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **variant)
+        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, descales=fp8.get("descales"), **variant)
         assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: lse {res}"
     return out
 
@@ -95,7 +117,7 @@ def test_preset_matches_reference(preset):
     else:
         shapes = [(1024, 1024), (777, 1100), (1100, 777)]
     for i, (sq, skv) in enumerate(shapes):
-        run_and_check(kernel, *inputs(spec, 2, h, hkv, sq, skv, seed=i))
+        run_and_check(kernel, *inputs(spec, 2, h, hkv, sq, skv, seed=i), seed=i)
 
 
 @pytest.mark.parametrize("preset", ["default", "hd64_f16_full_nopp", "hd128_f16_causal_window_softcap_lse", "hd64_bf16_alibi",
@@ -155,6 +177,9 @@ def canonical(preset, sq, skv, b=1, hkv=2):
 @canonical("hd64_bf16_gqa4_c3", 1024, 1023)  # GQA, 3 consumers
 @canonical("hd96_bf16_gqa2", 239, 1)
 @canonical("hd64_f16_full_nopp", 1, 1100)
+@canonical("hd128_e4m3_full", 1023, 1024)  # fp8 (docs/fp8.md): descales drawn, the fp8 rule
+@canonical("hd64_e4m3_causal", 239, 1)
+@canonical("hd256_e4m3_causal", 113, 203)
 @given(p=problems())
 def test_shapes_match_reference(p):
     if p["preset"] not in PRESETS:  # an @example naming a preset that has since been renamed
@@ -162,13 +187,14 @@ def test_shapes_match_reference(p):
     spec = spec_of(p["preset"])
     kernel = forward.compile_kernel(spec)
     h = p["hkv"] * spec.gqa_group
-    run_and_check(kernel, *inputs(spec, p["b"], h, p["hkv"], p["sq"], p["skv"], p["seed"]))
+    run_and_check(kernel, *inputs(spec, p["b"], h, p["hkv"], p["sq"], p["skv"], p["seed"]), seed=p["seed"] % 2**20)
 
 
 # -- the same inputs give the same bits: a race shows as a moving result -------------------------
 
 
-@pytest.mark.parametrize("preset", ["default", "hd64_f16_full_nopp", "hd128_bf16_mqa8_c1", "hd64_bf16_gqa4_c3", "hd256_f16_causal_c2"])
+@pytest.mark.parametrize("preset", ["default", "hd64_f16_full_nopp", "hd128_bf16_mqa8_c1", "hd64_bf16_gqa4_c3", "hd256_f16_causal_c2",
+                                    "hd128_e4m3_full"])
 def test_repeated_runs_bit_identical(preset):
     if preset not in PRESETS:
         pytest.skip(f"no preset {preset}")
@@ -178,12 +204,13 @@ def test_repeated_runs_bit_identical(preset):
     q, k, v = inputs(spec, 2, h, h // spec.gqa_group, 2047 if not spec.aligned else 2048, 2049 if not spec.aligned else 2048, seed=11)
     # every element written; correctness at this size is left to the tests above (the
     # fp64 reference runs on the CPU and would take minutes here)
-    first = kernel(q, k, v, out=poisoned(q))
+    descales = descales_for(spec, 2, h // spec.gqa_group, seed=11)
+    first = kernel(q, k, v, out=poisoned(q, spec), **descales)
     torch.cuda.synchronize()
     check_written(first)
     bits = first.view(torch.int16)
     for run in range(8):
-        again = kernel(q, k, v, out=poisoned(q))
+        again = kernel(q, k, v, out=poisoned(q, spec), **descales)
         torch.cuda.synchronize()
         differ = int((again.view(torch.int16) != bits).sum())
         assert differ == 0, f"{kernel.name}: run {run + 1} differs from run 0 in {differ} elements (a race?)"

@@ -302,3 +302,122 @@ def test_the_smoke_stage_runs_a_backward_presets_backward_and_fails_a_nan_gradie
             smoke.backward_once(spec, q, k, v)
     else:
         assert smoke.backward_once(spec, q, k, v) == "backward ok (every gradient finite: dq, dk, dv, dsinks)"
+
+
+# -- the fp8 and persistent parts of the GPU check (issues 29 and 30) ----------------------------------
+
+
+def test_the_smoke_stage_draws_e4m3_inputs_with_fa3s_descales_and_checks_them_under_the_fp8_rule():
+    """gpu_smoke's input builder on CPU tensors: e4m3 q, k, v and float32 [batch, kv_heads] descales;
+    the emitted kernel on the CPU model passes its fp8 check, which fails when a descale is ignored."""
+    import torch
+
+    import attngen
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.reference.forward import check_close
+
+    spec = make_plan(attngen.load_spec(ROOT / "examples" / "hd64_e4m3_causal.toml")).spec
+    q, k, v, descales = smoke.dense_inputs(spec, "cpu")
+    b, hkv, sq, skv = smoke.SHAPE
+    assert {t.dtype for t in (q, k, v)} == {torch.float8_e4m3fn}
+    assert q.shape == (b, sq, hkv * spec.gqa_group, 64) and k.shape == v.shape == (b, skv, hkv, 64)
+    assert sorted(descales) == ["k_descale", "q_descale", "v_descale"]
+    assert all(d.dtype == torch.float32 and d.shape == (b, hkv) and (d >= 0.5).all() for d in descales.values())
+    rule = smoke.fp8_check(spec, descales)
+    assert rule["block_n"] == spec.block_n and rule["out_dtype"] == "bfloat16"  # the tile-exact twin's clause too
+    out = attngen.attention(q, k, v, causal=True, **descales)
+    assert check_close(out, q, k, v, True, dtype=spec.dtype, **rule).ok
+    ignored = smoke.fp8_check(spec, dict(descales, q_descale=torch.ones_like(descales["q_descale"])))
+    assert not check_close(out, q, k, v, True, dtype=spec.dtype, **ignored).ok
+    sixteen = make_plan(attngen.load_spec(ROOT / "examples" / "default.toml")).spec
+    q, k, v, none = smoke.dense_inputs(sixteen, "cpu")
+    assert q.dtype == torch.float16 and none == {} and smoke.fp8_check(sixteen, none) == {}
+
+
+def test_the_smoke_stage_quantizes_an_fp8_kv_cache_with_a_descale_per_page():
+    import numpy as np
+
+    from attngen.kernels.fwd.plan import make_plan
+    from attngen.reference.forward import round_to
+    from attngen.reference.serving import random_serving_inputs
+    from attngen.spec import load
+
+    plan = make_plan(load(ROOT / "examples" / "paged_decode_hd128_bf16_kv8_gqa8_splits.toml"))
+    spec = plan.spec
+    x = random_serving_inputs(spec.layout, True, plan.page_size, spec.dtype, 128, None, [1, 1], [300, 77], 16, 2, seed=0)
+    k8, v8, k_ref, v_ref, descales = smoke.kv_cache(spec, x)
+    pages = x.k.shape[0]
+    assert {n: d.shape for n, d in descales.items()} == {"k_descale": (pages, 2), "v_descale": (pages, 2)}
+    assert np.array_equal(round_to(k8, spec.kv_dtype), k8) and np.array_equal(round_to(v8, spec.kv_dtype), v8)  # e4m3 values
+    assert np.allclose(k_ref, k8 * descales["k_descale"][:, None, :, None])  # the reference reads them dequantized
+    assert not np.array_equal(k_ref, k8)
+    sixteen = make_plan(load(ROOT / "examples" / "paged_decode_hd128_bf16_gqa8_splits.toml")).spec
+    assert smoke.kv_cache(sixteen, x)[4] == {} and smoke.kv_cache(sixteen, x)[0] is x.k
+
+
+def test_the_benchmark_plans_the_fp8_and_persistent_rows_goals_first_and_checks_their_inputs():
+    import torch
+
+    gpu = bench_module("bench_gpu")
+    pairs = gpu.bench_pairs
+    presets = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
+    fp8 = pairs.fp8_rows(gpu.SEQLENS, 16384, gpu.heads_for)
+    persistent = pairs.persistent_rows(16384, gpu.heads_for)
+    others = gpu.plan(presets, gpu.SEQLENS, 16384)
+    rows = pairs.forward_order(fp8 + persistent, others)
+    assert len(rows) == len(fp8) + len(persistent) + len(others)
+    goals = [(r.kind, r.spec.head_dim, r.spec.causal, r.shape.q_len) for r in rows[:4]]
+    assert goals == [("fp8", 128, False, 16384), ("persistent", 128, True, 1024), ("persistent", 128, True, 4096),
+                     ("persistent", 128, True, 16384)]
+    assert all(r.goal for r in rows[:4]) and not any(getattr(r, "goal", False) for r in rows[4:])
+    assert rows[4:8] == [r for r in persistent if not r.goal]  # "persistent >= single everywhere" before the rest
+    assert {(r.spec.head_dim, r.spec.causal, r.shape.q_len) for r in fp8} == {
+        (d, c, s) for d in (64, 128, 256) for c in (False, True) for s in gpu.SEQLENS}
+    for r in fp8:
+        assert r.spec.dtype == pairs.FP8 and r.baseline.dtype == "float16"
+        assert (r.baseline.head_dim, r.baseline.causal) == (r.spec.head_dim, r.spec.causal)
+        assert r.shape.batch * r.shape.q_len == 16384 and r.shape.heads * r.spec.head_dim == 2048
+    for r in persistent:
+        assert r.spec.scheduler == "persistent" and r.baseline.scheduler == "single"
+        assert dataclasses.replace(r.spec, scheduler="single") == r.baseline  # the same spec otherwise
+    (varlen,) = [r for r in persistent if r.lengths]
+    assert sum(varlen.lengths) == 16384 and len(set(varlen.lengths)) == len(varlen.lengths)
+    assert varlen.gflop() == pytest.approx(4 * varlen.shape.heads * 128 * sum(n * n for n in varlen.lengths) / 2 / 1e9)
+    assert all(pairs.FP8 not in c.spec.dtype for c in others)  # fp8 presets: timed only in the fp8 rows
+    keys = list(dict.fromkeys(k for c in rows + gpu.plan_backward_rows([1024], 16384) for k in c.kernel_keys))
+    order = gpu.build_order(keys, rows)
+    goal_keys = {k for r in rows[:4] for k in r.kernel_keys}  # fp8 and fp16 hd128; persistent and single hd128 causal
+    assert len(goal_keys) == 4 and set(order[:4]) == goal_keys  # a cut-short build stage still has them
+    assert order[4][2] == gpu.BACKWARD  # then the longest jobs
+    for r in rows[:4] + [varlen]:  # the dry run's checks: meta tensors through the runtime's input checks
+        pairs.check_planned(r)
+    x = pairs.input_tensors(fp8[0], "meta", empty=True)
+    assert x["q"].dtype == torch.float8_e4m3fn and x["q16"].dtype == torch.float16
+    assert {n: tuple(t.shape) for n, t in x["keywords"].items()} == {n: (1, 16) for n in pairs.DESCALES}
+
+
+def test_the_fp8_rows_dequantize_as_fa3_does():
+    import torch
+
+    pairs = bench_module("bench_pairs")
+    t = torch.ones(1, 2, 4, 8)  # [batch, seq, heads, dim], 4 query heads over 2 KV heads
+    d = torch.tensor([[2.0, 3.0]])
+    got = pairs.dequantized(t, d, 2)
+    assert got.dtype == torch.float16 and got[0, 0, :, 0].tolist() == [2.0, 2.0, 3.0, 3.0]
+
+
+def test_the_gpu_check_prebuilds_and_runs_the_persistent_and_fp8_cache_tests():
+    from attngen.kernels.fwd.plan import make_plan
+
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert "tests/test_gpu_persistent.py" in script and "tests/test_gpu_kv_cache_fp8.py" in script
+    assert "--rows goals" in script and "--rows rest" in script
+    gpu = bench_module("bench_gpu")
+    keys = gpu.gpu_test_keys()
+    names = {make_plan(k[0]).name for k in keys if k[2] is None}
+    assert any(n.endswith("_persistent") for n in names) and any("_kv8" in n for n in names)
+    assert sum(k[2] == gpu.BACKWARD for k in keys) == 4  # single and persistent backward, plain and deterministic
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_gpu_kv_cache_fp8 as kv8
+
+    assert [spec.kv_dtype for spec, _ in kv8.KERNELS] == ["float8_e4m3fn"] * len(kv8.CASES)

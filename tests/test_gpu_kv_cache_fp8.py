@@ -21,7 +21,23 @@ pytestmark = GPU_ONLY
 FP8 = getattr(torch, E4M3)
 
 
-@pytest.mark.parametrize("dtype, causal, splits, group", [("bfloat16", False, "auto", 8), ("float16", True, 1, 4)])
+CASES = [("bfloat16", False, "auto", 8), ("float16", True, 1, 4)]
+
+
+def call_spec(dtype, causal, splits, group, kv_heads=2, page=64):
+    """The spec attngen.attention resolves for a case's call (runtime.call_spec on meta tensors)."""
+    from attngen.run.runtime import call_spec as resolve
+
+    q = torch.empty(4, 3, group * kv_heads, 128, dtype=getattr(torch, dtype), device="meta")
+    cache = torch.empty(32, page, kv_heads, 128, dtype=FP8, device="meta")
+    table = torch.empty(4, 16, dtype=torch.int32, device="meta")
+    return resolve(q, cache, cache, {}, causal=causal, block_table=table, num_splits=None if splits == 1 else "auto")
+
+
+KERNELS = [(call_spec(*case), False) for case in CASES]  # the GPU check prebuilds them (bench_gpu.gpu_test_keys)
+
+
+@pytest.mark.parametrize("dtype, causal, splits, group", CASES)
 def test_a_paged_fp8_cache_matches_the_reference_per_sequence(dtype, causal, splits, group):
     kv_heads, page = 2, 64
     x = random_serving_inputs("bshd", True, page, dtype, 128, 128, [3] * 4, [1000, 333, 64, 5], group * kv_heads,

@@ -1,6 +1,6 @@
 """The persistent forward on a Hopper GPU (skipped without one): bit-identical to the single-tile
 kernel of the same tiles over successive calls (the counters' slots rotate and zero each other).
-The timing rows are bench/persistent_gpu.py's.
+The timing rows are the GPU benchmark's (bench/bench_pairs.py).
 
     pytest -m gpu tests/test_gpu_persistent.py -s
 """
@@ -18,14 +18,29 @@ from gpu_marks import GPU_ONLY
 pytestmark = GPU_ONLY
 
 
-def pair(fields):
+FORWARD = [({"causal": True}, (2, 16, 1000)), ({}, (1, 8, 777)),
+           ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500))]
+VARLEN = {"causal": True, "layout": "varlen", "lse": True}
+BACKWARD = [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))]
+
+
+def specs(fields):
+    """The single-tile spec with the persistent plan's block_n, and the persistent one."""
     persistent = make_plan(attngen.Spec(**fields, scheduler="persistent"))
-    single = make_plan(attngen.Spec(**fields, block_n=persistent.spec.block_n))
-    return forward.compile_kernel(single), forward.compile_kernel(persistent)
+    return make_plan(attngen.Spec(**fields, block_n=persistent.spec.block_n)).spec, persistent.spec
 
 
-@pytest.mark.parametrize("fields, shape", [({"causal": True}, (2, 16, 1000)), ({}, (1, 8, 777)),
-                                           ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500))])
+# every kernel these tests launch, as (spec, backward): the GPU check prebuilds them (bench_gpu.gpu_test_keys)
+KERNELS = [(s, False) for fields, _ in FORWARD for s in specs(fields)] + [(s, False) for s in specs(VARLEN)]
+KERNELS += [(attngen.Spec(**fields, lse=True), False) for fields, _ in BACKWARD]
+KERNELS += [(attngen.Spec(**fields, scheduler=s), True) for fields, _ in BACKWARD for s in ("single", "persistent")]
+
+
+def pair(fields):
+    return tuple(forward.compile_kernel(make_plan(s)) for s in specs(fields))
+
+
+@pytest.mark.parametrize("fields, shape", FORWARD)
 def test_persistent_equals_single_tile_bit_for_bit_call_after_call(fields, shape):
     single, persistent = pair(fields)
     batch, heads, seq = shape
@@ -44,7 +59,7 @@ def test_persistent_equals_single_tile_bit_for_bit_call_after_call(fields, shape
 
 @pytest.mark.parametrize("check", [True, False])  # False: the launcher reads cu_seqlens itself (a sync)
 def test_persistent_varlen_equals_single_tile_bit_for_bit_call_after_call(check):
-    single, persistent = pair({"causal": True, "layout": "varlen", "lse": True})
+    single, persistent = pair(VARLEN)
     lengths, heads, dim = [1000, 1, 0, 129, 4000, 77], 16, persistent.spec.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
@@ -56,7 +71,7 @@ def test_persistent_varlen_equals_single_tile_bit_for_bit_call_after_call(check)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), call
 
 
-@pytest.mark.parametrize("fields, shape", [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))])
+@pytest.mark.parametrize("fields, shape", BACKWARD)
 def test_persistent_backward_equals_single_tile_call_after_call(fields, shape):
     """dK and dV (stored by one block) and the deterministic dQ bit for bit; the atomic dQ within a
     unit in the last place (its reduce-adds sum in the blocks' order on either kernel)."""

@@ -472,17 +472,22 @@ def preset_call(path):
     kw["return_lse"] = kw.pop("lse")
     f = serving.serving_fields(plan)
     dtype = getattr(torch, spec.dtype)
+    kv_dtype = getattr(torch, spec.kv_dtype) if spec.kv_dtype else dtype  # an fp8 KV cache
     heads, kv_heads = spec.gqa_group * (1 if spec.gqa_group > 2 else 2), 1 if spec.gqa_group > 2 else 2
     if f.uses_serving:
         lq = [17, 1] if f.varlen else [9, 9]
         x = random_serving_inputs(spec.layout, f.paged, f.page_size, spec.dtype, spec.head_dim, f.head_dim_v,
                                           lq, [70, 5], heads, kv_heads, seed=2)
         keywords = {n: as_torch(a) for n, a in x.keywords.items()}
-        return (as_torch(x.q, dtype), as_torch(x.k, dtype), as_torch(x.v, dtype)), {**kw, **keywords}
+        if spec.kv_dtype:  # one descale per (page, KV head): the kernel's own form
+            from attngen.reference.kv_cache import random_descales
+
+            keywords |= dict(zip(("k_descale", "v_descale"), map(as_torch, random_descales(x.k.shape[0], kv_heads, seed=3))))
+        return (as_torch(x.q, dtype), as_torch(x.k, kv_dtype), as_torch(x.v, kv_dtype)), {**kw, **keywords}
     n = spec.block_m if spec.aligned else 65
     q, k, v, tensors = variant_inputs(plan, 1, heads, kv_heads, n, 2 * n if not spec.aligned else n)
     named = {t: as_torch(x) for t, x in tensors.items()}
-    return (as_torch(q, dtype), as_torch(k, dtype), as_torch(v, dtype)), {**kw, **named}
+    return (as_torch(q, dtype), as_torch(k, kv_dtype), as_torch(v, kv_dtype)), {**kw, **named}
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
