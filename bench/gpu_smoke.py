@@ -38,9 +38,9 @@ SHAPE = (1, 2, 200, 333)  # batch, kv heads, q_len, kv_len: odd lengths, a few b
 
 def launch_once(preset: str, dry_run: bool = False) -> str:
     """Compile (from the disk cache when warm), launch once into a NaN-poisoned output, compare."""
+    from attngen.emulator.driver import check_output
     from attngen.kernels.fwd.plan import make_plan
-    from attngen.reference.forward import check_close
-    from attngen.run.checks import check_written, torch_dtype
+    from attngen.run.checks import check_written, out_torch_dtype
     from attngen.run.forward import compile_kernel
     from attngen.spec import load
 
@@ -55,47 +55,36 @@ def launch_once(preset: str, dry_run: bool = False) -> str:
     spec = plan.spec
     if plan.varlen or plan.page_size or plan.split_kv:
         return launch_serving_once(plan, kernel)
-    q, k, v, descales = dense_inputs(spec, "cuda")
-    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch_dtype(spec.out_dtype or spec.dtype))
-    kernel(q, k, v, out=out, **descales)
+    q, k, v, tensors = dense_inputs(plan, "cuda")
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=out_torch_dtype(plan), device="cuda")
+    got = kernel(q, k, v, out=out, **tensors)
     torch.cuda.synchronize()
     check_written(out)
-    res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, **fp8_check(spec, descales))
-    if not res.ok:
-        raise AssertionError(str(res))
-    return f"ok ({res})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
+    ok, text = check_output(spec, out, got[1] if spec.lse else None, q, k, v, tensors)  # fp8: the fp8 rule
+    if not ok:
+        raise AssertionError(text)
+    return f"ok ({text})" + (f"; {backward_once(load(preset), q, k, v)}" if backward else "")
 
 
-def dense_inputs(spec, device: str, seed: int = 0):
-    """q, k, v at SHAPE in the spec's dtype (whole tiles when aligned), and the call's descales: an fp8
-    spec (e4m3 Q, K, V) gets FA3's q/k/v_descale, float32 [batch, kv_heads], drawn (tests/test_gpu_harness.py)."""
+def dense_inputs(plan, device: str):
+    """A dense preset's smoke inputs at SHAPE (an aligned spec: whole tiles): q, k, v in the spec's dtype (fp8:
+    standard normal values rounded to e4m3) and every call-time tensor it takes (FA3's random descales for
+    fp8, ALiBi slopes, sinks, mod tensors: the CPU model's variant_inputs), as torch tensors on `device`."""
     import torch
 
+    from attngen.emulator.driver import variant_inputs
     from attngen.run.checks import torch_dtype
 
+    spec = plan.spec
     b, hkv, sq, skv = SHAPE
     if spec.aligned:
         sq, skv = spec.block_m * 2, spec.block_n * 3
     h = hkv * spec.gqa_group
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dt = torch_dtype(spec.dtype)
-    if not spec.dtype.startswith("float8"):
-        q, k, v = (torch.randn(b, n, heads, spec.head_dim, device=device, dtype=dt, generator=gen)
-                   for n, heads in ((sq, h), (skv, hkv), (skv, hkv)))
-        return q, k, v, {}
-    q, k, v = (torch.randn(b, n, heads, spec.head_dim, device=device, generator=gen).to(dt)  # no fp8 randn
-               for n, heads in ((sq, h), (skv, hkv), (skv, hkv)))
-    names = ("q_descale", "k_descale", "v_descale")
-    return q, k, v, {n: torch.rand(b, hkv, device=device, generator=gen) + 0.5 for n in names}
-
-
-def fp8_check(spec, descales: dict) -> dict:
-    """check_close's keywords for the fp8 rule (docs/fp8.md): the descales, out_dtype, and the kernel's
-    block_n for the tile-exact twin's clause; none for a 16-bit spec."""
-    if not spec.dtype.startswith("float8"):
-        return {}
-    return {"descales": tuple(descales[n] for n in ("q_descale", "k_descale", "v_descale")),
-            "out_dtype": spec.out_dtype, "block_n": spec.block_n}
+    gen = torch.Generator(device=device).manual_seed(0)
+    dims = ((b, sq, h, spec.head_dim), (b, skv, hkv, spec.head_dim), (b, skv, hkv, plan.head_dim_v))
+    q, k, v = (torch.randn(*d, device=device, generator=gen).to(torch_dtype(spec.dtype)) for d in dims)
+    *_, tensors = variant_inputs(plan, b, h, hkv, sq, skv)
+    return q, k, v, {n: torch.from_numpy(x).to(device) for n, x in tensors.items()}
 
 
 def backward_kernels(preset: str):

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from attngen.run import forward, runtime
 from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
-from attngen.emulator.driver import variant_inputs
-from attngen.reference.forward import check_close, check_lse, variant_of
+from attngen.emulator.driver import check_output, variant_inputs
+from attngen.reference.forward import check_close
 from attngen.reference.kv_cache import random_descales
-from attngen.run.checks import check_written, torch_dtype
+from attngen.run.checks import check_written, out_torch_dtype, torch_dtype
 from attngen.run.runtime import InputError
 from attngen.spec import load
 from gpu_marks import GPU_ONLY
@@ -78,28 +78,19 @@ def run_and_check(kernel, q, k, v, scale=None, seed=0):
     run-time softmax scale, given to the kernel and the reference (None: 1/sqrt(head_dim))."""
     spec = kernel.spec
     shape = Shape(q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1])
-    _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len)
+    _, _, _, extra = variant_inputs(kernel.plan, shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len,
+                                    seed)  # fp8: FA3's q/k/v_descale among them, drawn per (batch, KV head)
     extra = {n: torch.from_numpy(x).to(q.device) for n, x in extra.items()}
-    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=poisoned(q[:0], spec).dtype, device=q.device)
-    descales = descales_for(spec, shape.batch, shape.kv_heads, seed)
-    got = kernel(q, k, v, out=out, softmax_scale=scale, **extra, **descales)
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=out_torch_dtype(kernel.plan), device=q.device)
+    got = kernel(q, k, v, out=out, softmax_scale=scale, **extra)
     lse = None
     if spec.lse:
         got, lse = got
     torch.cuda.synchronize()
     assert got is out  # written in place: the poisoned buffer is what we inspect
     check_written(out)
-    variant = variant_of(spec, extra.get("alibi_slopes"), extra.get("sinks"),
-                         {n: x for n, x in extra.items() if n not in ("alibi_slopes", "sinks")})
-    fp8 = {"descales": tuple(descales[n] for n in DESCALES), "out_dtype": spec.out_dtype} if descales else {}
-    result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, **fp8, **variant)
-    assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {result}"
-    if descales:  # fp8's second clause: within a share of the twin's error of the tile-exact twin (docs/fp8.md)
-        result = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, block_n=spec.block_n, **fp8, **variant)
-        assert result.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: the twin's clause: {result}"
-    if lse is not None:
-        res = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=scale, descales=fp8.get("descales"), **variant)
-        assert res.ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: lse {res}"
+    ok, text = check_output(spec, out, lse, q, k, v, extra, scale)  # fp8: FA3's clause and the twin's, each named
+    assert ok, f"{kernel.name} B,H,HKV,SQ,SKV={shape} softmax_scale={scale}: {text}"
     return out
 
 

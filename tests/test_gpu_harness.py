@@ -307,31 +307,35 @@ def test_the_smoke_stage_runs_a_backward_presets_backward_and_fails_a_nan_gradie
 # -- the fp8 and persistent parts of the GPU check (issues 29 and 30) ----------------------------------
 
 
-def test_the_smoke_stage_draws_e4m3_inputs_with_fa3s_descales_and_checks_them_under_the_fp8_rule():
-    """gpu_smoke's input builder on CPU tensors: e4m3 q, k, v and float32 [batch, kv_heads] descales;
-    the emitted kernel on the CPU model passes its fp8 check, which fails when a descale is ignored."""
+@pytest.mark.parametrize("preset", ["hd64_e4m3_causal", "hd64_bf16_alibi", "default"])
+def test_the_smoke_stage_gives_a_dense_preset_its_inputs_and_rule(preset):
+    """gpu_smoke.dense_inputs (on CPU tensors) hands the emitted kernel every call-time tensor it takes
+    (fp8: e4m3 q, k, v and FA3's descales, float32 [batch, kv_heads]; ALiBi's slopes); on the CPU model its
+    output passes the rule check_output applies on the GPU (fp8's, with its twin), which fails the output
+    x 1.05 and, for fp8, a q_descale ignored."""
+    import numpy as np
     import torch
 
     import attngen
-    from attngen.kernels.fwd.plan import make_plan
-    from attngen.reference.forward import check_close
+    from attngen.emulator.driver import check_output
+    from attngen.reference.forward import to_numpy
 
-    spec = make_plan(attngen.load_spec(ROOT / "examples" / "hd64_e4m3_causal.toml")).spec
-    q, k, v, descales = smoke.dense_inputs(spec, "cpu")
+    plan = attngen.make_plan(attngen.load_spec(ROOT / "examples" / f"{preset}.toml"))
+    q, k, v, tensors = smoke.dense_inputs(plan, "cpu")
     b, hkv, sq, skv = smoke.SHAPE
-    assert {t.dtype for t in (q, k, v)} == {torch.float8_e4m3fn}
-    assert q.shape == (b, sq, hkv * spec.gqa_group, 64) and k.shape == v.shape == (b, skv, hkv, 64)
-    assert sorted(descales) == ["k_descale", "q_descale", "v_descale"]
-    assert all(d.dtype == torch.float32 and d.shape == (b, hkv) and (d >= 0.5).all() for d in descales.values())
-    rule = smoke.fp8_check(spec, descales)
-    assert rule["block_n"] == spec.block_n and rule["out_dtype"] == "bfloat16"  # the tile-exact twin's clause too
-    out = attngen.attention(q, k, v, causal=True, **descales)
-    assert check_close(out, q, k, v, True, dtype=spec.dtype, **rule).ok
-    ignored = smoke.fp8_check(spec, dict(descales, q_descale=torch.ones_like(descales["q_descale"])))
-    assert not check_close(out, q, k, v, True, dtype=spec.dtype, **ignored).ok
-    sixteen = make_plan(attngen.load_spec(ROOT / "examples" / "default.toml")).spec
-    q, k, v, none = smoke.dense_inputs(sixteen, "cpu")
-    assert q.dtype == torch.float16 and none == {} and smoke.fp8_check(sixteen, none) == {}
+    assert q.dtype == getattr(torch, plan.spec.dtype) and q.shape == (b, sq, hkv * plan.spec.gqa_group, plan.spec.head_dim)
+    assert k.shape == v.shape == (b, skv, hkv, plan.spec.head_dim)
+    assert {n for n in tensors} == {t.name for t in plan.extra if not t.output}
+    if plan.fp8:
+        assert all(tensors[n].dtype == torch.float32 and tensors[n].shape == (b, hkv)
+                   for n in ("q_descale", "k_descale", "v_descale"))
+    got = attngen.emulate(plan, *(to_numpy(x) for x in (q, k, v)), **{n: to_numpy(t) for n, t in tensors.items()})
+    out, lse = got if plan.spec.lse else (got, None)
+    assert check_output(plan.spec, out, lse, q, k, v, tensors)[0]
+    assert not check_output(plan.spec, np.asarray(out) * 1.05, lse, q, k, v, tensors)[0]
+    if plan.fp8:
+        ignored = dict(tensors, q_descale=torch.ones_like(tensors["q_descale"]))
+        assert not check_output(plan.spec, out, lse, q, k, v, ignored)[0]
 
 
 def test_the_smoke_stage_quantizes_an_fp8_kv_cache_with_a_descale_per_page():

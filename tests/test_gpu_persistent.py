@@ -13,13 +13,15 @@ import torch
 import attngen
 from attngen.kernels.fwd.plan import make_plan
 from attngen.run import forward
+from attngen.run.checks import out_torch_dtype
 from gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY
 
 
 FORWARD = [({"causal": True}, (2, 16, 1000)), ({}, (1, 8, 777)),
-           ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500))]
+           ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500)),
+           ({"causal": True, "dtype": "float8_e4m3fn"}, (2, 16, 1000))]  # fp8: descales absent (ones)
 VARLEN = {"causal": True, "layout": "varlen", "lse": True}
 BACKWARD = [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))]
 
@@ -46,13 +48,14 @@ def test_persistent_equals_single_tile_bit_for_bit_call_after_call(fields, shape
     batch, heads, seq = shape
     spec = persistent.spec
     g = torch.Generator(device="cuda").manual_seed(0)
-    dt = getattr(torch, spec.dtype)
-    q = torch.randn(batch, seq, heads, spec.head_dim, device="cuda", dtype=dt, generator=g)
-    k, v = (torch.randn(batch, seq, heads // spec.gqa_group, spec.head_dim, device="cuda", dtype=dt, generator=g)
+    dt = getattr(torch, spec.dtype)  # fp8: standard normal values rounded to e4m3 (torch has no fp8 randn)
+    q = torch.randn(batch, seq, heads, spec.head_dim, device="cuda", generator=g).to(dt)
+    k, v = (torch.randn(batch, seq, heads // spec.gqa_group, spec.head_dim, device="cuda", generator=g).to(dt)
             for _ in range(2))
     want = single(q, k, v)
     for call in range(7):  # every counter slot used more than twice
-        got = persistent(q, k, v, out=torch.full_like(q, float("nan")))
+        got = persistent(q, k, v, out=torch.full(q.shape, float("nan"), dtype=out_torch_dtype(persistent.plan),
+                                                  device="cuda"))
         for a, b in zip(got if spec.lse else [got], want if spec.lse else [want]):
             assert torch.equal(a, b), call
 

@@ -761,8 +761,6 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     Returns (ok, text, stats); raises EmulationError for a hazard or deadlock. `run` replaces
     emulate_stats (the CLI passes the package's, which its tests may wrap). `softmax_scale` is
     passed to the kernel and to the reference alike (None: both use 1 / sqrt(head_dim))."""
-    from attngen.reference.forward import check_lse, variant_of
-
     from attngen.run.serving import serving_fields
 
     if serving_fields(plan).uses_serving:
@@ -775,6 +773,15 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     out, lse = result if spec.lse else (result, None)
     if spec.kv_dtype is not None:
         k, v, tensors = reference_kv(k, v, tensors)
+    return (*check_output(spec, out, lse, q, k, v, tensors, softmax_scale), stats)
+
+
+def check_output(spec, out, lse, q, k, v, tensors: dict, softmax_scale=None) -> tuple:
+    """A dense kernel's out (and lse, or None) against the fp64 reference under the spec's rule (FA3's;
+    fp8's with its twin), the call-time tensors by name (descales, ALiBi slopes, sinks, mod tensors):
+    (ok, text). The CPU model's check and the GPU tests and smoke stage share it."""
+    from attngen.reference.forward import check_lse, variant_of
+
     variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
                          {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
     descales = descales_of(tensors)
@@ -785,7 +792,7 @@ def check_emulated(plan, batch, heads, kv_heads, q_len, kv_len, *, seed=0, polic
     if lse is not None:
         r2 = check_lse(lse, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales, **variant)
         ok, text = ok and r2.ok, f"{text}; lse: max excess {r2.err:.2e} <= {r2.bound:.1e}: {r2.verdict}"
-    return ok, text, stats
+    return ok, text
 
 
 DESCALE_NAMES = tuple(name for name, _ in DESCALE_TENSORS)  # fp8 Q, K and V's descales, by call-time name
