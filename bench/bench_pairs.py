@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from attngen.emulator.driver import DESCALE_NAMES
+from attngen.hw import E4M3
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.run.gputime import n_sets, time_launches
 from attngen.spec import Spec
 
-FP8 = "float8_e4m3fn"
+FP8 = E4M3  # hw.E4M3: torch's name for e4m3
 FP8_HEAD_DIMS = (128, 64, 256)
 FP8_CLOSE = 0.1  # max|fp8 out - fp16 out| <= FP8_CLOSE * max|fp16 out|, on the same dequantized inputs
-DESCALES = ("q_descale", "k_descale", "v_descale")
+DESCALES = DESCALE_NAMES  # FA3's call-time names (kernels/fwd/plan.py)
 PERSISTENT_SEQLENS = (1024, 4096, 16384)
 VARLEN_LENGTHS = (7000, 3001, 2500, 1500, 1000, 700, 300, 200, 100, 80, 3)  # 16384 tokens, mixed lengths
 GOALS = (("fp8", 128, False, 16384),) + tuple(("persistent", 128, True, s) for s in PERSISTENT_SEQLENS)

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from attngen.run import forward, runtime
 from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
-from attngen.emulator.driver import check_output, variant_inputs
+from attngen.emulator.driver import DESCALE_NAMES, check_output, variant_inputs
+from attngen.hw import E4M3
 from attngen.reference.forward import check_close
 from attngen.reference.kv_cache import random_descales
 from attngen.run.checks import check_written, out_torch_dtype, torch_dtype
@@ -36,8 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # tests/test_gpu_kv_cache_fp8.py and bench/gpu_smoke.py launch them)
 PRESETS = {p.stem: p for p in sorted(ROOT.glob("examples/*.toml"))
            if not (lambda plan: plan.varlen or plan.page_size or plan.split_kv)(make_plan(load(p)))}
-FP8 = "float8_e4m3fn"
-DESCALES = ("q_descale", "k_descale", "v_descale")
 ODD_LENGTHS = [1, 2, 3, 63, 64, 65, 113, 127, 128, 129, 191, 192, 193, 203, 217, 239, 255, 256, 257, 799, 1023, 1024]
 EXAMPLES = int(os.environ.get("ATTNGEN_GPU_EXAMPLES", "40"))
 
@@ -66,10 +65,10 @@ def poisoned(q, spec=None):
 def descales_for(spec, batch, kv_heads, seed):
     """FA3's q/k/v_descale for an fp8 spec (float32 [batch, kv_heads], drawn: reference.kv_cache's range);
     none for a 16-bit spec."""
-    if spec.dtype != FP8:
+    if spec.dtype != E4M3:
         return {}
     (qd, kd), (vd, _) = random_descales(batch, kv_heads, seed), random_descales(batch, kv_heads, seed + 1)
-    return {n: torch.from_numpy(d).cuda() for n, d in zip(DESCALES, (qd, kd, vd))}
+    return {n: torch.from_numpy(d).cuda() for n, d in zip(DESCALE_NAMES, (qd, kd, vd))}
 
 
 def run_and_check(kernel, q, k, v, scale=None, seed=0):
