@@ -21,7 +21,8 @@ Every function is written once over a tiny integer expression builder (`add`, `m
 masks, the backward's loop bounds); called with `Sym`s it returns an expression whose `text()` is
 TileLang (render.py prints it); called with torch integer tensors (a Frame of tensor lengths) it
 computes elementwise (the varlen persistent order's visit counts, on the device, no host read).
-The builder folds constants (`x + 0`, adjacent constants), drops a max/min that a known lower bound decides, and nothing else, so the text stays the reader's.
+The builder folds constants (`x + 0`, adjacent constants), drops a max/min that a known lower
+bound decides, and nothing else, so the text stays the reader's.
 This module imports nothing from attngen: render and reference both sit above it.
 """
 
