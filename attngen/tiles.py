@@ -19,8 +19,10 @@ inside it full, the rest partial.
 Every function is written once over a tiny integer expression builder (`add`, `min_`, `max_`,
 `floordiv`, `ceildiv`): called with Python ints it returns ints (the reference, the tests, block
 masks, the backward's loop bounds); called with `Sym`s it returns an expression whose `text()` is
-TileLang (render.py prints it). The builder folds constants (`x + 0`, adjacent constants), drops
-a max/min that a known lower bound decides, and nothing else, so the text stays the reader's.
+TileLang (render.py prints it); called with torch integer tensors (a Frame of tensor lengths) it
+computes elementwise (the varlen persistent order's visit counts, on the device, no host read).
+The builder folds constants (`x + 0`, adjacent constants), drops a max/min that a known lower
+bound decides, and nothing else, so the text stays the reader's.
 This module imports nothing from attngen: render and reference both sit above it.
 """
 
@@ -61,6 +63,32 @@ class Op:
 Expr = Union[int, Sym, Sum, Call, Op]
 
 
+def _value(x) -> bool:
+    """An int, or a torch integer tensor (the array-valued form: every function below then computes
+    elementwise, e.g. the varlen persistent order's visit counts, schedulers.varlen_tile_list)."""
+    return isinstance(x, int) or type(x).__name__ == "Tensor"
+
+
+def _values(*xs) -> bool:
+    return all(_value(x) for x in xs)
+
+
+def _min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    if isinstance(a, int):
+        a, b = b, a
+    return a.clamp(max=b) if isinstance(b, int) else a.minimum(b)
+
+
+def _max(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    if isinstance(a, int):
+        a, b = b, a
+    return a.clamp(min=b) if isinstance(b, int) else a.maximum(b)
+
+
 def _terms(x, sign=1):
     if isinstance(x, int):
         return [(1, sign * x)]
@@ -71,7 +99,7 @@ def _terms(x, sign=1):
 
 def add(*xs) -> Expr:
     """x0 + x1 + ...: flattened; adjacent constants merged and zeros dropped, order kept."""
-    if all(isinstance(x, int) for x in xs):
+    if _values(*xs):
         return sum(xs)
     out = []
     for s, t in (st for x in xs for st in _terms(x)):
@@ -88,7 +116,7 @@ def add(*xs) -> Expr:
 
 
 def neg(x) -> Expr:
-    return -x if isinstance(x, int) else Sum(tuple(_terms(x, -1)))
+    return -x if _value(x) else Sum(tuple(_terms(x, -1)))
 
 
 def sub(a, b) -> Expr:
@@ -96,7 +124,7 @@ def sub(a, b) -> Expr:
 
 
 def mul(a, b) -> Expr:
-    if isinstance(a, int) and isinstance(b, int):
+    if _values(a, b):
         return a * b
     if 0 in (a, b):
         return 0
@@ -142,8 +170,8 @@ def max_(a, b) -> Expr:
     """max(a, b), simplified by identities that hold for every value (n >= 1):
     max(x, c) = x when x >= c is proven; max(min(A, B), c) = min(A, max(B, c)) when A >= c, and
     there max(ceildiv(x, n), 1) = ceildiv(max(x, 1), n) (the bound on the row, where a reader looks)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return max(a, b)
+    if _values(a, b):
+        return _max(a, b)
     if isinstance(a, int):
         a, b = b, a
     if a == b:
@@ -162,21 +190,21 @@ def max_(a, b) -> Expr:
 
 
 def min_(a, b) -> Expr:
-    if isinstance(a, int) and isinstance(b, int):
-        return min(a, b)
+    if _values(a, b):
+        return _min(a, b)
     if a == b:
         return a
     return Call("min", (a, b))
 
 
 def floordiv(a, n) -> Expr:
-    if isinstance(a, int) and isinstance(n, int):
+    if _values(a, n):
         return a // n
     return 0 if a == 0 else Call("floordiv", (a, n))
 
 
 def ceildiv(a, n) -> Expr:
-    if isinstance(a, int) and isinstance(n, int):
+    if _values(a, n):
         return -(-a // n)
     return 0 if a == 0 else Call("ceildiv", (a, n))
 
@@ -330,12 +358,26 @@ class Frame:
             return floordiv(edge, self.block_n)
         return floordiv(min_(edge, self.kv_len), self.block_n)
 
-    def rows_see_any(self, rows: Rows) -> bool:
-        """Do rows start..last see any key? (ints)"""
+    def rows_see_any(self, rows: Rows):
+        """Do rows start..last see any key? (ints: a bool; tensors: elementwise)"""
         e = self.edges
-        return bool(self.kv_len > 0 and rows.start <= rows.last
-                    and (e.right is None or rows.last + self.offset + e.right >= 0)
-                    and (e.left is None or rows.start + self.offset - e.left <= self.kv_len - 1))
+        see = (self.kv_len > 0) & (rows.start <= rows.last)
+        if e.right is not None:
+            see = see & (rows.last + self.offset + e.right >= 0)
+        if e.left is not None:
+            see = see & (rows.start + self.offset - e.left <= self.kv_len - 1)
+        return bool(see) if isinstance(see, (bool, int)) else see
+
+    def kv_visits(self, rows: Rows):
+        """len(kv_span(rows).tiles): the KV tiles the rows visit (ints, or tensors elementwise)."""
+        count = _max(sub(self.kv_stop(rows), self.kv_first(rows)), 0)
+        see = self.rows_see_any(rows)
+        return (count if see else 0) if isinstance(see, bool) else count.where(see, 0)
+
+    def row_tile_visits(self, t):
+        """KV tiles row tile t visits (its rows clipped to q_len); ints, or tensors elementwise."""
+        rows = Rows(mul(t, self.block_m), sub(min_(self.q_len, mul(add(t, 1), self.block_m)), 1))
+        return self.kv_visits(rows)
 
     def kv_span(self, rows: Rows) -> Span:
         """The exact KV tile ranges of rows (ints)."""

@@ -94,8 +94,8 @@ def sort_microseconds(lengths: list[int], repeat: int = 200) -> float:
 
 
 def pair_sort_milliseconds(p: Problem, repeat: int = 5) -> tuple[list, float]:
-    """The varlen persistent launcher's sort (varlen_pair_order, the kernel's tile list; best of
-    `repeat`) and its order."""
+    """The varlen persistent launcher's tile list (varlen_pair_order: schedulers.varlen_pairs on CPU
+    torch tensors, expanded to (sequence, head, row tile); best of `repeat`) and its order."""
     best, s = math.inf, p.plan.spec
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
         pairs, pair_ms = pair_sort_milliseconds(p)
         kernel = list_schedule(p.costs(pairs), SM_COUNT, handover).makespan
         print(f"    the kernel's order, (sequence, row tile) pairs longest first, heads innermost: {ms['single'] / kernel:.3f}; "
-              f"its host sort (schedulers.varlen_tile_order, {len(pairs)} tiles): {pair_ms:.1f} ms on this machine's CPU "
+              f"its builder (schedulers.varlen_pairs, {len(pairs)} tiles, with the expansion to tuples): {pair_ms:.1f} ms "
+              f"on this machine's CPU (bench/varlen_order.py times the builder alone) "
               f"(best of 5; a CPU figure, not the GPU's)")
     return 0
 

@@ -281,3 +281,25 @@ def test_a_varlen_sequence_with_no_key_under_a_right_only_window_runs_on_the_cpu
     out = np.asarray(attngen.emulate(spec, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=30))
     assert np.all(out[:10] == 0)
     assert check_close(out[None, 10:40], q[None, 10:40], k[None], v[None], False, dtype="float16", window=(-1, 5)).ok
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 700), st.integers(0, 700), st.integers(0, 8)), min_size=1, max_size=8),
+       st.booleans(), st.sampled_from([(-1, -1), (0, 0), (37, -1), (-1, 50), (200, 3)]),
+       st.sampled_from([(128, 128), (64, 176), (128, 64), (16, 16)]))
+def test_the_array_valued_frame_agrees_with_the_scalar_one(rows, causal, window, blocks):
+    """Frame with torch tensor lengths (the varlen order's visit counts) computes each element as the
+    scalar Frame does: row_tile_visits, kv_first, kv_stop and rows_see_any, row tiles past q_len too."""
+    import torch
+
+    e = tiles.edges(causal, window)
+    q, k, t = (torch.tensor([r[i] for r in rows]) for i in range(3))
+    frame = Frame(q, k, k - q, e, *blocks)
+    span = Rows(t * blocks[0], (t + 1) * blocks[0] - 1)
+    got = [frame.row_tile_visits(t), frame.kv_first(span), frame.kv_stop(span), frame.rows_see_any(span)]
+    for n, (ql, kl, tile) in enumerate(rows):
+        one = Frame.of(ql, kl, e, *blocks)
+        rs = Rows(tile * blocks[0], (tile + 1) * blocks[0] - 1)
+        want = [len(one.kv_span(Rows(tile * blocks[0], min(ql, (tile + 1) * blocks[0]) - 1)).tiles),
+                one.kv_first(rs), one.kv_stop(rs), one.rows_see_any(rs)]
+        assert [int(g) if isinstance(g, int) else int(g[n]) for g in got] == [int(w) for w in want], (ql, kl, tile)

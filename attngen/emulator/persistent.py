@@ -36,16 +36,20 @@ DEFAULT_COUNTERS = TileCounters()  # the CPU model's launcher, as the GPU runtim
 
 
 def total_tiles(plan, dims: dict) -> int:
-    if "tile_list" in dims:  # varlen: the host's list
-        return len(dims["tile_list"])
+    if "tile_list" in dims:  # varlen: the list's real pairs (its last row), each head's
+        return int(dims["tile_list"][-1, 0]) * dims["heads"]
     return -(-dims["q_len"] // plan.spec.block_m) * dims["heads"] * dims["batch"]
 
 
 def varlen_tiles(plan, dims: dict, arrays: dict) -> np.ndarray:
-    """A varlen persistent kernel's tile list (schedulers.varlen_tile_list over the call's lengths), as
-    the GPU launcher builds it; kept in `dims` ("tile_list", "total_tiles") for the launch and its check."""
-    listed = varlen_tile_list(plan, arrays["cu_seqlens_q"], arrays["cu_seqlens_k"], dims["heads"])
-    dims["tile_list"], dims["total_tiles"] = listed, len(listed)
+    """A varlen persistent kernel's tile list: schedulers.varlen_tile_list on CPU torch tensors of the
+    call's cu_seqlens (the GPU launcher's builder), as numpy; kept in `dims` ("tile_list", "tile_rows")
+    for the launch and its check."""
+    import torch
+
+    cu = [torch.from_numpy(np.asarray(arrays[n], np.int32)) for n in ("cu_seqlens_q", "cu_seqlens_k")]
+    listed = varlen_tile_list(plan, *cu, dims["total_q"]).numpy()
+    dims["tile_list"], dims["tile_rows"] = listed, len(listed)
     return listed
 
 

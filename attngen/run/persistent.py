@@ -38,16 +38,13 @@ def launch_args(plan, q, k, section: int | None = None) -> list:
 
 def varlen_launch_args(plan, call, q, k) -> list:
     """A varlen persistent forward's arguments after softmax_scale: the counters, the epoch, the grid and
-    the tile list, sorted longest first on the host (schedulers.varlen_tile_list). It reads
-    cu_seqlens_q / cu_seqlens_k on the host where the call's check has not already: a device-to-host
-    copy, so such a launch waits for the stream (a sync per call; FA3 sorts in a prepare kernel instead)."""
+    the tile list, built on cu_seqlens' device by schedulers.varlen_tile_list: torch ops sized by q's
+    packed rows (a shape), so nothing is copied to the host and the launch waits for nothing."""
     if plan.spec.scheduler != "persistent":
         return []
     named = dict(zip(call.arg_names, call.args))
-    cu = [call.arrays.get(n) if call.arrays.get(n) is not None else named[n].cpu().numpy()
-          for n in ("cu_seqlens_q", "cu_seqlens_k")]
-    listed = varlen_tile_list(plan, *cu, call.heads)
-    return launch_args(plan, q, k) + [_torch().from_numpy(listed).to(q.device)]
+    listed = varlen_tile_list(plan, named["cu_seqlens_q"], named["cu_seqlens_k"], q.shape[0])
+    return launch_args(plan, q, k) + [listed.to(q.device)]
 
 
 def block_args(plan, q, section: int) -> list:

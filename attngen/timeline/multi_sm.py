@@ -29,7 +29,7 @@ import heapq
 import numpy as np
 
 from attngen import tiles
-from attngen.kernels.common.schedulers import persistent_tile, varlen_tile_order
+from attngen.kernels.common.schedulers import persistent_tile, varlen_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +99,14 @@ def persistent_order(m_blocks: list[int], heads: int, sections: list[int], longe
 
 def varlen_pair_order(q_lens: list[int], kv_lens: list[int], heads: int, block_m: int, block_n: int, causal: bool,
                       window=(-1, -1)) -> list[tuple]:
-    """The varlen persistent kernel's order: the tile list its launcher sorts per call, (sequence, row
-    tile) pairs longest first, heads innermost (schedulers.varlen_tile_order, the one home)."""
-    return varlen_tile_order(q_lens, kv_lens, heads, tiles.edges(causal, window), block_m, block_n)
+    """The varlen persistent kernel's order as (sequence, head, row tile): the tile list its launcher
+    builds per call, (sequence, row tile) pairs longest first (schedulers.varlen_pairs, the one home,
+    on CPU torch tensors), heads innermost; the padding is never handed out."""
+    import torch
+
+    cu = [torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0) for lens in (q_lens, kv_lens)]
+    listed = varlen_pairs(*cu, sum(q_lens), tiles.edges(causal, window), block_m, block_n).tolist()
+    return [(b, h, t) for b, t in listed[:listed[-1][0]] for h in range(heads)]
 
 
 # -- schedules -----------------------------------------------------------------------------

@@ -190,7 +190,7 @@ def sample_frame(plan, block_m: int, block_n: int) -> tiles.Frame:
 
 def row_tile_visits(frame: tiles.Frame, t: int) -> int:
     """KV tiles row tile t of `frame` visits."""
-    return len(frame.kv_span(tiles.Rows(t * frame.block_m, min(frame.q_len, (t + 1) * frame.block_m) - 1)).tiles)
+    return frame.row_tile_visits(t)
 
 
 def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
@@ -203,32 +203,52 @@ def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
 
 
 # -- the varlen persistent order: a call-time tile list (issue 30) --------------------------
-VARLEN_TILE_PARAM = ('tile_list: T.Tensor([total_tiles, 3], "int32"),  # the counter\'s tile t is (sequence, head, '
-                     'row tile) tile_list[t]: schedulers.varlen_tile_order, longest first')
+VARLEN_TILE_PARAM = ('tile_list: T.Tensor([tile_rows, 2], "int32"),  # (sequence, row tile) pairs longest first, '
+                     'then padding; row tile_rows - 1 holds the real pair count: schedulers.varlen_tile_list')
+VARLEN_TILE_LINES = ["pair = T.truncdiv(tile, heads)  # the counter's tile t is pair t // heads, head t % heads",
+                     "batch_idx = tile_list[pair, 0]", "head = T.truncmod(tile, heads)", "q_block = tile_list[pair, 1]"]
+VARLEN_TOTAL_LINE = "total_tiles = tile_list[tile_rows - 1, 0] * heads  # the real pairs' tiles: the padding is never handed out"
 
 
-def varlen_tile_order(q_lens, kv_lens, heads: int, edges: tiles.Edges, block_m: int, block_n: int) -> list[tuple]:
-    """A varlen persistent kernel's tiles as (sequence, head, row tile), in the order the counter hands
-    them out: (sequence, row tile) pairs by KV visits (tiles.Frame's ranges, each sequence bottom-right
-    aligned), most first, ties in (sequence, row tile) order; a pair's heads go out together,
-    innermost, so a GQA group's heads read their shared K/V tiles at once. A sequence without
-    queries has no tile. The host sorts per call (a Python sort of the pairs)."""
-    pairs = []
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        if q_len <= 0:
-            continue
-        frame = tiles.Frame.of(int(q_len), int(kv_len), edges, block_m, block_n)
-        pairs += [(-row_tile_visits(frame, t) if kv_len > 0 else 0, b, t) for t in range(frame.q_tiles())]
-    pairs.sort()
-    return [(b, h, t) for _, b, t in pairs for h in range(heads)]
+def varlen_pairs_bound(total_q: int, batch: int, block_m: int) -> int:
+    """The most (sequence, row tile) pairs a varlen call can have, from shapes alone: the sum over
+    sequences of ceildiv(q_len, block_m) is at most total_q // block_m + batch."""
+    return total_q // block_m + batch
 
 
-def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, heads: int):
-    """varlen_tile_order for a forward plan's call, from its cu_seqlens (host ints) as the kernel's
-    tile_list: an int32 [tiles, 3] array (the CPU model's input; the GPU launcher copies it over)."""
-    import numpy as np
+def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, total_q: int):
+    """varlen_pairs for a forward plan's call (total_q: q's packed rows, a shape)."""
+    return varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q, tiles.Edges(plan.window_left, plan.window_right),
+                        plan.spec.block_m, plan.spec.block_n)
 
-    lens = [np.diff(np.asarray(cu, np.int64)).tolist() for cu in (cu_seqlens_q, cu_seqlens_k)]
-    order = varlen_tile_order(*lens, heads, tiles.Edges(plan.window_left, plan.window_right), plan.spec.block_m,
-                              plan.spec.block_n)
-    return np.array(order, np.int32).reshape(-1, 3)
+
+def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q: int, edges: tiles.Edges, block_m: int, block_n: int):
+    """A varlen persistent forward's tile list: an int32 [pairs_bound + 1, 2] tensor on cu_seqlens'
+    device, built by torch ops that read no value on the host (no device-to-host copy, no sync).
+    Rows [0, pairs): the (sequence, row tile) pairs by KV visits (tiles.Frame's ranges, each
+    sequence bottom-right aligned), most first, ties in (sequence, row tile) order; the kernel hands
+    out each pair's heads together, innermost, so a GQA group's heads read their shared K/V tiles at
+    once. Then padding (the last sequence's row tiles past its end) up to the bound; the last row
+    holds (pairs, 0): the kernel's total_tiles is pairs * heads, so no padding pair is handed out."""
+    import torch
+
+    cu_q, cu_k = (torch.as_tensor(cu).to(torch.int64) for cu in (cu_seqlens_q, cu_seqlens_k))
+    batch = cu_q.shape[0] - 1
+    bound = varlen_pairs_bound(int(total_q), batch, block_m)
+    q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    row_tiles = tiles.ceildiv(q_lens.clamp(min=0), block_m)
+    # the padding as one more "sequence" (index batch), so the repeats sum to the bound exactly
+    repeats = torch.cat([row_tiles, (bound - row_tiles.sum()).reshape(1)])
+    seq = torch.repeat_interleave(torch.arange(batch + 1, device=cu_q.device), repeats, output_size=bound)
+    firsts = repeats.cumsum(0) - repeats
+    row_tile = torch.arange(bound, device=cu_q.device) - firsts[seq]
+    padding = seq == batch
+    real_seq = seq.clamp(max=batch - 1)
+    frame = tiles.Frame(q_lens[real_seq], kv_lens[real_seq], kv_lens[real_seq] - q_lens[real_seq],
+                        edges, block_m, block_n)
+    visits = frame.row_tile_visits(row_tile).where(~padding, -1)  # padding sorts last
+    order = torch.sort(-visits, stable=True).indices
+    row_tile = row_tile + padding * row_tiles[-1:]  # padding: the last sequence's row tiles past its end
+    pairs = torch.stack([real_seq[order], row_tile[order]], 1)
+    count = torch.stack([row_tiles.sum(), torch.zeros((), dtype=torch.int64, device=cu_q.device)]).reshape(1, 2)
+    return torch.cat([pairs, count]).to(torch.int32)

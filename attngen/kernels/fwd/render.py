@@ -22,6 +22,7 @@ from attngen.kernels.common.block_mask import BLOCK_MASK_TEST, ForwardVisits
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, VARLEN_TILE_PARAM,
+                                               VARLEN_TILE_LINES, VARLEN_TOTAL_LINE,
                                                persistent_tile_lines, row_tile_visits, sample_frame, schedule_of, walks_backwards)
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
@@ -309,8 +310,8 @@ def persistent_context(plan: Plan) -> dict:
     count and counter slot; `tile`, what each tile binds from its index `tile` (persistent_steps'
     rule, a line per step, then the lines a single-tile block binds from its grid position)."""
     varlen = layout_of(plan).per_sequence
-    if varlen:  # the host listed the tiles longest first (schedulers.varlen_tile_order)
-        lines = ["batch_idx = tile_list[tile, 0]", "head = tile_list[tile, 1]", "q_block = tile_list[tile, 2]"]
+    if varlen:  # the launcher listed the (sequence, row tile) pairs longest first (schedulers.varlen_tile_list)
+        lines = list(VARLEN_TILE_LINES)
     else:
         lines = persistent_tile_lines("m_blocks", longest_first(plan))
         lines[-1] += "  # longest first: the last row tile sees the most keys" if longest_first(plan) else ""
@@ -331,8 +332,8 @@ def persistent_context(plan: Plan) -> dict:
              "heads_total = batch * heads  # tile t's (batch, head) pair is bh = batch_idx * heads + head",
              "total_tiles = m_blocks * heads_total  # the counter hands out [0, total_tiles), then an end mark per block",
              SLOT_LINE]
-    if varlen:  # total_tiles: the tile list's length
-        setup = [SLOT_LINE]
+    if varlen:  # total_tiles: the tile list's real pairs, times the heads
+        setup = [VARLEN_TOTAL_LINE, SLOT_LINE]
     return {"setup": setup, "tile": lines, "vars": [f'{name} = T.alloc_var("int32", 0)' for name in held],
             "constants": [COUNTER_CONSTANT], "consumer_tile": tile_scale_setup(plan)}
 
@@ -357,7 +358,7 @@ def template_context(plan: Plan) -> dict:
     if plan.block_mask:
         free_dims += list(BLOCK_MASK_AXES)
     if schedule_of(plan).persistent and layout_of(plan).per_sequence:
-        free_dims.append("total_tiles")  # the tile list's length
+        free_dims.append("tile_rows")  # the tile list's rows (pairs bound + 1)
     masked_visit, masked_visit_comment = masked_visit_expr(plan) if has_masked else ("", "")
     loop_setup, loops = steady_loops(plan)
     layout = layout_of(plan)
