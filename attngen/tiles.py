@@ -420,15 +420,24 @@ class Frame:
             self.q_tiles(), floordiv(add(sub(mul(kv_tile, self.block_n), self.offset), self.edges.left, 1), self.block_m))
         return stop
 
-    def kv_tile_seen(self, kv_tile: int) -> bool:
-        """Does any row of the Q tiles see a key of KV tile `kv_tile`? (ints)"""
+    def kv_tile_seen(self, kv_tile):
+        """Does any row of the Q tiles see a key of KV tile `kv_tile`? (ints: a bool; tensors: elementwise)"""
         e = self.edges
-        c0 = kv_tile * self.block_n
-        c_last = min(c0 + self.block_n, self.kv_len) - 1
-        rows_last = self.q_tiles() * self.block_m - 1
-        return bool(c0 < self.kv_len and self.q_len > 0
-                    and (e.right is None or c0 - self.offset - e.right <= rows_last)
-                    and (e.left is None or c_last - self.offset + e.left >= 0))
+        c0 = mul(kv_tile, self.block_n)
+        c_last = sub(min_(add(c0, self.block_n), self.kv_len), 1)
+        rows_last = sub(mul(self.q_tiles(), self.block_m), 1)
+        see = (c0 < self.kv_len) & (self.q_len > 0)
+        if e.right is not None:
+            see = see & (c0 - self.offset - e.right <= rows_last)
+        if e.left is not None:
+            see = see & (c_last - self.offset + e.left >= 0)
+        return bool(see) if isinstance(see, (bool, int)) else see
+
+    def q_visits(self, kv_tile):
+        """len(q_span(kv_tile).tiles): the Q tiles that visit KV tile `kv_tile` (ints, or tensors elementwise)."""
+        count = _max(sub(self.q_stop(kv_tile), self.q_first(kv_tile)), 0)
+        see = self.kv_tile_seen(kv_tile)
+        return (count if see else 0) if isinstance(see, bool) else count.where(see, 0)
 
     def q_span(self, kv_tile: int) -> Span:
         """The exact Q tile ranges of KV tile `kv_tile` (ints)."""

@@ -23,7 +23,8 @@ FORWARD = [({"causal": True}, (2, 16, 1000)), ({}, (1, 8, 777)),
            ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500)),
            ({"causal": True, "dtype": "float8_e4m3fn"}, (2, 16, 1000))]  # fp8: descales absent (ones)
 VARLEN = {"causal": True, "layout": "varlen", "lse": True}
-BACKWARD = [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777))]
+BACKWARD = [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777)),
+            ({"causal": True, "layout": "varlen"}, (1, 16, [1000, 1, 0, 129, 4000, 77]))]  # varlen: its lengths
 
 
 def specs(fields):
@@ -35,7 +36,15 @@ def specs(fields):
 # every kernel these tests launch, as (spec, backward): the GPU check prebuilds them (bench_gpu.gpu_test_keys)
 KERNELS = [(s, False) for fields, _ in FORWARD for s in specs(fields)] + [(s, False) for s in specs(VARLEN)]
 KERNELS += [(attngen.Spec(**fields, lse=True), False) for fields, _ in BACKWARD]
-KERNELS += [(attngen.Spec(**fields, scheduler=s), True) for fields, _ in BACKWARD for s in ("single", "persistent")]
+KERNELS += [(attngen.Spec(**fields, scheduler="persistent"), True) for fields, _ in BACKWARD]
+
+
+def single_of_tiles(fields):
+    """The single-tile backward plan with the persistent one's tiles (its default tiles sum in another order)."""
+    from attngen.kernels.bwd.plan import plan_backward
+
+    tile = plan_backward(attngen.Spec(**fields, scheduler="persistent"))
+    return plan_backward(attngen.Spec(**fields), block_m=tile.block_m, columns=tile.columns)
 
 
 def pair(fields):
@@ -82,15 +91,24 @@ def test_persistent_backward_equals_single_tile_call_after_call(fields, shape):
 
     batch, heads, seq = shape
     fwd = forward.compile_kernel(make_plan(attngen.Spec(**fields, lse=True)))
-    single, persistent = (backward.compile_backward(attngen.Spec(**fields, scheduler=s)) for s in ("single", "persistent"))
+    single = backward.compile_backward(single_of_tiles(fields))
+    persistent = backward.compile_backward(attngen.Spec(**fields, scheduler="persistent"))
     dt = getattr(torch, fwd.spec.dtype)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, seq, heads, 128, device="cuda", dtype=dt, generator=g) for _ in range(4))
-    out, lse = fwd(q, k, v)
+    rows = (sum(seq),) if isinstance(seq, list) else (batch, seq)  # varlen: packed rows
+    q, k, v, dout = (torch.randn(*rows, heads, 128, device="cuda", dtype=dt, generator=g) for _ in range(4))
+    kw, call_kw = {}, {}
+    if isinstance(seq, list):  # the backward takes the forward's checked call
+        from attngen.run import serving
+
+        cu = torch.tensor([0] + seq, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(seq)}
+        call_kw = {"call": serving.check_serving(fwd.plan, q, k, v, **kw)}
+    out, lse = fwd(q, k, v, **kw)
     scale = 128 ** -0.5
-    want = single.run(q, k, v, out, lse, dout, softmax_scale=scale)
+    want = single.run(q, k, v, out, lse, dout, softmax_scale=scale, **call_kw)
     for call in range(5):  # the counters' slots rotate, shared with the forward's calls on the stream
-        got = persistent.run(q, k, v, out, lse, dout, softmax_scale=scale)
+        got = persistent.run(q, k, v, out, lse, dout, softmax_scale=scale, **call_kw)
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), call
         if fields.get("deterministic"):
             assert torch.equal(got[0], want[0]), call

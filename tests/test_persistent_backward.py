@@ -96,12 +96,25 @@ def test_the_producer_takes_40_registers_so_hd128_splits_columns_and_hd256_is_re
     assert e.value.field == "scheduler" and "head_dim = 256" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("fields, field", [({"layout": "varlen"}, "layout"), ({"block_mask": True, "mask_mod": "q_idx >= kv_idx"},
-                                                                                "block_mask")])
+@pytest.mark.parametrize("fields, field", [({"block_mask": True, "mask_mod": "q_idx >= kv_idx"}, "block_mask")])
 def test_what_it_refuses_is_named_in_one_line(fields, field):
     with pytest.raises(SpecError) as e:
         plan_backward(attngen.Spec(**fields, scheduler="persistent"))
     assert e.value.field == field and "persistent" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_two_backward_plans_of_one_spec_are_two_kernels(monkeypatch):
+    """The GPU test compares the persistent backward with the single-tile one of its tiles: a plan of the
+    spec's (its default tiles differ), which compile_backward must not take for the default one."""
+    from attngen.run import backward as run_backward
+
+    keys = []
+    monkeypatch.setattr(run_backward, "_once", lambda memo, key, build: keys.append(key))
+    tile = plan_backward(attngen.Spec(causal=True, scheduler="persistent"))
+    for plan in (plan_backward(attngen.Spec(causal=True)),
+                 plan_backward(attngen.Spec(causal=True), block_m=tile.block_m, columns=tile.columns)):
+        run_backward.compile_backward(plan)
+    assert len(set(keys)) == 2
 
 
 def test_num_sms_belongs_to_a_persistent_spec_only():

@@ -17,7 +17,6 @@ from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.common.schedulers import row_tile_visits, varlen_pairs, varlen_tile_list
 from attngen.kernels.fwd.plan import make_plan
-from attngen.spec import SpecError
 
 HEADS = 2
 LENGTHS = ([300, 1, 0, 129], [300, 40, 7, 200])  # a long causal sequence, one row, no rows, more keys than rows
@@ -100,14 +99,6 @@ def test_the_builder_reads_no_value_on_the_host():
     cu = torch.empty(249, dtype=torch.int32, device="meta")
     listed = varlen_pairs(cu, cu, 65152 * 128 // 16, tiles.edges(True), 128, 128)
     assert listed.device.type == "meta" and listed.shape == (65152 // 16 + 248 + 1, 2) and listed.dtype == torch.int32
-
-
-def test_the_backward_refuses_it_in_one_line():
-    from attngen.kernels.bwd.plan import plan_backward
-
-    with pytest.raises(SpecError) as e:
-        plan_backward(spec("persistent"))
-    assert e.value.field == "layout" and "persistent backward" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("num_sms", [1, 2, 5, 8])

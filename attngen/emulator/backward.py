@@ -105,7 +105,12 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         x = np.asarray(to_numpy(named[t.name]))
         dims.update({t.dim(i): x.shape[i] for i, a in enumerate(t.shape) if a is None})
     stats = stats if stats is not None else Stats()
-    main_tiles = -(-ka.shape[1] // bp.block_n) * (hkv if grouped(bp) else h) * b if not varlen else 0
+    main_heads = hkv if grouped(bp) else h
+    if varlen and spec.scheduler == "persistent":  # the lists the launcher builds, and their tiles
+        persistent.backward_varlen_lists(bp, dims, seq["cu_seqlens_q"], seq["cu_seqlens_k"])
+        main_tiles = int(dims["tile_list"][-1, 0]) * main_heads
+    else:
+        main_tiles = -(-ka.shape[1] // bp.block_n) * main_heads * b if not varlen else 0
     blocks = persistent.check_num_sms(num_sms, bp.forward, dims, tiles=main_tiles)
     counters = counters if counters is not None else persistent.DEFAULT_COUNTERS
     run = dict(seed=seed, policy=policy, stats=stats, proxy_fences=proxy_fences, block_order=block_order)
@@ -129,8 +134,9 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
         if blocks:  # the blocks race for KV tiles at the counter
             boxes = len(stats.k_boxes)
             try:
-                rt.run(main + main_calls + sm + persistent.launch_inputs(
-                    bp.forward, dims, blocks, counters, main_section(spec, lead[1], grouped(bp))), concurrent=True, **run)
+                section = None if varlen else main_section(spec, lead[1], grouped(bp))  # varlen: the list instead
+                rt.run(main + main_calls + sm + persistent.launch_inputs(bp.forward, dims, blocks, counters, section),
+                       concurrent=True, **run)
             finally:
                 persistent.keep(counters, rt.tensors)
             persistent.check_each_kv_tile_once(bp, dims, stats.k_boxes[boxes:])
@@ -146,8 +152,8 @@ def emulate_backward(spec, q, k, v, dout, *, seed: int = 0, policy: str = "rando
             dq_in = [qa, ka, va, do, lse2, dpsum, np.zeros(qa.shape, np.float32) if varlen else None]
             if blocks:  # each block takes every blocks-th tile of the fixed order
                 boxes = len(stats.q_boxes)
-                dq = rt.run(dq_in + calls + sm + [blocks, section_of(spec, ka.shape[1])], entry="build_dq_kernel",
-                            concurrent=True, **run)
+                order = dims["dq_tile_list"] if varlen else section_of(spec, ka.shape[1])  # a varlen call's list
+                dq = rt.run(dq_in + calls + sm + [blocks, order], entry="build_dq_kernel", concurrent=True, **run)
                 persistent.check_each_dq_tile_once(bp, dims, stats.q_boxes[boxes:])
             else:
                 dq = rt.run(dq_in + calls + sm, entry="build_dq_kernel", **run)

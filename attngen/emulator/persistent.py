@@ -53,6 +53,23 @@ def varlen_tiles(plan, dims: dict, arrays: dict) -> np.ndarray:
     return listed
 
 
+def backward_varlen_lists(bp, dims: dict, cu_seqlens_q, cu_seqlens_k) -> None:
+    """A varlen persistent backward's tile lists, as the GPU launcher builds them (bwd/persistent.py:
+    varlen_main_list, varlen_dq_list, on CPU torch tensors), into `dims` ("tile_list", "tile_rows",
+    and the deterministic dq kernel's "dq_tile_list", "dq_tile_rows") for the launches and their checks."""
+    import torch
+
+    from attngen.kernels.bwd.persistent import varlen_dq_list, varlen_main_list
+
+    cu = [torch.from_numpy(np.asarray(c, np.int32)) for c in (cu_seqlens_q, cu_seqlens_k)]
+    dims["cu_seqlens_q"], dims["cu_seqlens_k"] = cu_seqlens_q, cu_seqlens_k
+    dims["tile_list"] = varlen_main_list(bp, *cu, dims["total_k"]).numpy()
+    dims["tile_rows"] = len(dims["tile_list"])
+    if bp.deterministic:
+        dims["dq_tile_list"] = varlen_dq_list(bp, *cu, dims["total_q"]).numpy()
+        dims["dq_tile_rows"] = len(dims["dq_tile_list"])
+
+
 def check_num_sms(num_sms, plan, dims: dict, tiles: int | None = None) -> int:
     """The blocks of a persistent launch: `num_sms`, or (None) the SMs of an H100/H200 or fewer where
     there are fewer tiles (the blocks past them would only take an end mark). `tiles`: the kernel's
@@ -91,12 +108,8 @@ def check_each_tile_once(plan, dims: dict, q_boxes: list) -> None:
     tile handed out twice (or skipped) is a KernelError naming it, whatever the numbers say."""
     wg_rows = plan.wg_rows
     if "tile_list" in dims:  # varlen: packed rows (first row, head, 0), each sequence's row tiles from its start
-        cu_q = dims["cu_seqlens_q"]
-        want = collections.Counter((int(cu_q[b]) + m * plan.spec.block_m + g * wg_rows, h, 0)
-                                   for b in range(len(cu_q) - 1) for h in range(dims["heads"])
-                                   for m in range(-(-int(cu_q[b + 1] - cu_q[b]) // plan.spec.block_m))
-                                   for g in range(plan.spec.consumers))
-        each_once(want, collections.Counter(tuple(box) for box in q_boxes),
+        each_once(packed_row_tiles(dims["cu_seqlens_q"], dims["heads"], plan.spec.block_m, plan.spec.consumers),
+                  collections.Counter(tuple(box) for box in q_boxes),
                   lambda row, h, _: f"Q rows {row}..{row + wg_rows - 1} (packed), head {h}")
         return
     want = collections.Counter((b, m * plan.spec.block_m + g * wg_rows, h, 0)
@@ -119,6 +132,15 @@ def check_each_kv_tile_once(bp, dims: dict, k_boxes: list) -> None:
     """The backward's main kernel: every (batch, KV tile, KV head) loaded once per consumer warpgroup
     by each block that owns it (one per query head of the group, one for a grouped deterministic tile)."""
     owners = 1 if bp.deterministic else bp.spec.gqa_group
+    if "tile_list" in dims:  # varlen: each load's first packed key (a slice past a sequence's end reads the next one's)
+        cu_k = dims["cu_seqlens_k"]
+        slices = [0] * bp.consumers if bp.columns else [g * bp.wg_keys for g in range(bp.consumers)]
+        want = collections.Counter((int(cu_k[b]) + t * bp.block_n + s, h) for b in range(len(cu_k) - 1)
+                                   for t in range(-(-int(cu_k[b + 1] - cu_k[b]) // bp.block_n))
+                                   for h in range(dims["kv_heads"]) for s in slices for _ in range(owners))
+        each_once(want, collections.Counter((key, h) for key, h, _ in k_boxes),
+                  lambda key, h: f"K keys {key}.. (packed; a KV tile's load), KV head {h}")
+        return
     want = collections.Counter({(b, t, h): bp.consumers * owners for b in range(dims["batch"])
                                 for t in range(-(-dims["kv_len"] // bp.block_n)) for h in range(dims["kv_heads"])})
     got = collections.Counter((b, key // bp.block_n, h) for b, key, h, _ in k_boxes)
@@ -128,8 +150,21 @@ def check_each_kv_tile_once(bp, dims: dict, k_boxes: list) -> None:
 def check_each_dq_tile_once(bp, dims: dict, q_boxes: list) -> None:
     """The deterministic dq kernel: every (batch, rows, head) loaded once per consumer warpgroup."""
     wg_rows = bp.dq_block_m // bp.consumers
+    got = collections.Counter(tuple(box) for box in q_boxes)
+    if "dq_tile_list" in dims:  # varlen: packed rows
+        each_once(packed_row_tiles(dims["cu_seqlens_q"], dims["heads"], bp.dq_block_m, bp.consumers), got,
+                  lambda row, h, _: f"dq's Q rows {row}..{row + wg_rows - 1} (packed), head {h}")
+        return
     want = collections.Counter((b, m * bp.dq_block_m + g * wg_rows, h, 0) for b in range(dims["batch"])
                                for h in range(dims["heads"]) for m in range(-(-dims["q_len"] // bp.dq_block_m))
                                for g in range(bp.consumers))
-    each_once(want, collections.Counter(tuple(box) for box in q_boxes),
-              lambda b, row, h, _: f"dq's Q rows {row}..{row + wg_rows - 1} of batch {b}, head {h}")
+    each_once(want, got, lambda b, row, h, _: f"dq's Q rows {row}..{row + wg_rows - 1} of batch {b}, head {h}")
+
+
+def packed_row_tiles(cu_q, heads: int, block_m: int, consumers: int) -> collections.Counter:
+    """A varlen kernel's Q loads, one per consumer warpgroup of each row tile: (first packed row, head,
+    0), each sequence's row tiles from its start."""
+    wg_rows = block_m // consumers
+    return collections.Counter((int(cu_q[b]) + m * block_m + g * wg_rows, h, 0)
+                               for b in range(len(cu_q) - 1) for h in range(heads)
+                               for m in range(-(-int(cu_q[b + 1] - cu_q[b]) // block_m)) for g in range(consumers))

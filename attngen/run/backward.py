@@ -98,7 +98,11 @@ class BackwardKernel:
         scale = [float(softmax_scale)]
         main = [q, k, v, dout, lse2, dpsum] + accum + [dk_main, dv_main] + main_calls + scale
         dq_tail = list(scale)
-        if not varlen:  # a persistent main kernel takes its counters, grid and section; the dq kernel a fixed order's
+        if varlen:  # a persistent main kernel takes its counters, grid and list; the dq kernel its grid and list
+            main_tail, dq_list = persistent.varlen_backward_args(bp, call, q, k)
+            main += main_tail
+            dq_tail += dq_list
+        else:  # ... its counters, grid and section; the dq kernel a fixed order's grid and section
             main += persistent.launch_args(bp.forward, q, k, main_section(bp.spec, int(q.shape[1]), grouped(bp)))
             dq_tail += persistent.block_args(bp.forward, q, section_of(bp.spec, int(k.shape[1])))
         dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
@@ -163,8 +167,9 @@ def compile_backward(spec_or_plan) -> BackwardKernel:
     if not (isinstance(spec_or_plan, (Spec, Plan)) or hasattr(spec_or_plan, "forward")):
         raise InputError("spec", type(spec_or_plan).__name__, "an attngen.Spec or attngen.Plan")
     # looked up before planning and rendering: a call of the op pays a dict lookup here
-    key = ("bwd", spec_or_plan.spec, getattr(spec_or_plan, "shape", None)) if not isinstance(spec_or_plan, Spec) \
-        else ("bwd", spec_or_plan, None)
+    # (a BackwardPlan's tiles may differ from its spec's default plan's: its name, which spells them, is in the key)
+    key = ("bwd", spec_or_plan.spec, getattr(spec_or_plan, "shape", None), getattr(spec_or_plan, "name", None)) \
+        if not isinstance(spec_or_plan, Spec) else ("bwd", spec_or_plan, None)
 
     def build() -> BackwardKernel:
         bp, text, parts = _backward_build(spec_or_plan)

@@ -9,6 +9,7 @@ for the device. The epoch counts calls modulo COUNTER_SLOTS (only its slot matte
 
 from __future__ import annotations
 
+from attngen.kernels.bwd.persistent import varlen_dq_list, varlen_main_list
 from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of, varlen_tile_list
 from attngen.run.checks import _torch
 
@@ -45,6 +46,18 @@ def varlen_launch_args(plan, call, q, k) -> list:
     named = dict(zip(call.arg_names, call.args))
     listed = varlen_tile_list(plan, named["cu_seqlens_q"], named["cu_seqlens_k"], q.shape[0])
     return launch_args(plan, q, k) + [listed.to(q.device)]
+
+
+def varlen_backward_args(bp, call, q, k) -> tuple[list, list]:
+    """A varlen persistent backward's arguments after softmax_scale, built on cu_seqlens' device (no host
+    read): the main kernel's (the counters, the epoch, the grid and its (sequence, KV tile) list) and the
+    deterministic dq kernel's (the grid and its (sequence, Q tile) list); none for a single-tile one."""
+    if bp.spec.scheduler != "persistent":
+        return [], []
+    named = dict(zip(call.arg_names, call.args))
+    cu = named["cu_seqlens_q"], named["cu_seqlens_k"]
+    main = launch_args(bp.forward, q, k) + [varlen_main_list(bp, *cu, k.shape[0]).to(q.device)]
+    return main, [sm_count(q), varlen_dq_list(bp, *cu, q.shape[0]).to(q.device)] if bp.deterministic else []
 
 
 def block_args(plan, q, section: int) -> list:

@@ -49,6 +49,8 @@ BWD_LEARNABLE_REGS = 8
 # by keys 84 B (240). Not a register share: the tiles are small there. Softcap in its place fits
 # (hd64 196 used); ALiBi without the band 230 (docs/backward.md, "Registers").
 VARLEN_GROUPED_VARIANT_SPILLS = "hd64 113 B, hd96 270 B, hd128 by keys 84 B and by columns 416 B"
+# the persistent main kernel holds each tile's sequence bounds too; ALiBi or softcap alone built clean
+VARLEN_PERSISTENT_ALIBI_SOFTCAP_SPILLS = "hd64 causal 36 B, hd128 causal 40 B, hd64 causal deterministic 24 B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +206,10 @@ def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bo
         raise SpecError("deterministic", True, "with layout 'varlen', alibi, a score_mod or a mask_mod, and gqa_group "
                         f"{rspec.gqa_group} the deterministic backward spills at every head dim "
                         f"(measured: {VARLEN_GROUPED_VARIANT_SPILLS}); use deterministic = false or gqa_group = 1")
-    if spec.scheduler == "persistent" and rspec.layout == "varlen":
-        raise ruled_out("layout", rspec.layout, '"bshd"', 'scheduler = "persistent"', "the persistent backward does not "
-                        "hand out a varlen batch's tiles yet (the persistent forward does)")
+    if check_registers and spec.scheduler == "persistent" and rspec.layout == "varlen" and rspec.alibi and rspec.softcap:
+        raise SpecError("scheduler", "persistent", "with layout 'varlen', alibi and softcap the persistent backward's "
+                        f"main kernel spills (measured: {VARLEN_PERSISTENT_ALIBI_SOFTCAP_SPILLS}); use scheduler = "
+                        '"single", or alibi or softcap alone')
     fa3 = (FA3_BWD_TILES_MASKED if masked else {}).get(rspec.head_dim, FA3_BWD_TILES[rspec.head_dim])
     fa3_m, fa3_n, _ = fa3
     consumers = 2

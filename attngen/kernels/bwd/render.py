@@ -19,7 +19,7 @@ from attngen.kernels.common.block_mask import backward_walk
 from attngen.kernels.common.emit import render_template, tensor_param, write_if_different
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.bwd import persistent
-from attngen.kernels.common.schedulers import BLOCK_PARAMS, COUNTER_PARAMS, schedule_of
+from attngen.kernels.common.schedulers import BLOCK_PARAMS, COUNTER_PARAMS, schedule_of, varlen_tile_param
 from attngen.kernels.common.variants import Variant, has_offset
 from attngen.spec import Spec, to_toml
 from attngen.version import __version__
@@ -119,7 +119,9 @@ def consumer_args(bp: BackwardPlan) -> str:
     if not bp.deterministic:
         names.append("dQ_accum")
     names += ["dK_accum", "dV_accum"] if bp.kv_accum else ["dK", "dV"]
-    if schedule_of(bp.forward).persistent:  # a persistent consumer binds its tile itself, from the index handed over
+    if varlen_persistent(bp):  # ... from the launcher's list of (sequence, KV tile) pairs
+        names += ["tile_shared", "tile_full", "tile_empty", persistent.MAIN_LIST[0], "total_tiles"]
+    elif schedule_of(bp.forward).persistent:  # a persistent consumer binds its tile itself, from the index handed over
         names += ["tile_shared", "tile_full", "tile_empty", "kv_blocks", "heads_total", "total_tiles", "section"]
     else:
         names += ["kv_block"] + ([] if grouped_visits(bp) else ["head"]) + ["kv_head", "batch_idx", "q_first", "n_q"]
@@ -161,9 +163,17 @@ SEQUENCE_NOTES = {"q_note": "this sequence's rows of q, dO, dQ", "k_note": "... 
 
 
 def seq_names(bp: BackwardPlan) -> list:
-    """The block's per-sequence values a macro needs (none for bshd, whose lengths are the kernel's)."""
+    """The block's per-sequence values a macro needs (none for bshd, whose lengths are the kernel's; a
+    varlen persistent macro reads each tile's bounds itself, from the prefix sums)."""
     layout = layout_of(bp.forward)
+    if varlen_persistent(bp):
+        return ["cu_seqlens_q", "cu_seqlens_k"]
     return layout.sequence_args(has_offset(bp.forward)) + layout.key_start_args()
+
+
+def varlen_persistent(bp: BackwardPlan) -> bool:
+    """A persistent varlen backward: its kernels take their tiles from call-time lists (schedulers.varlen_pairs)."""
+    return schedule_of(bp.forward).persistent and layout_of(bp.forward).per_sequence
 
 
 
@@ -226,12 +236,18 @@ def params(bp: BackwardPlan, dv: str) -> dict:
                           "a learnable read's term per element (0 where masked)") for n in term_names(bp)]
     main += calls + (terms if bp.deterministic else grads) + block_mask_params(bp) + seq + [scale]
     counted = schedule_of(bp.forward).persistent
-    main += COUNTER_PARAMS + BLOCK_PARAMS if counted else []
+    if varlen_persistent(bp):  # the launcher's lists in the L2 section's place
+        main += COUNTER_PARAMS + [BLOCK_PARAMS[0], varlen_tile_param(*persistent.MAIN_LIST, "KV tile")]
+    else:
+        main += COUNTER_PARAMS + BLOCK_PARAMS if counted else []
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
           tensor_param("V", kv_shape(dv), "DTYPE"), tensor_param("dO", q_shape(dv), "DTYPE"),
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
           tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
-    dq += BLOCK_PARAMS if counted else []  # a fixed order: no counter
+    if varlen_persistent(bp):
+        dq += [BLOCK_PARAMS[0], varlen_tile_param(*persistent.DQ_LIST, "Q tile", "shortest first")]
+    else:
+        dq += BLOCK_PARAMS if counted else []  # a fixed order: no counter
     post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'),
             tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output")] + seq + [scale]
     post_kv = [tensor_param("dK_accum", kv_shape("HEAD_DIM"), '"float32"'), tensor_param("dV_accum", kv_shape(dv), '"float32"'),
@@ -367,10 +383,13 @@ def template_context(bp: BackwardPlan) -> dict:
     free = [t.dim(a) for t in call_tensors(bp) for a in range(len(t.shape)) if t.shape[a] is None]
     if f.block_mask:
         free += list(BLOCK_MASK_AXES) + (["bm_dq_q_tiles", "bm_dq_kv_tiles"] if bp.deterministic else [])
+    if varlen_persistent(bp):  # the tile lists' rows (pairs bound + 1)
+        free += [persistent.MAIN_LIST[1]] + ([persistent.DQ_LIST[1]] if bp.deterministic else [])
+    seq_setup = layout.sequence_setup(has_offset(f), **SEQUENCE_NOTES)
     return {
         "layout": layout,
         "schedule": schedule_of(f),
-        "seq_setup": layout.sequence_setup(has_offset(f), **SEQUENCE_NOTES),
+        "seq_setup": seq_setup,
         "dv": dv,
         "kernel": BackwardNumbers.of(bp),
         "dims": layout.kernel_dims(bp.shape),
@@ -392,7 +411,7 @@ def template_context(bp: BackwardPlan) -> dict:
         "main_grid_heads": "kv_heads" if grouped_visits(bp) else "heads",
         "main_head_var": "kv_head" if grouped_visits(bp) else "head",
         **visits(bp),
-        **(dq_context(bp) if bp.deterministic else {}),
+        **(dq_context(bp, seq_setup) if bp.deterministic else {}),
         **params(bp, dv),
         "variant": Variant.of(f),
         "tensor_grads": Variant.of(f).tensor_grads(spec.learnable),
@@ -401,15 +420,19 @@ def template_context(bp: BackwardPlan) -> dict:
         "tensor_grads_mask": Variant.of(f).bwd_mask_cond(inline=True) if spec.learnable else "",
         "bmask": backward_walk(f),
         "dq_bmask": backward_walk(f, dq=True),
-        **({"persistent": persistent.main_context(bp, q_range(bp), has_edges(bp))} if schedule_of(f).persistent else {}),
+        **({"persistent": persistent.main_context(bp, q_range(bp), has_edges(bp), seq_setup)} if schedule_of(f).persistent
+           else {}),
     }
 
 
-def dq_context(bp: BackwardPlan) -> dict:
+def dq_context(bp: BackwardPlan, seq_setup: list) -> dict:
     tile_args = ("q_empty, q_blocks, heads_total, total_tiles, num_sms, section, sm" if schedule_of(bp.forward).persistent
                  else "q0, head, batch_idx, kv_first, n_kv")
+    if varlen_persistent(bp):
+        tile_args = f"q_empty, {persistent.DQ_LIST[0]}, total_tiles, num_sms, sm"
     return {**dq_range(bp), "dq_tile_args": tile_args,
-            **({"dq_persistent": persistent.dq_context(bp, dq_range(bp))} if schedule_of(bp.forward).persistent else {}),
+            **({"dq_persistent": persistent.dq_context(bp, dq_range(bp), seq_setup)} if schedule_of(bp.forward).persistent
+               else {}),
             "dq_bm_args": "".join(f", {a}" for a in block_mask_args(bp, True)),
             "dq_tile_init": tile_lines(bp, True)[0], "dq_tile_lines": tile_lines(bp, True)[1],
             "dq_producer_tile_lines": tile_lines(bp, True, producer=True)[1]}

@@ -203,17 +203,33 @@ def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
 
 
 # -- the varlen persistent order: a call-time tile list (issue 30) --------------------------
-VARLEN_TILE_PARAM = ('tile_list: T.Tensor([tile_rows, 2], "int32"),  # (sequence, row tile) pairs longest first, '
-                     'then padding; row tile_rows - 1 holds the real pair count: schedulers.varlen_tile_list')
-VARLEN_TILE_LINES = ["pair = T.truncdiv(tile, heads)  # the counter's tile t is pair t // heads, head t % heads",
-                     "batch_idx = tile_list[pair, 0]", "head = T.truncmod(tile, heads)", "q_block = tile_list[pair, 1]"]
-VARLEN_TOTAL_LINE = "total_tiles = tile_list[tile_rows - 1, 0] * heads  # the real pairs' tiles: the padding is never handed out"
+def varlen_tile_param(name: str = "tile_list", rows: str = "tile_rows", tile: str = "row tile",
+                      order: str = "longest first") -> str:
+    """A varlen persistent kernel's tile-list parameter line (varlen_pairs' tensor)."""
+    return (f'{name}: T.Tensor([{rows}, 2], "int32"),  # (sequence, {tile}) pairs {order}, then padding; row {rows} - 1 '
+            f'holds the real pair count: schedulers.varlen_tile_list')
 
 
-def varlen_pairs_bound(total_q: int, batch: int, block_m: int) -> int:
-    """The most (sequence, row tile) pairs a varlen call can have, from shapes alone: the sum over
-    sequences of ceildiv(q_len, block_m) is at most total_q // block_m + batch."""
-    return total_q // block_m + batch
+def varlen_tile_lines(tile: str = "q_block", name: str = "tile_list", heads: str = "heads", head: str = "head") -> list:
+    """What a varlen persistent block binds from its tile index `tile`: pair tile // heads of the list,
+    head tile % heads (a pair's heads go out together, innermost)."""
+    return [f"pair = T.truncdiv(tile, {heads})  # the counter's tile t is pair t // {heads}, head t % {heads}",
+            f"batch_idx = {name}[pair, 0]", f"{head} = T.truncmod(tile, {heads})", f"{tile} = {name}[pair, 1]"]
+
+
+def varlen_total_line(name: str = "tile_list", rows: str = "tile_rows", heads: str = "heads") -> str:
+    return f"total_tiles = {name}[{rows} - 1, 0] * {heads}  # the real pairs' tiles: the padding is never handed out"
+
+
+VARLEN_TILE_PARAM = varlen_tile_param()
+VARLEN_TILE_LINES = varlen_tile_lines()
+VARLEN_TOTAL_LINE = varlen_total_line()
+
+
+def varlen_pairs_bound(total: int, batch: int, block: int) -> int:
+    """The most (sequence, tile) pairs a varlen call can have, from shapes alone: the sum over
+    sequences of ceildiv(length, block) is at most total // block + batch (total: the packed rows)."""
+    return total // block + batch
 
 
 def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, total_q: int):
@@ -222,33 +238,38 @@ def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, total_q: int):
                         plan.spec.block_m, plan.spec.block_n)
 
 
-def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q: int, edges: tiles.Edges, block_m: int, block_n: int):
-    """A varlen persistent forward's tile list: an int32 [pairs_bound + 1, 2] tensor on cu_seqlens'
+def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total: int, edges: tiles.Edges, block_m: int, block_n: int, *,
+                 kv_tiles: bool = False, first: str = "longest"):
+    """A varlen persistent kernel's tile list: an int32 [pairs_bound + 1, 2] tensor on cu_seqlens'
     device, built by torch ops that read no value on the host (no device-to-host copy, no sync).
-    Rows [0, pairs): the (sequence, row tile) pairs by KV visits (tiles.Frame's ranges, each
-    sequence bottom-right aligned), most first, ties in (sequence, row tile) order; the kernel hands
-    out each pair's heads together, innermost, so a GQA group's heads read their shared K/V tiles at
-    once. Then padding (the last sequence's row tiles past its end) up to the bound; the last row
-    holds (pairs, 0): the kernel's total_tiles is pairs * heads, so no padding pair is handed out."""
+    Rows [0, pairs): the (sequence, row tile) pairs, or with `kv_tiles` the (sequence, KV tile) pairs
+    of the backward's main kernel (total: then k's packed rows), by visits (tiles.Frame's ranges, each
+    sequence bottom-right aligned), the `first` ("longest" or "shortest") first, ties in (sequence,
+    tile) order; the kernel hands out each pair's heads together, innermost, so a GQA group's heads
+    read their shared K/V tiles at once. Then padding (the last sequence's tiles past its end) up to
+    the bound; the last row holds (pairs, 0): the kernel's total_tiles is pairs * heads, so no
+    padding pair is handed out."""
     import torch
 
     cu_q, cu_k = (torch.as_tensor(cu).to(torch.int64) for cu in (cu_seqlens_q, cu_seqlens_k))
     batch = cu_q.shape[0] - 1
-    bound = varlen_pairs_bound(int(total_q), batch, block_m)
     q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    row_tiles = tiles.ceildiv(q_lens.clamp(min=0), block_m)
+    lens, block = (kv_lens, block_n) if kv_tiles else (q_lens, block_m)
+    bound = varlen_pairs_bound(int(total), batch, block)
+    counts = tiles.ceildiv(lens.clamp(min=0), block)
     # the padding as one more "sequence" (index batch), so the repeats sum to the bound exactly
-    repeats = torch.cat([row_tiles, (bound - row_tiles.sum()).reshape(1)])
+    repeats = torch.cat([counts, (bound - counts.sum()).reshape(1)])
     seq = torch.repeat_interleave(torch.arange(batch + 1, device=cu_q.device), repeats, output_size=bound)
     firsts = repeats.cumsum(0) - repeats
-    row_tile = torch.arange(bound, device=cu_q.device) - firsts[seq]
+    tile = torch.arange(bound, device=cu_q.device) - firsts[seq]
     padding = seq == batch
     real_seq = seq.clamp(max=batch - 1)
     frame = tiles.Frame(q_lens[real_seq], kv_lens[real_seq], kv_lens[real_seq] - q_lens[real_seq],
                         edges, block_m, block_n)
-    visits = frame.row_tile_visits(row_tile).where(~padding, -1)  # padding sorts last
-    order = torch.sort(-visits, stable=True).indices
-    row_tile = row_tile + padding * row_tiles[-1:]  # padding: the last sequence's row tiles past its end
-    pairs = torch.stack([real_seq[order], row_tile[order]], 1)
-    count = torch.stack([row_tiles.sum(), torch.zeros((), dtype=torch.int64, device=cu_q.device)]).reshape(1, 2)
+    visits = frame.q_visits(tile) if kv_tiles else frame.row_tile_visits(tile)
+    key = -visits if first == "longest" else visits
+    order = torch.sort(key.where(~padding, torch.iinfo(torch.int64).max), stable=True).indices  # padding sorts last
+    tile = tile + padding * counts[-1:]  # padding: the last sequence's tiles past its end
+    pairs = torch.stack([real_seq[order], tile[order]], 1)
+    count = torch.stack([counts.sum(), torch.zeros((), dtype=torch.int64, device=cu_q.device)]).reshape(1, 2)
     return torch.cat([pairs, count]).to(torch.int32)
