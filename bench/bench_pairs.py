@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from attngen.emulator.driver import DESCALE_NAMES
 from attngen.hw import E4M3
 from attngen.kernels.common.plan import Shape
 from attngen.kernels.fwd.plan import make_plan
+from attngen.reference.forward import fa3_descale
 from attngen.run.gputime import n_sets, time_launches
 from attngen.spec import Spec
 
@@ -157,8 +160,9 @@ def input_tensors(row: Pair, device: str, seed: int = 0, empty: bool = False) ->
                                                                        (s.kv_len, s.kv_heads)))
     x = {"q": q, "k": k, "v": v, "keywords": {}}
     if row.kind == "fp8":
+        rng = np.random.default_rng(seed)  # the CPU model's draw (reference.fa3_descale), copied over
         ds = [torch.empty(s.batch, s.kv_heads, device=device) if empty else
-              torch.rand(s.batch, s.kv_heads, device=device, generator=gen) + 0.5 for _ in DESCALES]
+              torch.from_numpy(fa3_descale(rng, s.batch, s.kv_heads)).to(device) for _ in DESCALES]
         x["keywords"] = dict(zip(DESCALES, ds))
         group = s.heads // s.kv_heads
         x["q16"], x["k16"], x["v16"] = (dequantized(t, dscale, group if name == "q" else 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -23,8 +24,7 @@ from attngen.kernels.common.plan import SEED_SHAPE, Shape
 from attngen.kernels.fwd.plan import make_plan
 from attngen.emulator.driver import DESCALE_NAMES, check_output, variant_inputs
 from attngen.hw import E4M3
-from attngen.reference.forward import check_close
-from attngen.reference.kv_cache import random_descales
+from attngen.reference.forward import check_close, fa3_descale
 from attngen.run.checks import check_written, out_torch_dtype, torch_dtype
 from attngen.run.runtime import InputError
 from attngen.spec import load
@@ -63,12 +63,12 @@ def poisoned(q, spec=None):
 
 
 def descales_for(spec, batch, kv_heads, seed):
-    """FA3's q/k/v_descale for an fp8 spec (float32 [batch, kv_heads], drawn: reference.kv_cache's range);
-    none for a 16-bit spec."""
+    """FA3's q/k/v_descale for an fp8 spec (float32 [batch, kv_heads], the CPU model's draw:
+    reference.fa3_descale); none for a 16-bit spec."""
     if spec.dtype != E4M3:
         return {}
-    (qd, kd), (vd, _) = random_descales(batch, kv_heads, seed), random_descales(batch, kv_heads, seed + 1)
-    return {n: torch.from_numpy(d).cuda() for n, d in zip(DESCALE_NAMES, (qd, kd, vd))}
+    rng = np.random.default_rng(seed)
+    return {n: torch.from_numpy(fa3_descale(rng, batch, kv_heads)).cuda() for n in DESCALE_NAMES}
 
 
 def run_and_check(kernel, q, k, v, scale=None, seed=0):
