@@ -442,18 +442,18 @@ def check_block_mask_field(s: Spec) -> None:
 
 
 def check_scheduler_field(s: Spec) -> None:
-    """The persistent scheduler serves dense (bshd or varlen), unsplit kernels without a block mask so far: the
-    others choose their tile's sequence, split or visits from grid axes it replaces (not done yet)."""
+    """The persistent scheduler serves unsplit kernels without a block mask (bshd or varlen queries, dense or
+    paged K/V) so far: the others choose their tile's split or visits from grid axes it replaces (not done yet)."""
     if not isinstance(s.scheduler, str) or s.scheduler not in SCHEDULERS:
         raise SpecError("scheduler", s.scheduler, 'expected "single" (a block per tile) or "persistent" (a block '
                         'per SM looping over tiles from an atomic counter)')
     if s.scheduler == "single":
         return
-    for field in ("paged_kv", "splits", "block_mask"):
+    for field in ("splits", "block_mask"):
         if getattr(s, field) != VARIANT_DEFAULTS[field]:
             raise ruled_out(field, getattr(s, field), toml_value(VARIANT_DEFAULTS[field]), 'scheduler = "persistent"',
-                            "the persistent scheduler serves dense (bshd or varlen), unsplit kernels without a block mask "
-                            "(a tile's pages, split or block-mask visits are not handed out yet)")
+                            "the persistent scheduler serves unsplit kernels without a block mask "
+                            "(a tile's split or block-mask visits are not handed out yet)")
     if s.kv_dtype not in (None, s.dtype):
         raise ruled_out("kv_dtype", s.kv_dtype, "none", 'scheduler = "persistent"', "the persistent producer's tile loop "
                         "loads 16-bit K/V: an fp8 cache's dequantizing producer is not wrapped in it yet")

@@ -47,7 +47,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 from attngen.run.gputime import n_sets, time_launches  # noqa: E402
-from attngen.kernels.bwd.plan import autograd_spec, plan_backward  # noqa: E402
+from attngen.kernels.bwd.plan import autograd_spec, plan_backward, single_tile_twin  # noqa: E402
 from attngen.kernels.common.plan import SEED_SHAPE, Shape, tflops  # noqa: E402
 from attngen.kernels.fwd.plan import make_plan  # noqa: E402
 from attngen.spec import Spec, load  # noqa: E402
@@ -63,6 +63,7 @@ SEED_SPEC = Spec(head_dim=128, dtype="float16", causal=True, gqa_group=1, consum
                  block_m=128, block_n=128, aligned=True, steady_loop="split")  # examples/seed_parity.toml
 DEVICE = "cuda"
 BACKWARD = "backward"  # the variant slot of a kernel_key that names a spec's backward module
+TWIN = "backward twin"  # ... its single-tile backward with the persistent one's tiles (bwd/plan.single_tile_twin)
 BWD_HEAD_DIMS = (64, 128, 256)
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x the forward's (FlashAttention's count)
 
@@ -175,6 +176,8 @@ def kernel_for(spec: Spec, shape: Shape | None, variant: str | None):
 
     if variant == BACKWARD:
         return compile_backward(spec)
+    if variant == TWIN:
+        return compile_backward(single_tile_twin(spec))
     if variant is None:
         return compile_kernel(spec, shape)
     if str(ROOT / "bench") not in sys.path:  # build_time.py lives beside this script
@@ -220,8 +223,9 @@ def gpu_test_keys() -> list[tuple]:
     sys.path.insert(0, str(ROOT / "tests"))
     keys = []
     for name in ("test_gpu_persistent", "test_gpu_kv_cache_fp8"):
-        for spec, backward in importlib.import_module(name).KERNELS:
-            keys.append((plan_backward(spec).spec, None, BACKWARD) if backward else (make_plan(spec).spec, None, None))
+        for spec, backward in importlib.import_module(name).KERNELS:  # backward: False, True or "twin"
+            kind = TWIN if backward == "twin" else BACKWARD if backward else None
+            keys.append((plan_backward(spec).spec, None, kind) if kind else (make_plan(spec).spec, None, None))
     return keys
 
 
@@ -229,7 +233,7 @@ def build_order(keys, configs) -> list:
     """The goal rows' kernels first (a build stage cut short still leaves the goal rows theirs), then the
     backward modules (each builds its 3-5 kernels in one worker: the longest jobs), then the rest."""
     goals = {key for c in configs if getattr(c, "goal", False) for key in c.kernel_keys}
-    return sorted(keys, key=lambda k: (k not in goals, k[2] != BACKWARD))
+    return sorted(keys, key=lambda k: (k not in goals, k[2] not in (BACKWARD, TWIN)))
 
 
 def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]:
@@ -265,12 +269,12 @@ def prebuild(configs, jobs: int, extra_keys=(), load: bool = True) -> list[dict]
         try:
             k = kernel_for(*key)
         except Exception as e:  # one kernel that does not build must not cost the others their rows
-            name = plan_backward(key[0]).name if key[2] == BACKWARD else make_plan(key[0]).name
+            name = {BACKWARD: plan_backward, TWIN: single_tile_twin}.get(key[2], make_plan)(key[0]).name
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
             print(f"  FAILED to build {rows[-1]['kernel']}: {rows[-1]['error']}", flush=True)
             continue
         worker = built.get(key)
-        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] != BACKWARD else ""),
+        rows.append({"kernel": k.name + (f" [{key[2]}]" if key[2] and key[2] not in (BACKWARD, TWIN) else ""),
                      "worker": worker[0] if worker else "-", "worker_s": worker[1] if worker else None,
                      "here": k.origin, "here_s": k.compile_seconds, "cache": k.cache_path})
     from attngen.build.cache import cache_root

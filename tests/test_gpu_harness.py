@@ -411,6 +411,7 @@ def test_the_fp8_rows_dequantize_as_fa3_does():
 
 
 def test_the_gpu_check_prebuilds_and_runs_the_persistent_and_fp8_cache_tests():
+    from attngen.kernels.bwd.plan import single_tile_twin
     from attngen.kernels.fwd.plan import make_plan
 
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
@@ -420,8 +421,10 @@ def test_the_gpu_check_prebuilds_and_runs_the_persistent_and_fp8_cache_tests():
     keys = gpu.gpu_test_keys()
     names = {make_plan(k[0]).name for k in keys if k[2] is None}
     assert any(n.endswith("_persistent") for n in names) and any("_kv8" in n for n in names)
-    # the persistent backward, plain, deterministic and varlen (the single-tile ones of its tiles build at test time)
-    assert sum(k[2] == gpu.BACKWARD for k in keys) == 3
+    # the persistent backward, plain, deterministic and varlen, and the single-tile twin of each one's tiles
+    assert sum(k[2] == gpu.BACKWARD for k in keys) == sum(k[2] == gpu.TWIN for k in keys) == 3
+    twins = {single_tile_twin(k[0]).name for k in keys if k[2] == gpu.TWIN}
+    assert all("_cols" in n for n in twins if "hd128" in n)  # the persistent plan's column split, not the default tile
     sys.path.insert(0, str(ROOT / "tests"))
     import test_gpu_kv_cache_fp8 as kv8
 

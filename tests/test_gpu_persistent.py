@@ -23,6 +23,7 @@ FORWARD = [({"causal": True}, (2, 16, 1000)), ({}, (1, 8, 777)),
            ({"causal": True, "gqa_group": 4, "lse": True, "head_dim": 64}, (3, 8, 1500)),
            ({"causal": True, "dtype": "float8_e4m3fn"}, (2, 16, 1000))]  # fp8: descales absent (ones)
 VARLEN = {"causal": True, "layout": "varlen", "lse": True}
+PAGED = {"causal": True, "paged_kv": True, "lse": True}
 BACKWARD = [({"causal": True}, (2, 16, 1000)), ({"causal": True, "deterministic": True}, (1, 8, 777)),
             ({"causal": True, "layout": "varlen"}, (1, 16, [1000, 1, 0, 129, 4000, 77]))]  # varlen: its lengths
 
@@ -34,17 +35,11 @@ def specs(fields):
 
 
 # every kernel these tests launch, as (spec, backward): the GPU check prebuilds them (bench_gpu.gpu_test_keys)
-KERNELS = [(s, False) for fields, _ in FORWARD for s in specs(fields)] + [(s, False) for s in specs(VARLEN)]
+KERNELS = [(s, False) for fields, _ in FORWARD for s in specs(fields)] + [(s, False) for s in specs(VARLEN) + specs(PAGED)]
 KERNELS += [(attngen.Spec(**fields, lse=True), False) for fields, _ in BACKWARD]
+# the backward's: its persistent module (True), and the single-tile twin of its tiles ("twin": bwd/plan.single_tile_twin)
 KERNELS += [(attngen.Spec(**fields, scheduler="persistent"), True) for fields, _ in BACKWARD]
-
-
-def single_of_tiles(fields):
-    """The single-tile backward plan with the persistent one's tiles (its default tiles sum in another order)."""
-    from attngen.kernels.bwd.plan import plan_backward
-
-    tile = plan_backward(attngen.Spec(**fields, scheduler="persistent"))
-    return plan_backward(attngen.Spec(**fields), block_m=tile.block_m, columns=tile.columns)
+KERNELS += [(attngen.Spec(**fields), "twin") for fields, _ in BACKWARD]
 
 
 def pair(fields):
@@ -83,15 +78,33 @@ def test_persistent_varlen_equals_single_tile_bit_for_bit_call_after_call(check)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), call
 
 
+def test_persistent_paged_equals_single_tile_bit_for_bit_call_after_call():
+    """A paged cache (pages in a shuffled order) with bshd queries: the list comes from seqused_k on the device."""
+    single, persistent = pair(PAGED)
+    used, heads, dim, page = [1000, 1, 0, 129, 4000, 77], 16, persistent.spec.head_dim, persistent.spec.page_size
+    pages = -(-max(used) // page)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(len(used), 640, heads, dim, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(len(used) * pages, page, heads, dim, device="cuda", dtype=torch.float16, generator=g)
+            for _ in range(2))
+    table = torch.randperm(len(used) * pages, device="cuda", generator=g).to(torch.int32).view(len(used), pages)
+    kw = {"block_table": table, "seqused_k": torch.tensor(used, device="cuda", dtype=torch.int32)}
+    want = single(q, k, v, **kw)
+    for call in range(7):  # every counter slot used more than twice
+        got = persistent(q, k, v, out=torch.full_like(q, float("nan")), **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), call
+
+
 @pytest.mark.parametrize("fields, shape", BACKWARD)
 def test_persistent_backward_equals_single_tile_call_after_call(fields, shape):
     """dK and dV (stored by one block) and the deterministic dQ bit for bit; the atomic dQ within a
     unit in the last place (its reduce-adds sum in the blocks' order on either kernel)."""
+    from attngen.kernels.bwd.plan import single_tile_twin
     from attngen.run import backward
 
     batch, heads, seq = shape
     fwd = forward.compile_kernel(make_plan(attngen.Spec(**fields, lse=True)))
-    single = backward.compile_backward(single_of_tiles(fields))
+    single = backward.compile_backward(single_tile_twin(attngen.Spec(**fields)))
     persistent = backward.compile_backward(attngen.Spec(**fields, scheduler="persistent"))
     dt = getattr(torch, fwd.spec.dtype)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -65,8 +65,7 @@ def test_the_default_is_single_and_names_change_only_for_persistent():
     ({"scheduler": "dynamic"}, "scheduler", '"single"'),
     ({"scheduler": 1}, "scheduler", '"persistent"'),
     ({"scheduler": "persistent", "splits": 2}, "splits", 'scheduler = "persistent"'),
-    ({"scheduler": "persistent", "paged_kv": True}, "paged_kv", "dense"),
-    ({"scheduler": "persistent", "layout": "varlen", "paged_kv": True}, "paged_kv", "varlen"),
+    ({"scheduler": "persistent", "paged_kv": True, "kv_dtype": "float8_e4m3fn"}, "kv_dtype", "fp8 cache"),
     ({"scheduler": "persistent", "block_mask": True, "mask_mod": "q_idx >= kv_idx"}, "block_mask", "block mask"),
     ({"scheduler": "persistent", "consumers": 3, "head_dim": 64}, "consumers", "spilled"),
 ])
@@ -282,7 +281,8 @@ def test_tune_explores_both_schedulers_where_the_spec_takes_both(tmp_path):
     best = sorted((s for s in found if s.scheduler == "persistent"), key=tune.promise)[:4]
     assert [make_plan(s).name for s in persistent] == [make_plan(s).name for s in best]
     assert [tune.promise(s) for s in chosen] == sorted(tune.promise(s) for s in chosen)
-    assert {s.scheduler for s in tune.neighbours(attngen.Spec(head_dim=64, paged_kv=True))} == {"single"}
+    assert {s.scheduler for s in tune.neighbours(attngen.Spec(head_dim=64, paged_kv=True, splits=2))} == {"single"}
+    assert "persistent" in {s.scheduler for s in tune.neighbours(attngen.Spec(head_dim=64, paged_kv=True))}
     four = persistent
     winner = tune.Candidate(make_plan(four[2]), tflops=1.0)
     key = tune.record_winner(four[2], 4096, winner, "a GPU", path=tmp_path / "t.json")

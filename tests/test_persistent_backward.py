@@ -20,7 +20,7 @@ from attngen.emulator import POLICIES, EmulationError, KernelError
 from attngen.emulator.driver import BLOCK_ORDERS, Stats, variant_inputs
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.bwd.persistent import dq_backwards, main_backwards
-from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.bwd.plan import plan_backward, single_tile_twin
 from attngen.kernels.bwd.render import render_backward_source
 from attngen.kernels.fwd.plan import make_plan
 from attngen.reference.forward import InputError
@@ -51,8 +51,7 @@ def backward(fields, data, persistent=True, **run):
     if persistent:
         run.setdefault("counters", TileCounters())
     else:
-        tile = plan_backward(attngen.Spec(**fields, scheduler="persistent"))
-        run.setdefault("source", render_backward_source(plan_backward(spec, block_m=tile.block_m, columns=tile.columns)))
+        run.setdefault("source", render_backward_source(single_tile_twin(spec)))
     return attngen.emulate_backward(spec, q, k, v, dout, out=out, lse=lse, **run, **tensors)
 
 
@@ -110,9 +109,7 @@ def test_two_backward_plans_of_one_spec_are_two_kernels(monkeypatch):
 
     keys = []
     monkeypatch.setattr(run_backward, "_once", lambda memo, key, build: keys.append(key))
-    tile = plan_backward(attngen.Spec(causal=True, scheduler="persistent"))
-    for plan in (plan_backward(attngen.Spec(causal=True)),
-                 plan_backward(attngen.Spec(causal=True), block_m=tile.block_m, columns=tile.columns)):
+    for plan in (plan_backward(attngen.Spec(causal=True)), single_tile_twin(attngen.Spec(causal=True))):
         run_backward.compile_backward(plan)
     assert len(set(keys)) == 2
 

@@ -182,5 +182,5 @@ def test_the_gpu_launcher_builds_the_list_without_reading_the_lengths_on_the_hos
     monkeypatch.setattr(persistent, "launch_args", lambda plan, q, k: ["counters", "epoch", "sms"])
     args = persistent.varlen_launch_args(plan, call, q, k)
     assert args[:3] == ["counters", "epoch", "sms"]
-    assert torch.equal(args[3], varlen_tile_list(plan, cu["cu_seqlens_q"], cu["cu_seqlens_k"], q.shape[0]))
+    assert torch.equal(args[3], varlen_tile_list(plan, cu, q.shape))
     assert args[3][0].tolist() == [0, 2]  # sequence 0's last row tile sees the most keys

@@ -19,7 +19,7 @@ from attngen.emulator.driver import BLOCK_ORDERS
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.bwd import persistent as bwd_persistent
 from attngen.kernels.bwd.persistent import varlen_dq_list, varlen_main_list
-from attngen.kernels.bwd.plan import plan_backward
+from attngen.kernels.bwd.plan import plan_backward, single_tile_twin
 from attngen.kernels.bwd.render import render_backward_source
 from attngen.kernels.common.schedulers import row_tile_visits
 from attngen.spec import SpecError
@@ -56,9 +56,7 @@ def backward(fields, data, persistent=True, **run):
     if persistent:
         run.setdefault("counters", TileCounters())
     else:
-        tile = plan_backward(spec(fields))
-        run.setdefault("source", render_backward_source(plan_backward(spec(fields, "single"), block_m=tile.block_m,
-                                                                      columns=tile.columns)))
+        run.setdefault("source", render_backward_source(single_tile_twin(spec(fields))))
     return attngen.emulate_backward(spec(fields, "persistent" if persistent else "single"), q, k, v, dout, out=out,
                                     lse=lse, **seq, **run)
 

@@ -589,9 +589,9 @@ def emulate_stats(spec_or_plan, q, k, v, *, seed: int = 0, policy: str = "random
     if source is not None and not isinstance(source, str):
         raise InputError("source", type(source).__name__, "the emitted module's text (a str)")
     inputs, dims, call = _prepare(plan, q, k, v, tensors, serving, softmax_scale)
-    if plan.spec.scheduler == "persistent" and plan.varlen and call is not None:
+    if plan.spec.scheduler == "persistent" and call is not None:  # per-sequence: varlen queries or a paged cache
         persistent.varlen_tiles(plan, dims, call.arrays)
-        dims["cu_seqlens_q"] = call.arrays["cu_seqlens_q"]
+        dims["cu_seqlens_q"] = call.arrays.get("cu_seqlens_q")
     num_sms = persistent.check_num_sms(num_sms, plan, dims)
     counters = counters if counters is not None else persistent.DEFAULT_COUNTERS
     if num_sms:

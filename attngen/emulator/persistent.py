@@ -36,7 +36,7 @@ DEFAULT_COUNTERS = TileCounters()  # the CPU model's launcher, as the GPU runtim
 
 
 def total_tiles(plan, dims: dict) -> int:
-    if "tile_list" in dims:  # varlen: the list's real pairs (its last row), each head's
+    if "tile_list" in dims:  # per sequence (varlen, paged): the list's real pairs (its last row), each head's
         return int(dims["tile_list"][-1, 0]) * dims["heads"]
     return -(-dims["q_len"] // plan.spec.block_m) * dims["heads"] * dims["batch"]
 
@@ -47,8 +47,10 @@ def varlen_tiles(plan, dims: dict, arrays: dict) -> np.ndarray:
     for the launch and its check."""
     import torch
 
-    cu = [torch.from_numpy(np.asarray(arrays[n], np.int32)) for n in ("cu_seqlens_q", "cu_seqlens_k")]
-    listed = varlen_tile_list(plan, *cu, dims["total_q"]).numpy()
+    named = {n: torch.from_numpy(np.asarray(arrays[n], np.int32)) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+             if arrays.get(n) is not None}
+    q_shape = (dims["total_q"],) if plan.varlen else (dims["batch"], dims["q_len"])
+    listed = varlen_tile_list(plan, named, q_shape).numpy()
     dims["tile_list"], dims["tile_rows"] = listed, len(listed)
     return listed
 
@@ -92,7 +94,7 @@ def launch_inputs(plan, dims: dict, num_sms: int, counters: TileCounters, sectio
     """The kernel's arguments after softmax_scale: the counters (the driver writes them back after the
     run, crashed or not, through `keep`), this call's epoch, the blocks and the L2 section (None: the
     forward's)."""
-    if "tile_list" in dims:  # varlen: the sorted tile list in the L2 section's place
+    if "tile_list" in dims:  # per sequence (varlen, paged): the sorted tile list in the L2 section's place
         return [counters.slots, counters.take_epoch(), num_sms, dims["tile_list"]]
     return [counters.slots, counters.take_epoch(), num_sms, section_of(plan.spec, dims["kv_len"]) if section is None else section]
 
@@ -107,7 +109,7 @@ def check_each_tile_once(plan, dims: dict, q_boxes: list) -> None:
     """Every (batch, row tile, head) loaded by exactly one block, once per consumer warpgroup: a
     tile handed out twice (or skipped) is a KernelError naming it, whatever the numbers say."""
     wg_rows = plan.wg_rows
-    if "tile_list" in dims:  # varlen: packed rows (first row, head, 0), each sequence's row tiles from its start
+    if plan.varlen:  # packed rows (first row, head, 0), each sequence's row tiles from its start
         each_once(packed_row_tiles(dims["cu_seqlens_q"], dims["heads"], plan.spec.block_m, plan.spec.consumers),
                   collections.Counter(tuple(box) for box in q_boxes),
                   lambda row, h, _: f"Q rows {row}..{row + wg_rows - 1} (packed), head {h}")

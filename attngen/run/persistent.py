@@ -32,19 +32,19 @@ def launch_args(plan, q, k, section: int | None = None) -> list:
         state = _counters[key] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
     epoch = state[1]
     state[1] = (epoch + 1) % COUNTER_SLOTS
-    if plan.varlen:  # the sorted tile list in the L2 section's place (varlen_launch_args)
+    if plan.varlen or plan.page_size:  # per sequence: the sorted tile list in the L2 section's place (varlen_launch_args)
         return [state[0], epoch, sm_count(q)]
     return [state[0], epoch] + block_args(plan, q, section_of(plan.spec, k.shape[1]) if section is None else section)
 
 
 def varlen_launch_args(plan, call, q, k) -> list:
-    """A varlen persistent forward's arguments after softmax_scale: the counters, the epoch, the grid and
-    the tile list, built on cu_seqlens' device by schedulers.varlen_tile_list: torch ops sized by q's
-    packed rows (a shape), so nothing is copied to the host and the launch waits for nothing."""
+    """A per-sequence (varlen or paged) persistent forward's arguments after softmax_scale: the counters,
+    the epoch, the grid and the tile list, built on the lengths' device (cu_seqlens, seqused_k) by
+    schedulers.varlen_tile_list: torch ops sized by q's shape, so nothing is copied to the host and
+    the launch waits for nothing."""
     if plan.spec.scheduler != "persistent":
         return []
-    named = dict(zip(call.arg_names, call.args))
-    listed = varlen_tile_list(plan, named["cu_seqlens_q"], named["cu_seqlens_k"], q.shape[0])
+    listed = varlen_tile_list(plan, dict(zip(call.arg_names, call.args)), q.shape)
     return launch_args(plan, q, k) + [listed.to(q.device)]
 
 

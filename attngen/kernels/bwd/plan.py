@@ -168,6 +168,14 @@ FORWARD_ONLY_FIELDS = {"consumers": 2, "k_stages": 2, "v_stages": 2, "block_m": 
                        "pingpong": None, "aligned": False, "steady_loop": "one"}
 
 
+def single_tile_twin(spec: Spec) -> BackwardPlan:
+    """The single-tile backward plan with the persistent one's tiles (its producer's larger register
+    share may move a head dim to the column split): what a persistent backward's bits are held to,
+    since another tile sums in another order."""
+    tiles = plan_backward(dataclasses.replace(spec, scheduler="persistent"))
+    return plan_backward(dataclasses.replace(spec, scheduler="single"), block_m=tiles.block_m, columns=tiles.columns)
+
+
 def plan_backward(spec: Spec, shape: Shape | None = None, *, check_registers: bool = True,
                   block_m: int | None = None, columns: bool | None = None) -> BackwardPlan:
     """The backward kernels' plan: FlashAttention-3's tile for the head dim, brought to this

@@ -167,7 +167,7 @@ def seq_names(bp: BackwardPlan) -> list:
     varlen persistent macro reads each tile's bounds itself, from the prefix sums)."""
     layout = layout_of(bp.forward)
     if varlen_persistent(bp):
-        return ["cu_seqlens_q", "cu_seqlens_k"]
+        return layout.sequence_tensors()
     return layout.sequence_args(has_offset(bp.forward)) + layout.key_start_args()
 
 

@@ -260,6 +260,16 @@ class Dense:
     def _kv_sequence(self, note: str) -> list:
         return []
 
+    def sequence_tensors(self) -> list:
+        """The call-time tensors sequence_setup reads (a persistent consumer reads each tile's bounds itself)."""
+        return self._q_tensors() + self._kv_tensors()
+
+    def _q_tensors(self) -> list:
+        return []
+
+    def _kv_tensors(self) -> list:
+        return []
+
     def row_valid(self, row: str) -> str:
         """A forward epilogue's guard: is the row's query position `row` one of the sequence's?"""
         return f"{row} < q_len"
@@ -406,6 +416,12 @@ class Varlen(Dense):
     def _q_sequence(self, note: str) -> list:
         return [f"q_start = cu_seqlens_q[batch_idx]  # {note}", "q_len = cu_seqlens_q[batch_idx + 1] - q_start"]
 
+    def _q_tensors(self) -> list:
+        return ["cu_seqlens_q"]
+
+    def _kv_tensors(self) -> list:
+        return ["cu_seqlens_k"]
+
     def _kv_sequence(self, note: str) -> list:
         return ["k_start = cu_seqlens_k[batch_idx]" + (f"  # {note}" if note else ""),
                 "kv_len = cu_seqlens_k[batch_idx + 1] - k_start"]
@@ -475,6 +491,9 @@ class Paged(Dense):
     def _kv_sequence(self, note: str) -> list:
         return ["kv_len = seqused_k[batch_idx]",
                 "last_page = T.max(T.ceildiv(kv_len, PAGE_SIZE) - 1, 0)  # tiles past the sequence (masked) reread its last page"]
+
+    def _kv_tensors(self) -> list:
+        return ["seqused_k"]
 
     def kv_tile_setup(self, tile: str) -> list:
         return [f"page = block_table[batch_idx, T.min({tile} // TILES_PER_PAGE, last_page)]  # the page holding this tile",

@@ -232,36 +232,65 @@ def varlen_pairs_bound(total: int, batch: int, block: int) -> int:
     return total // block + batch
 
 
-def varlen_tile_list(plan, cu_seqlens_q, cu_seqlens_k, total_q: int):
-    """varlen_pairs for a forward plan's call (total_q: q's packed rows, a shape)."""
-    return varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q, tiles.Edges(plan.window_left, plan.window_right),
-                        plan.spec.block_m, plan.spec.block_n)
+def varlen_tile_list(plan, named: dict, q_shape):
+    """A per-sequence persistent forward's tile list (varlen queries or a paged cache) from its call's
+    tensors by name and q's shape, on their device (call_lengths, tile_pairs)."""
+    q_lens, kv_lens, total_q = call_lengths(plan, named, q_shape)
+    return tile_pairs(q_lens, kv_lens, total_q, tiles.Edges(plan.window_left, plan.window_right), plan.spec.block_m,
+                      plan.spec.block_n)
+
+
+def call_lengths(plan, named: dict, q_shape) -> tuple:
+    """(q_lens, kv_lens, total_q) of a per-sequence call: int64 tensors by torch ops on its tensors'
+    device (no host read) and q's packed rows (a shape). Packed queries count from cu_seqlens_q, else
+    each sequence has q_shape[1] rows; a paged cache's keys are seqused_k, else from cu_seqlens_k."""
+    import torch
+
+    def counts(cu):
+        cu = torch.as_tensor(cu).to(torch.int64)
+        return cu[1:] - cu[:-1]
+
+    if plan.varlen:
+        q_lens, total_q = counts(named["cu_seqlens_q"]), int(q_shape[0])
+    else:
+        batch, q_len = int(q_shape[0]), int(q_shape[1])
+        q_lens, total_q = torch.full((batch,), q_len, dtype=torch.int64, device=named["seqused_k"].device), batch * q_len
+    kv_lens = torch.as_tensor(named["seqused_k"]).to(torch.int64) if plan.page_size else counts(named["cu_seqlens_k"])
+    return q_lens, kv_lens, total_q
 
 
 def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total: int, edges: tiles.Edges, block_m: int, block_n: int, *,
                  kv_tiles: bool = False, first: str = "longest"):
-    """A varlen persistent kernel's tile list: an int32 [pairs_bound + 1, 2] tensor on cu_seqlens'
-    device, built by torch ops that read no value on the host (no device-to-host copy, no sync).
-    Rows [0, pairs): the (sequence, row tile) pairs, or with `kv_tiles` the (sequence, KV tile) pairs
-    of the backward's main kernel (total: then k's packed rows), by visits (tiles.Frame's ranges, each
-    sequence bottom-right aligned), the `first` ("longest" or "shortest") first, ties in (sequence,
-    tile) order; the kernel hands out each pair's heads together, innermost, so a GQA group's heads
-    read their shared K/V tiles at once. Then padding (the last sequence's tiles past its end) up to
-    the bound; the last row holds (pairs, 0): the kernel's total_tiles is pairs * heads, so no
-    padding pair is handed out."""
+    """tile_pairs over the lengths of cu_seqlens_q / cu_seqlens_k (prefix sums)."""
     import torch
 
-    cu_q, cu_k = (torch.as_tensor(cu).to(torch.int64) for cu in (cu_seqlens_q, cu_seqlens_k))
-    batch = cu_q.shape[0] - 1
-    q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    q_lens, kv_lens = (torch.as_tensor(cu).to(torch.int64).diff() for cu in (cu_seqlens_q, cu_seqlens_k))
+    return tile_pairs(q_lens, kv_lens, total, edges, block_m, block_n, kv_tiles=kv_tiles, first=first)
+
+
+def tile_pairs(q_lens, kv_lens, total: int, edges: tiles.Edges, block_m: int, block_n: int, *,
+               kv_tiles: bool = False, first: str = "longest"):
+    """A per-sequence persistent kernel's tile list: an int32 [pairs_bound + 1, 2] tensor on the
+    lengths' device (int64 tensors, one per sequence), built by torch ops that read no value on the
+    host (no device-to-host copy, no sync). Rows [0, pairs): the (sequence, row tile) pairs, or with
+    `kv_tiles` the (sequence, KV tile) pairs of the backward's main kernel (total: then k's packed
+    rows), by visits (tiles.Frame's ranges, each sequence bottom-right aligned), the `first`
+    ("longest" or "shortest") first, ties in (sequence, tile) order; the kernel hands out each
+    pair's heads together, innermost, so a GQA group's heads read their shared K/V tiles at once.
+    Then padding (the last sequence's tiles past its end) up to the bound; the last row holds
+    (pairs, 0): the kernel's total_tiles is pairs * heads, so no padding pair is handed out."""
+    import torch
+
+    device = q_lens.device
+    batch = q_lens.shape[0]
     lens, block = (kv_lens, block_n) if kv_tiles else (q_lens, block_m)
     bound = varlen_pairs_bound(int(total), batch, block)
     counts = tiles.ceildiv(lens.clamp(min=0), block)
     # the padding as one more "sequence" (index batch), so the repeats sum to the bound exactly
     repeats = torch.cat([counts, (bound - counts.sum()).reshape(1)])
-    seq = torch.repeat_interleave(torch.arange(batch + 1, device=cu_q.device), repeats, output_size=bound)
+    seq = torch.repeat_interleave(torch.arange(batch + 1, device=device), repeats, output_size=bound)
     firsts = repeats.cumsum(0) - repeats
-    tile = torch.arange(bound, device=cu_q.device) - firsts[seq]
+    tile = torch.arange(bound, device=device) - firsts[seq]
     padding = seq == batch
     real_seq = seq.clamp(max=batch - 1)
     frame = tiles.Frame(q_lens[real_seq], kv_lens[real_seq], kv_lens[real_seq] - q_lens[real_seq],
@@ -271,5 +300,5 @@ def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total: int, edges: tiles.Edges, blo
     order = torch.sort(key.where(~padding, torch.iinfo(torch.int64).max), stable=True).indices  # padding sorts last
     tile = tile + padding * counts[-1:]  # padding: the last sequence's tiles past its end
     pairs = torch.stack([real_seq[order], tile[order]], 1)
-    count = torch.stack([counts.sum(), torch.zeros((), dtype=torch.int64, device=cu_q.device)]).reshape(1, 2)
+    count = torch.stack([counts.sum(), torch.zeros((), dtype=torch.int64, device=device)]).reshape(1, 2)
     return torch.cat([pairs, count]).to(torch.int32)

@@ -159,6 +159,8 @@ def reg_split(spec: Spec) -> tuple:
     # fp8's producer warpgroup transposes V
     if is_fp8(spec) and spec.scheduler == "persistent":
         return walking_split(spec.consumers, hw.FP8_PERSISTENT_PRODUCER_REGS)
+    if spec.paged_kv and spec.scheduler == "persistent":
+        return walking_split(spec.consumers, hw.PAGED_PERSISTENT_PRODUCER_REGS)
     if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec) or is_fp8(spec):
         return walking_split(spec.consumers)
     if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B

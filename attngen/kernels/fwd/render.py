@@ -199,7 +199,7 @@ def consumer_args(plan: Plan) -> str:
     if has_first_tile(plan) and not persistent:
         names.append("first_tile")
     # a varlen persistent consumer reads its tile's sequence bounds itself
-    sequence = ["cu_seqlens_q", "cu_seqlens_k"] if persistent and layout.per_sequence else layout.sequence_args(has_offset(plan))
+    sequence = layout.sequence_tensors() if persistent and layout.per_sequence else layout.sequence_args(has_offset(plan))
     names += layout.q_load_args() + sequence + layout.split_args()
     if plan.block_mask:
         names += ["q_block", "bm_b", "bm_h", "bm_partial_n", "bm_full_n"]
