@@ -17,6 +17,7 @@ from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats
 from attngen.emulator.persistent import TileCounters
 from attngen.kernels.common.schedulers import call_lengths, varlen_tile_list
 from attngen.kernels.fwd.plan import make_plan
+from test_persistent_varlen import skipping_last_sequence
 
 HEADS, DIM, PAGE = 2, 64, 128
 USED = [300, 0, 700, 1]  # keys per sequence: partial pages, none, several pages, one key
@@ -137,14 +138,7 @@ def test_a_mutant_is_caught_in_every_schedule(name):
 def test_a_list_that_skips_a_sequence_is_caught(monkeypatch, policy):
     from attngen.emulator import persistent
 
-    def without_last_sequence(*args):
-        listed = varlen_tile_list(*args).clone()
-        real = listed[:int(listed[-1, 0])]
-        kept = real[real[:, 0] != real[:, 0].max()]
-        listed[:len(kept)], listed[-1, 0] = kept, len(kept)
-        return listed
-
-    monkeypatch.setattr(persistent, "varlen_tile_list", without_last_sequence)
+    monkeypatch.setattr(persistent, "varlen_tile_list", skipping_last_sequence(varlen_tile_list))
     with pytest.raises(KernelError, match="exactly once"):
         run(problem(), num_sms=2, policy=policy)
 

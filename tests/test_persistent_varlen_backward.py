@@ -24,6 +24,7 @@ from attngen.kernels.bwd.render import render_backward_source
 from attngen.kernels.common.schedulers import row_tile_visits
 from attngen.spec import SpecError
 from test_persistent_backward import agree
+from test_persistent_varlen import skipping_last_sequence
 
 HEADS = 2
 CAUSAL = {"causal": True, "head_dim": 64}
@@ -188,16 +189,7 @@ def test_a_mutant_list_read_is_caught_in_every_schedule(name):
 
 @pytest.mark.parametrize("builder", ["varlen_main_list", "varlen_dq_list"])
 def test_a_list_that_skips_a_sequence_is_caught(monkeypatch, builder):
-    build = getattr(bwd_persistent, builder)
-
-    def without_last_sequence(*args):
-        listed = build(*args).clone()
-        real = listed[:int(listed[-1, 0])]
-        kept = real[real[:, 0] != real[:, 0].max()]
-        listed[:len(kept)], listed[-1, 0] = kept, len(kept)
-        return listed
-
-    monkeypatch.setattr(bwd_persistent, builder, without_last_sequence)
+    monkeypatch.setattr(bwd_persistent, builder, skipping_last_sequence(getattr(bwd_persistent, builder)))
     for policy in POLICIES:
         with pytest.raises(KernelError, match="exactly once"):
             backward(DET, problem(DET), num_sms=2, policy=policy)
