@@ -42,9 +42,9 @@ def total_tiles(plan, dims: dict) -> int:
 
 
 def varlen_tiles(plan, dims: dict, arrays: dict) -> np.ndarray:
-    """A varlen persistent kernel's tile list: schedulers.varlen_tile_list on CPU torch tensors of the
-    call's cu_seqlens (the GPU launcher's builder), as numpy; kept in `dims` ("tile_list", "tile_rows")
-    for the launch and its check."""
+    """A per-sequence (varlen, paged) persistent kernel's tile list: schedulers.varlen_tile_list on CPU
+    torch tensors of the call's lengths (cu_seqlens, seqused_k: the GPU launcher's builder), as numpy;
+    kept in `dims` ("tile_list", "tile_rows") for the launch and its check."""
     import torch
 
     named = {n: torch.from_numpy(np.asarray(arrays[n], np.int32)) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")

@@ -237,7 +237,8 @@ def params(bp: BackwardPlan, dv: str) -> dict:
     main += calls + (terms if bp.deterministic else grads) + block_mask_params(bp) + seq + [scale]
     counted = schedule_of(bp.forward).persistent
     if varlen_persistent(bp):  # the launcher's lists in the L2 section's place
-        main += COUNTER_PARAMS + [BLOCK_PARAMS[0], varlen_tile_param(*persistent.MAIN_LIST, "KV tile")]
+        main += COUNTER_PARAMS + [BLOCK_PARAMS[0], varlen_tile_param(*persistent.MAIN_LIST, "KV tile", "longest first",
+                                                                     "bwd/persistent.varlen_main_list")]
     else:
         main += COUNTER_PARAMS + BLOCK_PARAMS if counted else []
     dq = [tensor_param("Q", q_shape("HEAD_DIM"), "DTYPE"), tensor_param("K", kv_shape("HEAD_DIM"), "DTYPE"),
@@ -245,7 +246,8 @@ def params(bp: BackwardPlan, dv: str) -> dict:
           tensor_param("LSE2", rows_shape, '"float32"'), tensor_param("dPsum", rows_shape, '"float32"'),
           tensor_param("dQ", q_shape("HEAD_DIM"), "DTYPE", "output: dQ, scaled")] + calls + block_mask_params(bp, True) + seq + [scale]
     if varlen_persistent(bp):
-        dq += [BLOCK_PARAMS[0], varlen_tile_param(*persistent.DQ_LIST, "Q tile", "shortest first")]
+        dq += [BLOCK_PARAMS[0], varlen_tile_param(*persistent.DQ_LIST, "Q tile", "shortest first",
+                                                  "bwd/persistent.varlen_dq_list")]
     else:
         dq += BLOCK_PARAMS if counted else []  # a fixed order: no counter
     post = [tensor_param("dQ_accum", q_shape("HEAD_DIM"), '"float32"'),

@@ -204,10 +204,10 @@ def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
 
 # -- the varlen persistent order: a call-time tile list (issue 30) --------------------------
 def varlen_tile_param(name: str = "tile_list", rows: str = "tile_rows", tile: str = "row tile",
-                      order: str = "longest first") -> str:
-    """A varlen persistent kernel's tile-list parameter line (varlen_pairs' tensor)."""
+                      order: str = "longest first", builder: str = "schedulers.varlen_tile_list") -> str:
+    """A per-sequence persistent kernel's tile-list parameter line (tile_pairs' tensor, made by `builder`)."""
     return (f'{name}: T.Tensor([{rows}, 2], "int32"),  # (sequence, {tile}) pairs {order}, then padding; row {rows} - 1 '
-            f'holds the real pair count: schedulers.varlen_tile_list')
+            f'holds the real pair count: {builder}')
 
 
 def varlen_tile_lines(tile: str = "q_block", name: str = "tile_list", heads: str = "heads", head: str = "head") -> list:
@@ -246,26 +246,26 @@ def call_lengths(plan, named: dict, q_shape) -> tuple:
     each sequence has q_shape[1] rows; a paged cache's keys are seqused_k, else from cu_seqlens_k."""
     import torch
 
-    def counts(cu):
-        cu = torch.as_tensor(cu).to(torch.int64)
-        return cu[1:] - cu[:-1]
-
     if plan.varlen:
-        q_lens, total_q = counts(named["cu_seqlens_q"]), int(q_shape[0])
+        q_lens, total_q = _lengths(named["cu_seqlens_q"]), int(q_shape[0])
     else:
         batch, q_len = int(q_shape[0]), int(q_shape[1])
         q_lens, total_q = torch.full((batch,), q_len, dtype=torch.int64, device=named["seqused_k"].device), batch * q_len
-    kv_lens = torch.as_tensor(named["seqused_k"]).to(torch.int64) if plan.page_size else counts(named["cu_seqlens_k"])
+    kv_lens = torch.as_tensor(named["seqused_k"]).to(torch.int64) if plan.page_size else _lengths(named["cu_seqlens_k"])
     return q_lens, kv_lens, total_q
+
+
+def _lengths(cu):
+    """Each sequence's length from its prefix sums (int64, on their device)."""
+    import torch
+
+    return torch.as_tensor(cu).to(torch.int64).diff()
 
 
 def varlen_pairs(cu_seqlens_q, cu_seqlens_k, total: int, edges: tiles.Edges, block_m: int, block_n: int, *,
                  kv_tiles: bool = False, first: str = "longest"):
     """tile_pairs over the lengths of cu_seqlens_q / cu_seqlens_k (prefix sums)."""
-    import torch
-
-    q_lens, kv_lens = (torch.as_tensor(cu).to(torch.int64).diff() for cu in (cu_seqlens_q, cu_seqlens_k))
-    return tile_pairs(q_lens, kv_lens, total, edges, block_m, block_n, kv_tiles=kv_tiles, first=first)
+    return tile_pairs(_lengths(cu_seqlens_q), _lengths(cu_seqlens_k), total, edges, block_m, block_n, kv_tiles=kv_tiles, first=first)
 
 
 def tile_pairs(q_lens, kv_lens, total: int, edges: tiles.Edges, block_m: int, block_n: int, *,

@@ -198,7 +198,7 @@ def consumer_args(plan: Plan) -> str:
     names += layout.extra_output_args(plan.spec.lse)
     if has_first_tile(plan) and not persistent:
         names.append("first_tile")
-    # a varlen persistent consumer reads its tile's sequence bounds itself
+    # a per-sequence (varlen, paged) persistent consumer reads its tile's sequence bounds itself
     sequence = layout.sequence_tensors() if persistent and layout.per_sequence else layout.sequence_args(has_offset(plan))
     names += layout.q_load_args() + sequence + layout.split_args()
     if plan.block_mask:
