@@ -36,9 +36,10 @@ SERVING_PRODUCER_REGS = {1: 56, 2: 40}
 # fp8's producer warpgroup under the persistent scheduler transposes V and takes tiles: at 40 registers
 # (two consumers) causal hd64/128/256 spilled 20/4/20 B; at 56 none did.
 FP8_PERSISTENT_PRODUCER_REGS = 56
-# a paged cache's producer under the persistent scheduler looks up pages and takes tiles: at 40 registers
-# (two consumers) hd64 GQA 4 causal with lse spilled 8 B (bshd or varlen queries); at 56 none did.
-PAGED_PERSISTENT_PRODUCER_REGS = 56
+# a per-sequence (varlen or paged) producer under the persistent scheduler decodes each tile from a
+# call-time list and reads its sequence's bounds (a paged one also looks up pages): at 40 registers (two
+# consumers) hd64 GQA 4 with a window spilled 4 B (varlen), hd64 GQA 4 causal with lse 8 B (paged); at 56 none
+PER_SEQUENCE_PERSISTENT_PRODUCER_REGS = 56
 # Registers a consumer thread needs beyond its accumulators (row statistics, addresses, loop state).
 CONSUMER_REG_OVERHEAD = {1: 48, 2: 48, 3: 32}
 # ...and beyond that when tiles are masked along a diagonal (causal or a window): the mask's row

@@ -128,6 +128,20 @@ def test_build_verdicts_flag_each_broken_promise():
         assert sum(not ok for ok, _ in build_verdicts({**good, **change})) == 1, change
 
 
+def test_a_persistent_kernels_tile_slot_may_take_16_bytes_to_1_kib():
+    """plan.smem_slack: the plan counts the slot's most; a build may use less by up to the slack, never more."""
+    import attngen
+    from attngen.build.nvcc import smem_as_planned
+    from attngen.kernels.fwd.plan import make_plan
+
+    plan = make_plan(attngen.Spec(causal=True, scheduler="persistent"))
+    assert plan.smem_slack == 1024 - 16 and make_plan(attngen.Spec(causal=True)).smem_slack == 0
+    rest = plan.smem_bytes - 1024
+    for built, ok in [(rest + 1024, True), (rest + 16, True), (rest, False), (rest + 1040, False)]:
+        assert smem_as_planned({"dynamic_smem_bytes": built, "plan_smem_bytes": plan.smem_bytes}, plan.smem_slack) == ok
+    assert not smem_as_planned({"dynamic_smem_bytes": rest + 16, "plan_smem_bytes": plan.smem_bytes})  # no slack given
+
+
 # -- bad input: one line on stderr, exit 2, and no work done first ---------------------------------------
 def one_line_error(proc_or_err, rc, *fragments):
     """The run exited `rc` with exactly one stderr line, `attngen: error: ...`, containing `fragments`."""

@@ -201,6 +201,8 @@ def test_kernel_verdicts_flag_each_broken_promise():
         assert what.startswith(f"backward {part} kernel k builds for sm_90a: ")
     dq = {**GOOD, "plan_smem_bytes": None}  # the dq kernel's plan comes from the BackwardPlan
     assert cli_bwd.kernel_verdicts("dq", dq, planned=1024)[0] and not cli_bwd.kernel_verdicts("dq", dq, planned=2048)[0]
+    slot = {**GOOD, "dynamic_smem_bytes": 1024 - 1008}  # a persistent main kernel's tile slot placed in 16 B
+    assert cli_bwd.kernel_verdicts("main", slot, slack=1008)[0] and not cli_bwd.kernel_verdicts("main", slot)[0]
 
 
 def test_build_backward_reports_every_kernel(capsys, build_cache):

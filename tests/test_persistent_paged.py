@@ -56,6 +56,17 @@ def same(a, b) -> bool:
     return all(np.array_equal(x, y) and not np.isnan(x).any() for x, y in zip(a, b))
 
 
+def test_a_per_sequence_persistent_producer_holds_56_registers():
+    """It decodes each tile from the list (and a paged one looks up pages): at 40 it spilled (attngen build)."""
+    from attngen import hw
+
+    for fields in ({"paged_kv": True}, {"layout": "varlen"}, {"paged_kv": True, "layout": "varlen"}):
+        plan = make_plan(attngen.Spec(head_dim=DIM, causal=True, scheduler="persistent", **fields))
+        assert (plan.producer_regs, plan.consumer_regs) == (hw.PER_SEQUENCE_PERSISTENT_PRODUCER_REGS, 224) == (56, 224)
+    assert make_plan(attngen.Spec(head_dim=DIM, causal=True, scheduler="persistent")).producer_regs == 40  # bshd, dense
+    assert make_plan(attngen.Spec(head_dim=DIM, causal=True, paged_kv=True)).producer_regs == 40  # single-tile paged
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("num_sms", [1, 2, 5, 8])
 def test_equal_to_the_single_tile_paged_kernel_bit_for_bit(varlen, num_sms):

@@ -176,6 +176,14 @@ def build_source(source: str, name: str, flags, *, plan_smem: int | None = None,
     return _load_entry(entry, cached=False)
 
 
+def smem_as_planned(report: dict, slack: int = 0, planned: int | None = None) -> bool:
+    """A report's dynamic shared memory is the plan's (`planned`, else the report's), or up to `slack`
+    bytes under it (plan.smem_slack: a persistent kernel's tile slot takes 16 B to 1 KiB)."""
+    planned = report["plan_smem_bytes"] if planned is None else planned
+    built = report["dynamic_smem_bytes"]
+    return built == planned or (built is not None and planned is not None and planned - slack <= built <= planned)
+
+
 def _load_entry(entry: Path, cached: bool) -> BuildResult:
     report = json.loads((entry / "report.json").read_text())
     report["cached"] = cached  # not stored: whether THIS call built it

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from attngen.build.nvcc import smem_as_planned
 from attngen.kernels.bwd.plan import BackwardPlan, plan_backward
 from attngen.reference.forward import InputError
 from attngen.spec import SpecError
@@ -32,10 +33,10 @@ def backward_plan_or_reason(plan) -> tuple:
         return None, str(e)
 
 
-def kernel_verdicts(part: str, report: dict, planned: int | None = None) -> tuple:
+def kernel_verdicts(part: str, report: dict, planned: int | None = None, slack: int = 0) -> tuple:
     """(ok, what) of one backward kernel's build: 0 spills, no local memory, setmaxnreg applied
     where the kernel is warp-specialised (and ignored nowhere), shared memory as planned (the
-    report's plan, or `planned`: the dq kernel's is the plan's dq_smem)."""
+    report's plan, or `planned`: the dq kernel's is the plan's dq_smem; `slack`: build.smem_as_planned)."""
     sass = report["sass"]
     problems = []
     if report["spill_store_bytes"] or report["spill_load_bytes"]:
@@ -47,7 +48,7 @@ def kernel_verdicts(part: str, report: dict, planned: int | None = None) -> tupl
     if report.get("setmaxnreg_ignored"):
         problems.append("setmaxnreg IGNORED (ptxas C7508)")
     planned = report.get("plan_smem_bytes") if planned is None else planned
-    if planned is not None and report["dynamic_smem_bytes"] != planned:
+    if planned is not None and not smem_as_planned(report, slack, planned):
         problems.append(f"shared memory {report['dynamic_smem_bytes']} B, planned {planned} B")
     facts = [f"{report['registers']} registers", "0 B spilled", "no local memory"]
     if part in WARP_SPECIALISED:
@@ -190,7 +191,8 @@ def check_verdicts(bp: BackwardPlan, run_shape: tuple, args) -> list:
     results = build_backward(bp, cache_dir=args.cache_dir)
     print(format_builds(results))
     dq_smem = sum(bp.dq_smem.values()) if bp.dq_smem else None
-    verdicts = [kernel_verdicts(part, res.report, dq_smem if part == "dq" else None) for part, res in results.items()]
+    verdicts = [kernel_verdicts(part, res.report, dq_smem if part == "dq" else None, bp.smem_slack if part == "main" else 0)
+                for part, res in results.items()]
     verdicts.append(check_verdict(bp, *run_shape, args))
     return verdicts
 

@@ -26,7 +26,7 @@ def cmd_check(args) -> int:
     print(f"generated  {generate(plan, args.output)}")
     result = build(plan, cache_dir=args.cache_dir)
     print(format_report(result.report))
-    verdicts = build_verdicts(result.report, fp8=plan.fp8)
+    verdicts = build_verdicts(result.report, fp8=plan.fp8, smem_slack=plan.smem_slack)
     verdicts.append(emulate_verdict(plan, args))
     if bp is None:
         print(f"backward: not generated for this spec ({refused}); the forward is checked alone")

@@ -14,9 +14,9 @@ import json
 
 from attngen import hw
 from attngen.spec import Spec, SpecError, ruled_out
-from attngen.kernels.common.plan import (COMPILE_FLAGS, Shape, WarpSpecialized, elementwise_variant, head_dim_v, serving_tags,
-                                         variant_tags)
-from attngen.kernels.fwd.plan import TILE_SLOT_SMEM, Plan, make_plan, walking_split
+from attngen.kernels.common.plan import (COMPILE_FLAGS, TILE_SLOT_SMEM, Shape, WarpSpecialized, elementwise_variant, head_dim_v,
+                                         serving_tags, variant_tags)
+from attngen.kernels.fwd.plan import Plan, make_plan, walking_split
 
 
 

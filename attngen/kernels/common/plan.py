@@ -106,6 +106,15 @@ class ExtraTensor:
         return self.shape[axis] or f"{self.param}_dim{axis}"
 
 
+# A persistent kernel's int32 tile slot (tile_shared, the plan's smem "tile"): TileLang places it in the
+# dynamic shared memory at 16-byte alignment, and the next buffer's swizzle alignment may round that up
+# to 1 KiB. Measured: hd128 causal forward 197632 B built against 196608 single-tile (1 KiB), the
+# hd128 column-split backward 149504 against 148480 (1 KiB); hd64 causal varlen forward 98320 against
+# 98304, the hd64 GQA 2 deterministic backward 66576 against 66560 (16 B). The plan counts the most.
+TILE_SLOT_SMEM = 1024
+TILE_SLOT_MIN_SMEM = 16
+
+
 class WarpSpecialized:
     """What a warp-specialised kernel's plan derives from its fields (Plan, BackwardPlan): shared
     memory in all, and the end of the producer's TMA thread range."""
@@ -113,6 +122,11 @@ class WarpSpecialized:
     @property
     def smem_bytes(self) -> int:
         return sum(self.smem.values())
+
+    @property
+    def smem_slack(self) -> int:
+        """Bytes of smem_bytes a build may leave unused: the tile slot's placement (TILE_SLOT_SMEM)."""
+        return TILE_SLOT_SMEM - TILE_SLOT_MIN_SMEM if "tile" in self.smem else 0
 
     @property
     def tma_thread_end(self) -> int:

@@ -15,9 +15,9 @@ import dataclasses
 from attngen import expr, hw, tiles
 from attngen.spec import FIELDS, Spec, SpecError, out_dtype_of, ruled_out
 from attngen.kernels.fwd.kv_cache import descale_tensors, kv_fp8, staging_bytes
-from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, ConsumerBarriers, ExtraTensor, Shape,
-                                         WarpSpecialized, check_shape, elementwise_variant, head_dim_v, serving_tags, spec_hash,
-                                         transforms_scores, variant_tags)
+from attngen.kernels.common.plan import (BLOCK_MASK_TENSORS, COMPILE_FLAGS, DEFAULT_PAGE_SIZE, TILE_SLOT_SMEM, ConsumerBarriers,
+                                         ExtraTensor, Shape, WarpSpecialized, check_shape, elementwise_variant, head_dim_v,
+                                         serving_tags, spec_hash, transforms_scores, variant_tags)
 
 BLOCK_N_CANDIDATES = (128, 112, 96, 80, 64, 48, 32, 16)
 # fp8: FlashAttention-3's fp8 tile (tile_size.h, 1-byte elements) per head dim is the first tried;
@@ -118,11 +118,6 @@ def smem_layout(spec: Spec, block_n: int) -> dict:
     return smem | staging_bytes(spec, block_n, dv)
 
 
-# The persistent kernel's int32 tile slot (tile_shared) takes a 1024-byte aligned slice of the dynamic
-# shared memory: measured, hd128 causal, 197632 bytes built against 196608 for the single-tile kernel.
-TILE_SLOT_SMEM = 1024
-
-
 def variant_regs(spec: Spec) -> int:
     """Extra registers per consumer thread for the element-wise score variants (0 without them)."""
     return hw.VARIANT_REG_OVERHEAD if elementwise_variant(spec) else 0
@@ -159,8 +154,8 @@ def reg_split(spec: Spec) -> tuple:
     # fp8's producer warpgroup transposes V
     if is_fp8(spec) and spec.scheduler == "persistent":
         return walking_split(spec.consumers, hw.FP8_PERSISTENT_PRODUCER_REGS)
-    if spec.paged_kv and spec.scheduler == "persistent":
-        return walking_split(spec.consumers, hw.PAGED_PERSISTENT_PRODUCER_REGS)
+    if (spec.paged_kv or spec.layout == "varlen") and spec.scheduler == "persistent":  # it reads a tile list
+        return walking_split(spec.consumers, hw.PER_SEQUENCE_PERSISTENT_PRODUCER_REGS)
     if spec.paged_kv or spec.splits != 1 or spec.block_mask or kv_fp8(spec) or is_fp8(spec):
         return walking_split(spec.consumers)
     if spec.scheduler == "persistent":  # the producer takes and decodes each tile: at 24 registers it spilled 8 B
