@@ -123,6 +123,23 @@ def test_check_runs_the_ragged_batch_and_fails_a_broken_kernel(plan):
     assert not ok and "FAIL" in text
 
 
+@pytest.mark.parametrize("fields, old, new", [
+    ({"alibi": True}, "Alibi[head]", "Alibi[0]"),  # every head takes head 0's slope
+    ({"sinks": True}, "Sinks[head] / softmax_scale", "0.0"),  # the sink's logit dropped
+    ({"alibi": True, "paged_kv": True}, "Alibi[head]", "Alibi[0]"),
+], ids=["alibi", "sinks", "alibi_paged"])
+def test_the_serving_check_passes_the_variants_call_time_tensors(fields, old, new):
+    """check_emulated on a ragged batch draws the variant's tensors (as variant_inputs does) and holds the
+    kernel to the reference with them (attngen check on a varlen ALiBi spec stopped: alibi_slopes = None)."""
+    plan = make_plan(attngen.Spec(head_dim=64, causal=True, layout="varlen", **fields))
+    ok, text, _ = check_emulated(plan, 1, 2, 2, 130, 200)
+    assert ok, text
+    broken = render_source(plan).replace(old, new)
+    assert broken != render_source(plan)
+    ok, text, _ = check_emulated(plan, 1, 2, 2, 130, 200, source=broken)
+    assert not ok and "FAIL" in text
+
+
 def test_check_runs_a_dense_split_kv_kernel_at_the_given_shape():
     """split-KV alone keeps a dense bshd KV, one key length per batch: the check runs the lengths it
     was given (issue 25: it drew the ragged batch and crashed on its unequal key lengths)."""

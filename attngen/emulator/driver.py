@@ -697,27 +697,10 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
     mask_mod tensors hold small non-decreasing integers along their last axis (document ids, a
     bias table), with free axes max(q_len, kv_len) + 8 long.
     """
-    from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
-
     spec = plan.spec
-    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | (set(DESCALES) if spec.kv_dtype is not None else set())
     q, k, _ = random_inputs(spec.dtype, spec.head_dim, batch, heads, kv_heads, q_len, kv_len, seed)
     _, _, v = random_inputs(spec.dtype, plan.head_dim_v, batch, heads, kv_heads, q_len, kv_len, seed)
-    rng = np.random.default_rng(seed + 1)
-    dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
-    tensors = {}
-    for t in plan.extra:
-        if t.output or t.name in lists:  # a block mask's lists: from the mask_mod, below
-            continue
-        if t.name == "alibi_slopes":
-            tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
-        elif t.name == "sinks":
-            tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
-        elif t.name in DESCALE_NAMES:  # fp8 Q, K and V's (an fp8 cache's: below)
-            tensors[t.name] = fa3_descale(rng, batch, kv_heads)
-        else:
-            shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
-            tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
+    tensors = variant_tensors(plan, batch, heads, kv_heads, q_len, kv_len, seed)
     if plan.block_mask:
         tensors.update(block_mask_lists(plan, batch, heads, q_len, kv_len, tensors))
     if spec.kv_dtype is not None:  # an fp8 cache: k and v quantized by descales per (batch, KV head)
@@ -726,6 +709,31 @@ def variant_inputs(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_l
         k, v = quantize(k, kd), quantize(v, vd)
     return q, k, v, tensors
 
+
+
+def variant_tensors(plan, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, seed: int = 0) -> dict:
+    """The variant's call-time tensors by name, drawn as variant_inputs says (not a block mask's lists,
+    derived from its mask_mod, nor an fp8 cache's descales, drawn with the cache); q_len and kv_len:
+    the longest sequence's (a serving call's batch is its sequences)."""
+    from attngen.kernels.common.plan import BLOCK_MASK_TENSORS
+
+    lists = {n for n, _, _ in BLOCK_MASK_TENSORS} | (set(DESCALES) if plan.spec.kv_dtype is not None else set())
+    rng = np.random.default_rng(seed + 1)
+    dims = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+    tensors = {}
+    for t in plan.extra:
+        if t.output or t.name in lists:
+            continue
+        if t.name == "alibi_slopes":
+            tensors[t.name] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
+        elif t.name == "sinks":
+            tensors[t.name] = rng.standard_normal(heads).astype(np.float32)
+        elif t.name in DESCALE_NAMES:  # fp8 Q, K and V's, per (batch, KV head)
+            tensors[t.name] = fa3_descale(rng, batch, kv_heads)
+        else:
+            shape = [dims[a] if a else max(q_len, kv_len) + 8 for a in t.shape]
+            tensors[t.name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.dtype(t.dtype))
+    return tensors
 
 
 def reference_kv(k, v, tensors: dict, row_batch=None) -> tuple:
@@ -780,12 +788,9 @@ def check_output(spec, out, lse, q, k, v, tensors: dict, softmax_scale=None) -> 
     """A dense kernel's out (and lse, or None) against the fp64 reference under the spec's rule (FA3's;
     fp8's with its twin), the call-time tensors by name (descales, ALiBi slopes, sinks, mod tensors):
     (ok, text). The CPU model's check and the GPU tests and smoke stage share it."""
-    from attngen.reference.forward import check_lse, variant_of
+    from attngen.reference.forward import check_lse
 
-    variant = variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"),
-                         {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks")})
-    descales = descales_of(tensors)
-    variant["tensors"] = {n: x for n, x in variant["tensors"].items() if n not in DESCALE_NAMES}
+    variant, descales = reference_variant(spec, tensors), descales_of(tensors)
     res = check_close(out, q, k, v, spec.causal, dtype=spec.dtype, scale=softmax_scale, descales=descales,
                       out_dtype=spec.out_dtype, block_n=spec.block_n, **variant)
     ok, text = res.ok, str(res)
@@ -796,6 +801,15 @@ def check_output(spec, out, lse, q, k, v, tensors: dict, softmax_scale=None) -> 
 
 
 DESCALE_NAMES = tuple(name for name, _ in DESCALE_TENSORS)  # fp8 Q, K and V's descales, by call-time name
+
+
+def reference_variant(spec, tensors: dict) -> dict:
+    """The fp64 reference's variant keywords (reference.variant_of) from a call's tensors by name: ALiBi's
+    slopes, the sinks, and the mod tensors (the fp8 descales are the reference's `descales`)."""
+    from attngen.reference.forward import variant_of
+
+    mods = {n: x for n, x in tensors.items() if n not in ("alibi_slopes", "sinks") and n not in DESCALE_NAMES}
+    return variant_of(spec, tensors.get("alibi_slopes"), tensors.get("sinks"), mods)
 
 
 def descales_of(tensors: dict):
@@ -842,7 +856,6 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
     """check_emulated for a serving kernel: a ragged batch (serving_lengths) whose unused cache rows and
     pages hold 1e4 values, so a leak shows; every sequence against its own fp64 reference; the LSE
     when the spec has one; and, varlen, padding rows after the last sequence still NaN (untouched)."""
-    from attngen.reference.forward import variant_of
     from attngen.reference.serving import check_serving_close, random_serving_inputs
     from attngen.run.serving import check_serving
 
@@ -855,26 +868,24 @@ def check_serving_emulated(plan, heads, kv_heads, q_len, kv_len, *, batch=1, see
         q = np.concatenate([q, np.zeros((PADDING_ROWS, *q.shape[1:]), np.float32)])
     if plan.split_kv:
         keywords["num_splits"] = CHECK_SPLITS
-    k, v, tensors, row_batch = x.k, x.v, {}, None
+    k, v, row_batch = x.k, x.v, None
+    # ALiBi's slopes, sinks, mod tensors, fp8 Q/K/V's descales (per sequence and KV head, as FA3's test draws them)
+    tensors = variant_tensors(plan, len(lq), heads, kv_heads, max(lq), max(lk), seed)
     if spec.kv_dtype is not None:  # an fp8 cache: descales per (page, or sequence; KV head)
         kd, vd = random_descales(k.shape[0] if spec.paged_kv else len(lk), kv_heads, seed + 2)
         if plan.varlen and not spec.paged_kv:
             row_batch = row_batches(x.cu_seqlens_k[:-1], lk, k.shape[0])
-        k, v, tensors = quantize(k, kd, row_batch), quantize(v, vd, row_batch), {"k_descale": kd, "v_descale": vd}
-    else:  # fp8 Q, K and V: descales per sequence and KV head, as FA3's test draws them
-        rng = np.random.default_rng(seed + 1)
-        tensors = {t.name: fa3_descale(rng, len(lq), kv_heads) for t in plan.extra if t.name in DESCALE_NAMES}
+        k, v = quantize(k, kd, row_batch), quantize(v, vd, row_batch)
+        tensors.update(k_descale=kd, v_descale=vd)
     result, stats = (run or emulate_stats)(plan, q, k, v, seed=seed, policy=policy, source=source, filename=filename,
                                            serving=keywords, softmax_scale=softmax_scale, tensors=tensors)
     out, lse = result if spec.lse else (result, None)
     call = check_serving(plan, q, k, v, **keywords)
-    descales = None
-    if spec.kv_dtype is not None:
-        k, v, _ = reference_kv(k, v, tensors, row_batch)
-    else:
-        descales = descales_of(tensors)
+    if spec.kv_dtype is not None:  # the cache dequantized; its descales are no variant's tensors
+        k, v, tensors = reference_kv(k, v, tensors, row_batch)
     res = check_serving_close(out, q, k, v, call, spec.causal, spec.dtype, lse=lse, scale=softmax_scale,
-                              descales=descales, out_dtype=spec.out_dtype, block_n=spec.block_n, **variant_of(spec))
+                              descales=descales_of(tensors), out_dtype=spec.out_dtype, block_n=spec.block_n,
+                              **reference_variant(spec, tensors))
     ok, text = res.ok, f"{len(lq)} sequence{'s' if len(lq) > 1 else ''} (q {lq}, kv {lk}"
     text += f", {keywords['num_splits']} splits): " if plan.split_kv else "): "
     text += str(res)
