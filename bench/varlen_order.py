@@ -20,7 +20,7 @@ import time
 import torch
 
 from attngen import tiles
-from attngen.kernels.common.schedulers import row_tile_visits, varlen_pairs
+from attngen.kernels.common.schedulers import varlen_pairs
 
 HEADS, BLOCK_M, BLOCK_N = 16, 128, 128  # causal hd128, as bench/multi_sm.py
 
@@ -31,7 +31,7 @@ def old_host_sort(cu_q, cu_k, edges) -> list:
     pairs = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         frame = tiles.Frame.of(q_len, kv_len, edges, BLOCK_M, BLOCK_N)
-        pairs += [(-row_tile_visits(frame, t), b, t) for t in range(frame.q_tiles())]
+        pairs += [(-frame.row_tile_visits(t), b, t) for t in range(frame.q_tiles())]
     pairs.sort()
     return [(b, h, t) for _, b, t in pairs for h in range(HEADS)]
 

@@ -60,13 +60,13 @@ def test_the_forward_hands_out_a_row_tile_that_sees_the_most_keys_first(mask):
     """Longest first as tiles.py's ranges say: the last row tile under causal attention, the first under
     a left-only window (where reversing the order would put the shortest first)."""
     import attngen
-    from attngen.kernels.common.schedulers import row_tile_visits, sample_frame
+    from attngen.kernels.common.schedulers import sample_frame
     from attngen.kernels.fwd.plan import make_plan
     from attngen.kernels.fwd.render import longest_first
 
     plan = make_plan(attngen.Spec(head_dim=64, scheduler="persistent", **mask))
     frame = sample_frame(plan, plan.spec.block_m, plan.spec.block_n)
-    visits = [row_tile_visits(frame, t) for t in range(frame.q_tiles())]
+    visits = [frame.row_tile_visits(t) for t in range(frame.q_tiles())]
     _, first = persistent_tile(0, len(visits), 1, 1, longest_first(plan))
     assert visits[first] == max(visits), (visits, first)
 
@@ -76,11 +76,11 @@ def test_a_two_sided_window_keeps_the_natural_order():
     the order, which reverses an axis or not, cannot put the longest first, and keeps its natural
     order (the ends tie). Documented in docs/build.md."""
     import attngen
-    from attngen.kernels.common.schedulers import row_tile_visits, sample_frame
+    from attngen.kernels.common.schedulers import sample_frame
     from attngen.kernels.fwd.plan import make_plan
     from attngen.kernels.fwd.render import longest_first
 
     plan = make_plan(attngen.Spec(head_dim=64, scheduler="persistent", window=(64, 64)))
     frame = sample_frame(plan, plan.spec.block_m, plan.spec.block_n)
-    visits = [row_tile_visits(frame, t) for t in range(frame.q_tiles())]
+    visits = [frame.row_tile_visits(t) for t in range(frame.q_tiles())]
     assert visits[0] == visits[-1] < max(visits) and not longest_first(plan)

@@ -15,7 +15,7 @@ from attngen import tiles
 from attngen.emulator import POLICIES, HazardError, KernelError
 from attngen.emulator.driver import BLOCK_ORDERS, emulate_stats
 from attngen.emulator.persistent import TileCounters
-from attngen.kernels.common.schedulers import row_tile_visits, varlen_pairs, varlen_tile_list
+from attngen.kernels.common.schedulers import varlen_pairs, varlen_tile_list
 from attngen.kernels.fwd.plan import make_plan
 
 HEADS = 2
@@ -52,12 +52,17 @@ def same(a, b) -> bool:
     return all(np.array_equal(x, y) and not np.isnan(x).any() for x, y in zip(a, b))
 
 
-def slow_order(q_lens, kv_lens, edges, block_m, block_n) -> list:
-    """The old host sort (the reference): Python tuples per (sequence, row tile), sorted."""
+def host_order(q_lens, kv_lens, edges, block_m, block_n, kv_tiles: bool = False, first: str = "longest") -> list:
+    """The old host sort (the reference; the backward's lists too): Python tuples per (sequence, row
+    tile), or (sequence, KV tile) by the Q tiles that see it, with tiles.Frame's scalar ranges, sorted."""
+    sign = -1 if first == "longest" else 1
     pairs = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        frame = tiles.Frame.of(q_len, kv_len, edges, block_m, block_n)
-        pairs += [(-row_tile_visits(frame, t), b, t) for t in range(frame.q_tiles())]
+        fr = tiles.Frame.of(q_len, kv_len, edges, block_m, block_n)
+        if kv_tiles:
+            pairs += [(sign * len(fr.q_span(t).tiles), b, t) for t in range(-(-kv_len // block_n))]
+        else:
+            pairs += [(sign * fr.row_tile_visits(t), b, t) for t in range(fr.q_tiles())]
     return [[b, t] for _, b, t in sorted(pairs)]
 
 
@@ -85,7 +90,7 @@ def test_the_pairs_equal_the_old_host_sort(lengths, causal, window, blocks, extr
     lq, lk = [a for a, _ in lengths], [b for _, b in lengths]
     edges = tiles.edges(causal, window)
     listed = pairs_of(lq, lk, edges, *blocks, extra_rows=extra_rows)
-    want = slow_order(lq, lk, edges, *blocks)
+    want = host_order(lq, lk, edges, *blocks)
     assert int(listed[-1, 0]) == len(want) and listed[:len(want)].tolist() == want
     assert len(listed) == (sum(lq) + extra_rows) // blocks[0] + len(lq) + 1  # the host's bound, from shapes
     padding = listed[len(want):-1]

@@ -21,10 +21,9 @@ from attngen.kernels.bwd import persistent as bwd_persistent
 from attngen.kernels.bwd.persistent import varlen_dq_list, varlen_main_list
 from attngen.kernels.bwd.plan import plan_backward, single_tile_twin
 from attngen.kernels.bwd.render import render_backward_source
-from attngen.kernels.common.schedulers import row_tile_visits
 from attngen.spec import SpecError
 from test_persistent_backward import agree
-from test_persistent_varlen import skipping_last_sequence
+from test_persistent_varlen import host_order, skipping_last_sequence
 
 HEADS = 2
 CAUSAL = {"causal": True, "head_dim": 64}
@@ -68,18 +67,6 @@ def cumulative(lens):
     return torch.tensor([0] + list(lens)).cumsum(0).int()
 
 
-def host_order(lq, lk, edges, block_m, block_n, kv_tiles: bool) -> list:
-    """The reference: Python tuples per (sequence, tile) with tiles.Frame's scalar ranges, sorted."""
-    pairs = []
-    for b, (q_len, kv_len) in enumerate(zip(lq, lk)):
-        fr = tiles.Frame.of(q_len, kv_len, edges, block_m, block_n)
-        if kv_tiles:  # most Q tiles first
-            pairs += [(-len(fr.q_span(t).tiles), b, t) for t in range(-(-kv_len // block_n))]
-        else:  # fewest KV tiles first
-            pairs += [(row_tile_visits(fr, t), b, t) for t in range(fr.q_tiles())]
-    return [[b, t] for _, b, t in sorted(pairs)]
-
-
 # -- the lists ------------------------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 700)), min_size=1, max_size=6),
@@ -92,7 +79,7 @@ def test_the_lists_equal_a_host_sort_of_the_frames_ranges(lengths, mask, fields)
     for kv_tiles, build, (m, n), total in [(True, varlen_main_list, (bp.block_m, bp.block_n), sum(lk)),
                                            (False, varlen_dq_list, (bp.dq_block_m, bp.dq_block_n), sum(lq))]:
         listed = build(bp, cumulative(lq), cumulative(lk), total).tolist()
-        want = host_order(lq, lk, edges, m, n, kv_tiles)
+        want = host_order(lq, lk, edges, m, n, kv_tiles, "longest" if kv_tiles else "shortest")
         assert listed[-1][0] == len(want) and listed[:len(want)] == want, (kv_tiles, lq, lk)
         assert len(listed) == total // (n if kv_tiles else m) + len(lengths) + 1  # the bound from shapes, and the count
 

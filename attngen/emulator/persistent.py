@@ -134,7 +134,7 @@ def check_each_kv_tile_once(bp, dims: dict, k_boxes: list) -> None:
     """The backward's main kernel: every (batch, KV tile, KV head) loaded once per consumer warpgroup
     by each block that owns it (one per query head of the group, one for a grouped deterministic tile)."""
     owners = 1 if bp.deterministic else bp.spec.gqa_group
-    if "tile_list" in dims:  # varlen: each load's first packed key (a slice past a sequence's end reads the next one's)
+    if bp.forward.varlen:  # each load's first packed key (a slice past a sequence's end reads the next one's)
         cu_k = dims["cu_seqlens_k"]
         slices = [0] * bp.consumers if bp.columns else [g * bp.wg_keys for g in range(bp.consumers)]
         want = collections.Counter((int(cu_k[b]) + t * bp.block_n + s, h) for b in range(len(cu_k) - 1)
@@ -153,7 +153,7 @@ def check_each_dq_tile_once(bp, dims: dict, q_boxes: list) -> None:
     """The deterministic dq kernel: every (batch, rows, head) loaded once per consumer warpgroup."""
     wg_rows = bp.dq_block_m // bp.consumers
     got = collections.Counter(tuple(box) for box in q_boxes)
-    if "dq_tile_list" in dims:  # varlen: packed rows
+    if bp.forward.varlen:  # packed rows
         each_once(packed_row_tiles(dims["cu_seqlens_q"], dims["heads"], bp.dq_block_m, bp.consumers), got,
                   lambda row, h, _: f"dq's Q rows {row}..{row + wg_rows - 1} (packed), head {h}")
         return

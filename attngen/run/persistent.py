@@ -10,6 +10,7 @@ for the device. The epoch counts calls modulo COUNTER_SLOTS (only its slot matte
 from __future__ import annotations
 
 from attngen.kernels.bwd.persistent import varlen_dq_list, varlen_main_list
+from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import COUNTER_SLOTS, section_of, varlen_tile_list
 from attngen.run.checks import _torch
 
@@ -32,7 +33,7 @@ def launch_args(plan, q, k, section: int | None = None) -> list:
         state = _counters[key] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
     epoch = state[1]
     state[1] = (epoch + 1) % COUNTER_SLOTS
-    if plan.varlen or plan.page_size:  # per sequence: the sorted tile list in the L2 section's place (varlen_launch_args)
+    if layout_of(plan).per_sequence:  # varlen or paged: the sorted tile list in the L2 section's place (varlen_launch_args)
         return [state[0], epoch, sm_count(q)]
     return [state[0], epoch] + block_args(plan, q, section_of(plan.spec, k.shape[1]) if section is None else section)
 

@@ -22,7 +22,7 @@ from attngen import tiles
 from attngen.hw import DTYPES
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import (COUNTER_CONSTANT, SLOT_LINE, Persistent, persistent_tile_lines,
-                                               row_tile_visits, sample_frame, section_heads, varlen_pairs,
+                                               sample_frame, section_heads, varlen_pairs,
                                                varlen_tile_lines, varlen_total_line, walks_backwards)
 
 # A varlen persistent backward's tile lists (schedulers.varlen_pairs): the main kernel's (sequence, KV
@@ -41,7 +41,7 @@ def dq_backwards(bp) -> bool:
     """The dq kernel's fixed order walks the Q tiles backwards: the tiles that see the fewest KV tiles
     first (under causal attention, the first Q tile: forward)."""
     fr = sample_frame(bp.forward, bp.dq_block_m, bp.dq_block_n)
-    return walks_backwards(lambda t: row_tile_visits(fr, t), fr.q_tiles(), "shortest")
+    return walks_backwards(lambda t: fr.row_tile_visits(t), fr.q_tiles(), "shortest")
 
 
 def grouped(bp) -> bool:

@@ -188,11 +188,6 @@ def sample_frame(plan, block_m: int, block_n: int) -> tiles.Frame:
     return tiles.Frame.of(length, length, tiles.Edges(plan.window_left, plan.window_right), block_m, block_n)
 
 
-def row_tile_visits(frame: tiles.Frame, t: int) -> int:
-    """KV tiles row tile t of `frame` visits."""
-    return frame.row_tile_visits(t)
-
-
 def walks_backwards(visits, n_tiles: int, first: str = "longest") -> bool:
     """Whether a persistent order walks its tile axis backwards so that the `first` ("longest" or
     "shortest") tiles go out first. `visits(t)`: tile t's visits as ints (tiles.Frame's ranges at a

@@ -23,7 +23,7 @@ from attngen.kernels.common.emit import render_template, tensor_param, write_if_
 from attngen.kernels.common.layouts import layout_of
 from attngen.kernels.common.schedulers import (BLOCK_PARAMS, COUNTER_CONSTANT, COUNTER_PARAMS, SLOT_LINE, VARLEN_TILE_PARAM,
                                                VARLEN_TILE_LINES, VARLEN_TOTAL_LINE,
-                                               persistent_tile_lines, row_tile_visits, sample_frame, schedule_of, walks_backwards)
+                                               persistent_tile_lines, sample_frame, schedule_of, walks_backwards)
 from attngen.kernels.common.variants import Variant, has_first_tile, has_offset, key_tile, row_head, row_pos, windowed
 
 TEMPLATE = "fwd/fa3_fwd.py.j2"
@@ -292,7 +292,7 @@ def longest_first(plan: Plan) -> bool:
     go first (FA3's LPT): under causal attention the last row tile sees the most; under a left-only
     window the first. Read from tiles.Frame's ranges, as the backward's orders are."""
     fr = sample_frame(plan, plan.spec.block_m, plan.spec.block_n)
-    return walks_backwards(lambda t: row_tile_visits(fr, t), fr.q_tiles(), "longest")
+    return walks_backwards(lambda t: fr.row_tile_visits(t), fr.q_tiles(), "longest")
 
 
 def held_in_vars(lines: list[str]) -> list[str]:
